@@ -1,0 +1,153 @@
+"""Engine configuration: one dataclass per concern, field names = vLLM flag names."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kdaserve.models.hf_config import KimiLinearArgs
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    """Path to an HF-style model folder (config.json + safetensors + tokenizer)."""
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    """auto | bfloat16 | float16 | float32. auto = bf16 on CUDA, fp32 on the CPU."""
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        cfg_path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model folder {self.model!r} has no config.json")
+        with open(cfg_path) as f:
+            self.hf_config: dict[str, Any] = json.load(f)
+        self.arch = KimiLinearArgs.from_hf_config(self.hf_config)
+        limit = self.arch.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's limit {limit}")
+
+    def torch_dtype(self, device_type: str):
+        import torch
+
+        names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                 "half": torch.float16, "float32": torch.float32, "float": torch.float32}
+        if self.dtype == "auto":
+            return torch.bfloat16 if device_type == "cuda" else torch.float32
+        if self.dtype not in names:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use auto, bfloat16, float16 or float32")
+        return names[self.dtype]
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per MLA latent-KV block."""
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None
+    """Explicit MLA KV block count (CPU default: 512; GPU: sized from memory when None)."""
+    num_state_slots: int | None = None
+    """Explicit KDA state slot count (CPU default: max_num_seqs + 8; GPU: sized from memory)."""
+    enable_prefix_caching: bool = True
+    kda_checkpoint_interval: int | None = None
+    """Tokens between KDA prefix checkpoints (a multiple of block_size); None = 64 * block_size."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    long_prefill_token_threshold: int = 0
+    """Cap on tokens of one prefill per step (0 = no cap beyond the budget)."""
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet "
+                "(only 1)")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_length: float | None = None
+    synthetic_acceptance_rates: list[float] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None and self.num_speculative_tokens > 0
+
+
+@dataclass
+class LoadConfig:
+    load_format: str = "auto"
+    """auto | safetensors | dummy."""
+    dummy_routing: str = "vllm"
+    """Dummy weights only. vllm: every float weight uniform in [-1e-3, 1e-3] (vLLM's convention,
+    routing collapses onto the same experts); spread: router weights drawn so that tokens pick
+    different experts."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.dummy_routing not in ("vllm", "spread"):
+            raise ValueError(f"dummy_routing must be vllm or spread, got {self.dummy_routing!r}")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    device: str = "auto"
+    """auto | cuda | cpu."""
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.scheduler_config.max_model_len = self.model_config.max_model_len

@@ -1,0 +1,85 @@
+"""What the scheduler hands the worker each step, and what the worker hands back.
+
+Pure data (picklable, no torch) so it can cross a process boundary. The worker keeps a persistent
+copy of each running request (token ids, block ids, state slot) keyed by req_id; each step sends
+only what changed (vLLM's "new vs cached" split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kdaserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen yet (first schedule, or resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """Tokens already generated (non-empty only when resumed after preemption by recompute)."""
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    """MLA latent-KV blocks, in order; block i holds positions [i*block_size, (i+1)*block_size)."""
+    state_slot: int
+    """KDA state slot (recurrent + conv state of every KDA layer)."""
+    num_computed_tokens: int
+    """Tokens whose KV/state are already valid (prefix-cache hit), before this step."""
+    sample_seed_offset: int = 0
+    """How many tokens of this request were sampled before (seeded sampling resumes from it)."""
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests the worker already holds; parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    """Blocks appended to the request's block list since the previous step."""
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class KDAStateCopy:
+    """Copy every KDA layer's recurrent + conv state from slot src to slot dst before the forward
+    (n > 1 forks, prefix-checkpoint restore)."""
+
+    src_slot: int
+    dst_slot: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """req_id -> tokens to compute this step (prompt chunk, 1 decode token, or 1 + drafts)."""
+    total_num_scheduled_tokens: int = 0
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """req_id -> draft tokens scheduled for verification (filled by speculative decoding)."""
+    finished_req_ids: set[str] = field(default_factory=set)
+    """Requests finished or aborted since the last step: the worker drops their state."""
+    preempted_req_ids: set[str] = field(default_factory=set)
+    state_copies: list[KDAStateCopy] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(src_block, dst_block) MLA latent-KV block copies to do before the forward (copy-on-write of
+    a partially filled block when n > 1 samples fork from one prompt)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    """Per request: the tokens accepted this step ([] while its prompt is still being prefilled;
+    one token for plain decode; up to 1 + drafts with speculative decoding)."""
+    logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
+    """Per request, per sampled token: {token_id: logprob} for the top-k plus the sampled one."""

@@ -1,0 +1,220 @@
+"""Plain-PyTorch twins of every kernel: the CPU path of the model and the tests' ground truth.
+
+All functions compute in fp32 and return tensors in the input dtype unless stated. Shapes are for a
+single sequence unless the argument says otherwise; callers loop over sequences on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------
+# KDA
+# ---------------------------------------------------------------------------------------------
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (fla's convention, not F.normalize)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: float | None = None) -> torch.Tensor:
+    """Log-space per-channel decay.
+
+    g_raw: [T, H, K] (f_b_proj(f_a_proj(x)) viewed per head); A_log: [H] (any shape with H
+    elements); dt_bias: [H * K]. Returns fp32 [T, H, K], values <= 0.
+    """
+    T, H, K = g_raw.shape
+    g = g_raw.float() + dt_bias.float().view(1, H, K)
+    A = A_log.float().reshape(1, H, 1).exp()
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(A * g)
+    softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+    return -A * softplus
+
+
+def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, initial_state: torch.Tensor | None,
+                  scale: float | None = None, use_qk_l2norm: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token gated delta rule with per-key-channel decay.
+
+    q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] log decay; beta: [T, H];
+    initial_state: [H, K, V] fp32 or None. Returns (o [T, H, V] in v.dtype, state [H, K, V] fp32).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    T, H, K = k.shape
+    V = v.shape[-1]
+    q = q * (K ** -0.5 if scale is None else scale)
+    S = (torch.zeros(H, K, V, dtype=torch.float32, device=v.device) if initial_state is None
+         else initial_state.float().clone())
+    o = torch.empty(T, H, V, dtype=torch.float32, device=v.device)
+    for t in range(T):
+        S = S * g[t].exp()[..., None]                              # decay rows (key dim)
+        kv_mem = (S * k[t][..., None]).sum(dim=-2)                 # [H, V] = S^T k
+        delta = (v[t] - kv_mem) * beta[t][..., None]               # [H, V]
+        S = S + k[t][..., None] * delta[..., None, :]              # rank-1 write
+        o[t] = (S * q[t][..., None]).sum(dim=-2)                   # read after write
+    return o.to(dtype), S
+
+
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, initial_state: torch.Tensor | None,
+              scale: float | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+              return_chunk_states: bool = False):
+    """Chunked (WY) form of `kda_recurrent`, same contract.
+
+    With return_chunk_states it also returns the fp32 states at every chunk start
+    ([NT, H, K, V]; entry i = state after the first i * chunk_size tokens; entry 0 = initial).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    T, H, K = k.shape
+    V = v.shape[-1]
+    C = chunk_size
+    q = q * (K ** -0.5 if scale is None else scale)
+    pad = (C - T % C) % C
+    # [H, NT, C, *]
+    def chunks(x):
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, 0, 0, pad)) if x.dim() == 3 else F.pad(
+            x, (0, 0, 0, pad))
+        return x.transpose(0, 1).reshape(H, -1, C, *x.shape[2:])
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    NT = q.shape[1]
+    G = g.cumsum(dim=-2)                                           # [H, NT, C, K] inclusive
+    causal = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), diagonal=-1)
+    # decay[r, c, d] = exp(G_r - G_c), masked to c <= r before exp to avoid overflow
+    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~causal[..., None], float("-inf"))
+    decay = diff.exp()                                             # [H, NT, C, C, K]
+    kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1)       # [H, NT, C, C]
+    L = (beta.unsqueeze(-1) * kk).masked_fill(~strict, 0.0)
+    eye = torch.eye(C, dtype=torch.float32, device=q.device)
+    Tm = torch.linalg.solve_triangular(eye + L, torch.diag_embed(beta), upper=False)
+    W = Tm @ (G.exp() * k)                                         # [H, NT, C, K]
+    U = Tm @ v                                                     # [H, NT, C, V]
+    Aqk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1).masked_fill(~causal, 0.0)
+    S = (torch.zeros(H, K, V, dtype=torch.float32, device=q.device) if initial_state is None
+         else initial_state.float().clone())
+    o = torch.empty(H, NT, C, V, dtype=torch.float32, device=q.device)
+    states = []
+    for n in range(NT):
+        if return_chunk_states:
+            states.append(S)
+        v_new = U[:, n] - W[:, n] @ S                              # [H, C, V]
+        o[:, n] = (q[:, n] * G[:, n].exp()) @ S + Aqk[:, n] @ v_new
+        g_last = G[:, n, -1]                                       # [H, K]
+        S = S * g_last.exp()[..., None] + (k[:, n] * (g_last[:, None] - G[:, n]).exp()
+                                           ).transpose(-1, -2) @ v_new
+    o = o.reshape(H, NT * C, V)[:, :T].transpose(0, 1).to(dtype)
+    if return_chunk_states:
+        return o, S, torch.stack(states)
+    return o, S
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                  activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over time for one sequence.
+
+    x: [T, D]; weight: [D, W]; conv_state: [D, W-1] (the W-1 inputs before x; None = zeros).
+    Returns (y [T, D] in x.dtype, new_state [D, W-1] = the last W-1 inputs, in x.dtype).
+    """
+    T, D = x.shape
+    W = weight.shape[-1]
+    if conv_state is None:
+        conv_state = x.new_zeros(D, W - 1)
+    xs = torch.cat([conv_state.to(x.dtype), x.t()], dim=-1)        # [D, W-1+T]
+    y = F.conv1d(xs.float().unsqueeze(0), weight.float().unsqueeze(1), groups=D)[0]  # [D, T]
+    if activation == "silu":
+        y = F.silu(y)
+    return y.t().to(x.dtype), xs[:, -(W - 1):].clone()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF KimiLinearRMSNorm: normalise in fp32, cast back, then multiply by the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """fp32 x * rsqrt(mean(x^2) + eps) * w * sigmoid(gate), cast to x.dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA over the paged latent cache
+# ---------------------------------------------------------------------------------------------
+
+
+def paged_gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The first num_tokens cached rows of one sequence. kv_cache: [num_blocks, block_size, D];
+    block_ids: [>= ceil(num_tokens / block_size)]. Returns [num_tokens, D]."""
+    bs = kv_cache.shape[1]
+    nb = (num_tokens + bs - 1) // bs
+    return kv_cache[block_ids[:nb].long()].reshape(-1, kv_cache.shape[-1])[:num_tokens]
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """Absorbed MLA decode, one query token per sequence.
+
+    q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK); kv_cache:
+    [num_blocks, block_size, kv_lora_rank + rope]; block_table: [B, max_blocks]; seq_lens: [B].
+    Returns the latent output [B, H, kv_lora_rank] in q.dtype (before W_UV).
+    """
+    out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    for b in range(q.shape[0]):
+        kv = paged_gather(kv_cache, block_table[b], int(seq_lens[b])).float()  # [L, D]
+        s = (q[b].float() @ kv.t()) * scale                                    # [H, L]
+        p = torch.softmax(s, dim=-1)
+        out[b] = (p @ kv[:, :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+    """kv_cache.view(-1, D)[slot_mapping] = kv; slots < 0 are skipped (padding)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep].long()] = kv[keep].to(kv_cache.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------
+
+
+def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
+                     renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid scores; the bias only picks the experts. Returns (weights fp32 [N, k], ids [N, k])."""
+    scores = router_logits.float().sigmoid()
+    ids = torch.topk(scores + correction_bias.float(), k=top_k, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, ids
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts. x: [N, D]; w13: [E, 2I, D] (gate rows then up rows);
+    w2: [E, D, I]; topk_*: [N, k]. Returns [N, D] in x.dtype."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    inter = w2.shape[-1]
+    for e in torch.unique(topk_ids).tolist():
+        tok, pos = torch.where(topk_ids == e)
+        h = x[tok] @ w13[e].t()
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = h @ w2[e].t()
+        out.index_add_(0, tok, y.float() * topk_weights[tok, pos, None].float())
+    return out.to(x.dtype)

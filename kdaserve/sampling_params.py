@@ -1,0 +1,78 @@
+"""SamplingParams with vLLM's field names and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 or 0 = no top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    """None = up to max_model_len."""
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Number of top logprobs per output token (the sampled token's logprob is always included)."""
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    max_logprobs: int = field(default=_MAX_LOGPROBS, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0.0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1 (disable), 0 (disable) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (self.logprobs < 0 or self.logprobs > self.max_logprobs):
+            bad("logprobs", f"must be in [0, {self.max_logprobs}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids)
+
+    def clone(self) -> "SamplingParams":
+        import copy
+
+        return copy.deepcopy(self)
