@@ -1,0 +1,109 @@
+"""KDA over a flattened batch: short conv + gated delta rule, with per-request state slots.
+
+Two paths behind one contract. CPU: the plain-PyTorch twins of kernels/reference.py, one request
+at a time. CUDA: decodes (the first num_decodes requests, one token each) go through fla-core's
+fused recurrent kernel updating the state pool in place; prefill chunks go through fla-core's
+chunk_kda with cu_seqlens, states gathered from and scattered back to their slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.attention.metadata import AttentionMetadata
+from kdaserve.kernels import reference as ref
+
+
+def _spans(md: AttentionMetadata):
+    qsl = md.query_start_loc_cpu.tolist()
+    for i in range(md.num_reqs):
+        yield i, qsl[i], qsl[i + 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Short convolution
+# ---------------------------------------------------------------------------------------------
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
+               conv_cache: torch.Tensor) -> torch.Tensor:
+    """x: [T, C] projections (q|k|v channels); weight: [C, W]; conv_cache: [slots, C, W-1].
+    Returns SiLU(causal depthwise conv) [T, C]; each request's window is updated in its slot."""
+    if x.is_cuda:
+        from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+
+        nd = md.num_decodes
+        out = torch.empty_like(x)
+        if nd:
+            out[:nd] = causal_conv1d_update(x[:nd], weight, conv_cache, md.state_indices[:nd])
+        if md.num_prefills:
+            qsl = md.query_start_loc[nd:] - md.query_start_loc[nd]
+            t0 = int(md.query_start_loc_cpu[nd])
+            t1 = md.num_actual_tokens
+            out[t0:t1] = causal_conv1d_varlen(
+                x[t0:t1], weight, qsl, conv_cache, md.state_indices[nd:],
+                md.has_initial_state[nd:])
+        return out
+    out = torch.empty_like(x)
+    state_ids = md.state_indices.tolist()
+    has_init = md.has_initial_state.tolist()
+    for i, s, e in _spans(md):
+        slot = state_ids[i]
+        init = conv_cache[slot] if has_init[i] else None
+        out[s:e], new_state = ref.causal_conv1d(x[s:e], weight, init)
+        conv_cache[slot].copy_(new_state)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Gated delta rule
+# ---------------------------------------------------------------------------------------------
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, md: AttentionMetadata, rec_cache: torch.Tensor) -> torch.Tensor:
+    """q, k: [T, H, K] (not normalised); v: [T, H, V]; g: [T, H, K] fp32 log decay; beta: [T, H]
+    fp32; rec_cache: [slots, H, K, V] fp32. Returns o [T, H, V]; final states go to the slots."""
+    if q.is_cuda:
+        return _delta_rule_cuda(q, k, v, g, beta, md, rec_cache)
+    o = torch.empty_like(v)
+    state_ids = md.state_indices.tolist()
+    has_init = md.has_initial_state.tolist()
+    for i, s, e in _spans(md):
+        slot = state_ids[i]
+        init = rec_cache[slot] if has_init[i] else None
+        fn = ref.kda_recurrent if (e - s == 1 and init is not None) else ref.kda_chunk
+        o[s:e], state = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
+        rec_cache[slot].copy_(state)
+    return o
+
+
+def _delta_rule_cuda(q, k, v, g, beta, md: AttentionMetadata, rec_cache):
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    nd = md.num_decodes
+    o = torch.empty_like(v)
+    if nd:
+        # [1, nd, H, *]: one token per sequence; the kernel reads and writes the pool in place.
+        od, _ = fused_recurrent_kda_fwd(
+            q[None, :nd], k[None, :nd], v[None, :nd], g[None, :nd], beta[None, :nd],
+            initial_state=rec_cache, inplace_final_state=True,
+            cu_seqlens=md.query_start_loc[:nd + 1].long(),
+            ssm_state_indices=md.state_indices[:nd].long(),
+            use_qk_l2norm_in_kernel=True)
+        o[:nd] = od[0]
+    if md.num_prefills:
+        t0 = int(md.query_start_loc_cpu[nd])
+        t1 = md.num_actual_tokens
+        slots = md.state_indices[nd:].long()
+        init = rec_cache[slots] * md.has_initial_state[nd:, None, None, None]
+        cu = (md.query_start_loc[nd:] - md.query_start_loc[nd]).long()
+        op, final = chunk_kda(
+            q[None, t0:t1], k[None, t0:t1], v[None, t0:t1], g[None, t0:t1], beta[None, t0:t1],
+            initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu, cu_seqlens_cpu=(md.query_start_loc_cpu[nd:]
+                                           - md.query_start_loc_cpu[nd]).long())
+        o[t0:t1] = op[0]
+        rec_cache.index_copy_(0, slots, final)
+    return o

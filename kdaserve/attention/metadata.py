@@ -1,0 +1,86 @@
+"""Per-step batch metadata shared by the KDA and MLA layers, and the caches the engine owns.
+
+The batch is flattened: the tokens of all scheduled requests are concatenated, request i owning
+rows query_start_loc[i]:query_start_loc[i+1]. The model runner orders requests so that decodes
+(exactly one new token on top of a non-empty context) come first; prefills (or prefill chunks)
+follow. Each layer kind reads only what it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int
+    """The first num_decodes requests have exactly one query token and a non-empty context."""
+    num_actual_tokens: int
+    """Real tokens in the batch; rows past this are padding (CUDA-graph sizes)."""
+    query_start_loc: torch.Tensor     # [num_reqs + 1] int32, device
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, host
+    seq_lens: torch.Tensor            # [num_reqs] int32: context length after this step
+    seq_lens_cpu: torch.Tensor        # [num_reqs] int32, host
+    num_computed_tokens_cpu: torch.Tensor  # [num_reqs] int32, host: context before this step
+    slot_mapping: torch.Tensor        # [num_tokens] int64: flat latent-KV slot (-1 = padding)
+    block_table: torch.Tensor         # [num_reqs, max_blocks_per_req] int32
+    state_indices: torch.Tensor       # [num_reqs] int32: KDA state slot of each request
+    has_initial_state: torch.Tensor   # [num_reqs] bool: num_computed_tokens > 0
+    max_query_len: int
+    max_seq_len: int
+    kda_checkpoints: "KDACheckpointRequest | None" = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+
+@dataclass
+class KDACheckpointRequest:
+    """States to export from inside a prefill (hybrid prefix caching): for prefill request r,
+    the recurrent + conv state after `offsets[i]` of its new tokens is written to checkpoint slot
+    `dst_slots[i]`."""
+
+    req_index: list[int]
+    offsets: list[int]
+    dst_slots: list[int]
+
+
+@dataclass
+class ModelCaches:
+    """Every cache tensor, allocated by the worker; layers find theirs by index."""
+
+    mla_kv: list[torch.Tensor]
+    """Per MLA layer: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], model dtype."""
+    kda_recurrent: list[torch.Tensor]
+    """Per KDA layer: [num_slots, num_heads, head_k_dim, head_v_dim] fp32."""
+    kda_conv: list[torch.Tensor]
+    """Per KDA layer: [num_slots, 3 * num_heads * head_dim, conv_kernel - 1] (q|k|v channels)."""
+
+    @property
+    def block_size(self) -> int:
+        return self.mla_kv[0].shape[1] if self.mla_kv else 0
+
+    def copy_state(self, src: int, dst: int) -> None:
+        for rec, conv in zip(self.kda_recurrent, self.kda_conv):
+            rec[dst].copy_(rec[src])
+            conv[dst].copy_(conv[src])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for kv in self.mla_kv:
+            kv[dst].copy_(kv[src])
+
+
+@dataclass
+class ForwardContext:
+    """Everything a layer needs besides its input: passed explicitly down the model."""
+
+    attn: AttentionMetadata
+    caches: ModelCaches

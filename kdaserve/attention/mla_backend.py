@@ -1,0 +1,63 @@
+"""MLA over the paged latent cache ([c | k_pe] per token).
+
+Decodes (the first num_decodes requests) use the absorbed form: queries are mapped into the latent
+space with W_UK, attention runs directly over the cached latents, and the latent output is mapped
+back with W_UV. Prefill chunks expand their whole context (cached prefix + new tokens) with
+kv_b_proj and run causal attention whose mask is aligned to the bottom-right (query i sits at
+position num_computed_tokens + i).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kdaserve.attention.metadata import AttentionMetadata
+from kdaserve.kernels import reference as ref
+
+
+def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
+    """kv_cache: [num_blocks, block_size, D]; slot_mapping: [T]; latent: [T, D]."""
+    if latent.is_cuda:
+        from kdaserve.kernels.mla.decode import store_kv
+
+        store_kv(kv_cache, slot_mapping, latent)
+    else:
+        ref.store_kv(kv_cache, slot_mapping, latent)
+
+
+def decode_attention(q_latent: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                     scale: float, kv_lora_rank: int) -> torch.Tensor:
+    """q_latent: [B, H, kv_lora_rank + rope] -> latent output [B, H, kv_lora_rank]."""
+    nd = md.num_decodes
+    if q_latent.is_cuda:
+        from kdaserve.kernels.mla.decode import mla_decode
+
+        return mla_decode(q_latent, kv_cache, md.block_table[:nd], md.seq_lens[:nd], scale,
+                          kv_lora_rank)
+    return ref.mla_decode(q_latent, kv_cache, md.block_table[:nd], md.seq_lens[:nd], scale,
+                          kv_lora_rank)
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                      expand, scale: float) -> torch.Tensor:
+    """q: [T_prefill, H, qk_head_dim] for the prefill requests (rows after the decodes);
+    expand(latent [L, D]) -> (k [L, H, qk_head_dim], v [L, H, v_head_dim]).
+    Returns [T_prefill, H, v_head_dim]."""
+    nd = md.num_decodes
+    qsl = md.query_start_loc_cpu.tolist()
+    seq_lens = md.seq_lens_cpu.tolist()
+    base = qsl[nd]
+    outs = []
+    for i in range(nd, md.num_reqs):
+        s, e = qsl[i] - base, qsl[i + 1] - base
+        latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
+        k, v = expand(latent)
+        qi = q[s:e].transpose(0, 1)                                          # [H, q_len, dk]
+        q_len, kv_len = e - s, k.shape[0]
+        # bottom-right aligned causal mask: query j sees keys <= kv_len - q_len + j
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,173 @@
+"""Absorbed paged MLA decode (split-K flash-decoding) and the latent-KV store, on Triton.
+
+Same contracts as `kdaserve.kernels.reference.mla_decode` / `store_kv`. Both are CUDA-graph safe:
+no host syncs, and the launch grid depends only on tensor shapes (batch size, block-table width)
+and the optional `num_kv_splits`, never on the values of `seq_lens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
+                                    require_triton)
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    block_h: int        # heads per program (all heads of a sequence when it is >= num_heads)
+    block_n: int        # context rows per inner step
+    num_warps: int
+    num_stages: int
+
+
+def default_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
+    block_h = min(32, max(16, next_power_of_2(num_heads)))
+    if dtype == torch.float32:
+        return MLADecodeConfig(block_h=min(block_h, 16), block_n=16, num_warps=4, num_stages=1)
+    return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=8, num_stages=2)
+
+
+def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
+                         device: torch.device, min_tokens_per_split: int = 256,
+                         max_splits: int = 64) -> int:
+    """Enough (b, split, head group) programs for ~2 waves, each partition >= min_tokens_per_split.
+
+    Depends only on shapes, so a captured CUDA graph keeps its grid.
+    """
+    want = cdiv(2 * num_sms(device), max(1, batch * num_head_groups))
+    cap = max(1, max_context // min_tokens_per_split)
+    return max(1, min(want, cap, max_splits))
+
+
+def _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, kv_lora_rank + rope], got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 3:
+        raise ValueError(f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
+    if q.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"q last dim {q.shape[-1]} != kv_cache last dim {kv_cache.shape[-1]}")
+    if not 0 < kv_lora_rank <= q.shape[-1]:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} out of range for D={q.shape[-1]}")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    page = kv_cache.shape[1]
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"block_size must be a power of two, got {page}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must be [B={q.shape[0]}, max_blocks], "
+                         f"got {tuple(block_table.shape)}")
+    if seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"seq_lens must be [B={q.shape[0]}], got {tuple(seq_lens.shape)}")
+    if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous last dim")
+    if block_table.dtype not in (torch.int32, torch.int64) or seq_lens.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"block_table/seq_lens must be int32/int64, got "
+                         f"{block_table.dtype}/{seq_lens.dtype}")
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        check_kernel_device(t)
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               out: torch.Tensor | None = None, num_kv_splits: int | None = None,
+               max_seq_len: int | None = None,
+               config: MLADecodeConfig | None = None) -> torch.Tensor:
+    """Absorbed MLA decode, one query token per sequence.
+
+    q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK);
+    kv_cache: [num_blocks, block_size, kv_lora_rank + rope], block_size a power of two;
+    block_table: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
+    Returns the latent output [B, H, kv_lora_rank] in q.dtype (into `out` when given).
+
+    num_kv_splits: context partitions per sequence; default from the shapes (batch size and
+    max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
+    """
+    require_triton()
+    _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    from kdaserve.kernels.mla.triton_decode import (mla_decode_partial_kernel,
+                                                    mla_decode_reduce_kernel)
+
+    B, H, D = q.shape
+    rope = D - kv_lora_rank
+    page = kv_cache.shape[1]
+    cfg = config or default_config(H, q.dtype)
+    if cfg.block_h < 16 and q.device.type == "cuda":
+        raise ValueError(f"block_h must be >= 16 on GPU (tl.dot), got {cfg.block_h}")
+    head_groups = cdiv(H, cfg.block_h)
+    if max_seq_len is None:
+        max_seq_len = block_table.shape[1] * page
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(B, head_groups, max_seq_len, q.device)
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if out is None:
+        out = torch.empty(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (B, H, kv_lora_rank) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [B, H, kv_lora_rank]={B, H, kv_lora_rank} with a contiguous "
+                         f"last dim, got {tuple(out.shape)}")
+    if B == 0:
+        return out
+
+    # [B, H, num_splits, kv_lora_rank] fp32 partial outputs; [B, H, num_splits] base-2 lse
+    part_out = torch.empty(B, H, num_kv_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H, num_kv_splits, dtype=torch.float32, device=q.device)
+    block_c = next_power_of_2(kv_lora_rank)
+    block_r = next_power_of_2(rope) if rope > 0 else 1
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    mla_decode_partial_kernel[(B, num_kv_splits, head_groups)](
+        q, kv_cache, block_table, seq_lens, part_out, part_lse,
+        float(scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        H, num_kv_splits,
+        KV_RANK=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=block_r,
+        PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    mla_decode_reduce_kernel[(B, H)](
+        part_out, part_lse, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        num_kv_splits,
+        KV_RANK=kv_lora_rank, BLOCK_C=block_c, BLOCK_S=next_power_of_2(num_kv_splits),
+        num_warps=4,
+    )
+    return out
+
+
+def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+    """kv_cache.view(-1, D)[slot_mapping] = kv, in place; slots < 0 are skipped (padding).
+
+    kv_cache: [num_blocks, block_size, D] contiguous; slot_mapping: [T] int; kv: [T, D].
+    """
+    require_triton()
+    from kdaserve.kernels.mla.triton_decode import store_kv_kernel
+
+    if kv_cache.dim() != 3 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [num_blocks, block_size, D], got "
+                         f"shape {tuple(kv_cache.shape)}")
+    D = kv_cache.shape[-1]
+    if kv.dim() != 2 or kv.shape[1] != D or kv.stride(1) != 1:
+        raise ValueError(f"kv must be [T, {D}] with a contiguous last dim, got {tuple(kv.shape)}")
+    if slot_mapping.shape != (kv.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={kv.shape[0]}], got {tuple(slot_mapping.shape)}")
+    for t in (kv_cache, slot_mapping, kv):
+        check_kernel_device(t)
+    if kv.shape[0] == 0:
+        return
+    store_kv_kernel[(kv.shape[0],)](kv_cache, slot_mapping, kv, kv.stride(0), D,
+                                    BLOCK_D=next_power_of_2(D), num_warps=4)

@@ -1,0 +1,128 @@
+"""Triton kernels for absorbed MLA decode over the paged latent cache (imported lazily).
+
+Stage 1 (`mla_decode_partial_kernel`): program (b, split, head group) reads the latent rows of one
+context partition once and attends with every head of its group (flash-decoding, online softmax in
+base 2). Stage 2 (`mla_decode_reduce_kernel`): program (b, head) merges the partitions by their
+log-sum-exp. `store_kv_kernel` writes new latent rows into their slots.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def mla_decode_partial_kernel(
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale_log2,
+    stride_qb, stride_qh,
+    stride_kv_block, stride_kv_tok,
+    stride_bt,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    num_heads, num_splits,
+    KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_h = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    split_len = tl.cdiv(seq_len, num_splits)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N           # whole tiles per partition
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < KV_RANK
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < ROPE
+
+    q_base = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q_c = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    if ROPE > 0:
+        q_r = tl.load(q_base + KV_RANK + offs_r[None, :],
+                      mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)        # [BLOCK_H, kv_lora_rank]
+
+    bt_row = block_table_ptr + pid_b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block_ids = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = block_ids * stride_kv_block + (offs_n % PAGE_SIZE) * stride_kv_tok   # [BLOCK_N]
+        kv_c = tl.load(kv_ptr + row[:, None] + offs_c[None, :],
+                       mask=mask_n[:, None] & mask_c[None, :], other=0.0)   # [BLOCK_N, BLOCK_C]
+        s = tl.dot(q_c, tl.trans(kv_c), input_precision=DOT_PRECISION)      # [BLOCK_H, BLOCK_N]
+        if ROPE > 0:
+            kv_r = tl.load(kv_ptr + row[:, None] + KV_RANK + offs_r[None, :],
+                           mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            s += tl.dot(q_r, tl.trans(kv_r), input_precision=DOT_PRECISION)
+        s = tl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_c.dtype), kv_c, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    po = (part_out_ptr + pid_b.to(tl.int64) * stride_po_b + offs_h[:, None] * stride_po_h
+          + pid_s * stride_po_s + offs_c[None, :])
+    tl.store(po, out, mask=mask_h[:, None] & mask_c[None, :])
+    tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
+
+
+@triton.jit
+def mla_decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    stride_ob, stride_oh,
+    num_splits,
+    KV_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_base = part_lse_ptr + pid_b * stride_pl_b + pid_h * stride_pl_h
+    lse_all = tl.load(lse_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse_all, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < KV_RANK
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    denom = 0.0
+    po_base = part_out_ptr + pid_b.to(tl.int64) * stride_po_b + pid_h * stride_po_h
+    for s in range(0, num_splits):
+        lse = tl.load(lse_base + s)
+        if lse > float("-inf"):
+            w = tl.exp2(lse - m_safe)
+            part = tl.load(po_base + s * stride_po_s + offs_c, mask=mask_c, other=0.0)
+            acc += w * part
+            denom += w
+    out = acc / tl.where(denom > 0.0, denom, 1.0)                # empty sequence -> zeros
+    o = out_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_c
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def store_kv_kernel(kv_ptr, slot_ptr, src_ptr, stride_src, dim, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    slot = tl.load(slot_ptr + pid).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < dim
+    row = tl.load(src_ptr + pid.to(tl.int64) * stride_src + offs, mask=mask & (slot >= 0))
+    tl.store(kv_ptr + slot * dim + offs, row.to(kv_ptr.dtype.element_ty), mask=mask & (slot >= 0))

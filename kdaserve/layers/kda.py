@@ -1,0 +1,66 @@
+"""Kimi Delta Attention layer. Parameter names follow transformers' KimiLinearDeltaAttention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.attention import kda_backend
+from kdaserve.attention.metadata import ForwardContext
+from kdaserve.kernels import reference as ref
+from kdaserve.layers.norm import RMSNormGated
+from kdaserve.models.hf_config import KimiLinearArgs
+
+
+class ForgetGate(nn.Module):
+    def __init__(self, args: KimiLinearArgs) -> None:
+        super().__init__()
+        h, d = args.linear_num_heads, args.linear_head_dim
+        self.num_heads, self.head_dim = h, d
+        self.lower_bound = args.gate_lower_bound
+        self.f_a_proj = nn.Linear(args.hidden_size, d, bias=False)
+        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, D] -> fp32 log decay [T, H, K]."""
+        g_raw = self.f_b_proj(self.f_a_proj(x)).view(-1, self.num_heads, self.head_dim)
+        return ref.kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
+        super().__init__()
+        self.kda_index = kda_index
+        h, d, w = args.linear_num_heads, args.linear_head_dim, args.linear_conv_kernel_dim
+        self.num_heads, self.head_dim, self.conv_kernel = h, d, w
+        p = h * d
+        self.q_proj = nn.Linear(args.hidden_size, p, bias=False)
+        self.k_proj = nn.Linear(args.hidden_size, p, bias=False)
+        self.v_proj = nn.Linear(args.hidden_size, p, bias=False)
+        # Depthwise causal conv over q|k|v channels; HF's Conv1d weight layout [3P, 1, W].
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(3 * p, 1, w))
+        self.forget_gate = ForgetGate(args)
+        self.b_proj = nn.Linear(args.hidden_size, h, bias=False)
+        self.g_a_proj = nn.Linear(args.hidden_size, d, bias=False)
+        self.g_b_proj = nn.Linear(d, p, bias=False)
+        self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
+        self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: [T, D] -> [T, D]."""
+        md, caches = ctx.attn, ctx.caches
+        T, h, d = x.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        qkv = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
+                                     caches.kda_conv[self.kda_index])
+        q, k, v = qkv.view(T, 3, h, d).unbind(1)                     # each [T, H, K]
+        g = self.forget_gate(x)                                      # [T, H, K] fp32
+        beta = torch.sigmoid(self.b_proj(x).float())                 # [T, H]
+        o = kda_backend.delta_rule(q, k, v, g, beta, md, caches.kda_recurrent[self.kda_index])
+        gate = self.g_b_proj(self.g_a_proj(x)).view(T, h, d)
+        o = self.o_norm(o, gate).reshape(T, h * d)
+        return self.o_proj(o)

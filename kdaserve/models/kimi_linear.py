@@ -1,0 +1,76 @@
+"""KimiLinearForCausalLM over a flattened batch.
+
+Parameter and buffer names match transformers' KimiLinearForCausalLM state_dict (>= 5.17 naming),
+so checkpoints saved by transformers load by name; the loader maps the original Moonshot names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.attention.metadata import ForwardContext
+from kdaserve.layers.kda import KimiDeltaAttention
+from kdaserve.layers.mla import MLAttention
+from kdaserve.layers.mlp import MLP
+from kdaserve.layers.moe import SparseMoE
+from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.hf_config import KimiLinearArgs
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: KimiLinearArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.is_kda = args.layer_types[layer_idx] == "linear_attention"
+        if self.is_kda:
+            self.self_attn = KimiDeltaAttention(args, args.kda_layer_ids.index(layer_idx))
+        else:
+            self.self_attn = MLAttention(args, args.mla_layer_ids.index(layer_idx))
+        if args.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = SparseMoE(args)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, args: KimiLinearArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                             # [T, D]
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, args: KimiLinearArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = KimiLinearModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] (positions are unused: the model is NoPE). Returns hidden
+        states [T, D]; caches in ctx are read and updated."""
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        """Hook run once by the loader after every tensor is in place."""
+        return None

@@ -1,0 +1,36 @@
+"""HF "architectures" -> model class, and construction without a wasted init pass."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+
+_ARCHITECTURES = {
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
+}
+
+
+def resolve_architecture(hf_config: dict) -> type[nn.Module]:
+    archs = hf_config.get("architectures") or ["KimiLinearForCausalLM"]
+    for name in archs:
+        if name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+    raise ValueError(f"unsupported architectures {archs}; supported: {sorted(_ARCHITECTURES)}")
+
+
+def build_model(args: KimiLinearArgs, dtype: torch.dtype, device: torch.device | str,
+                cls: type[nn.Module] = KimiLinearForCausalLM) -> nn.Module:
+    """Build on the meta device, then allocate uninitialised storage on `device`: parameters
+    declared fp32 (router, gate biases) stay fp32, the rest take `dtype`. The loader fills them."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls(args)
+    finally:
+        torch.set_default_dtype(old)
+    model = model.to_empty(device=device)
+    return model.eval().requires_grad_(False)
