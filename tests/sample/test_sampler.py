@@ -50,10 +50,11 @@ def test_bf16_logits():
     SP(temperature=1.0, top_k=1),
     SP(temperature=2.0, top_k=1, top_p=0.5),
     SP(temperature=1.0, top_p=1e-6),
+    SP(temperature=1.0, top_p=1e-9),  # 1 - p rounds to 1.0 in fp32: the argmax must survive
     SP(temperature=3.0, min_p=1.0),
 ])
 def test_degenerate_filters_equal_greedy(params):
-    logits = _logits(32, seed=1)
+    logits = _logits(32, vocab=1000, seed=1)
     torch.manual_seed(1)
     out = _sample(logits, [params] * 32)
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
