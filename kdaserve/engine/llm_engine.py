@@ -1,0 +1,223 @@
+"""LLMEngine: add_request / step / abort over the scheduler and the model runner.
+
+Used in-process by the offline `LLM` and, inside the engine-core process, by the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, fields
+
+from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig)
+from kdaserve.core.engine_output import EngineCoreOutput
+from kdaserve.core.scheduler import Scheduler
+from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.stats import EngineStats
+from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kdaserve.request import Request, RequestStatus
+from kdaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    output: CompletionOutput
+    detok: IncrementalDetokenizer
+
+
+@dataclass
+class _EngineRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.output.finish_reason is not None for s in self.samples)
+
+
+def _config_from_kwargs(kwargs: dict) -> EngineConfig:
+    """vLLM-style flat kwargs (model=, max_num_seqs=, ...) -> EngineConfig."""
+    kwargs = dict(kwargs)
+    groups = {}
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoadConfig):
+        names = {f.name for f in fields(cls)}
+        groups[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names
+                       and (cls is not SchedulerConfig or k != "max_model_len")}
+    spec = kwargs.pop("speculative_config", None) or {}
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+    engine_keys = {f.name for f in fields(EngineConfig)} - {
+        "model_config", "cache_config", "scheduler_config", "parallel_config",
+        "speculative_config", "load_config"}
+    engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
+    if kwargs:
+        raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
+    model_config = ModelConfig(**groups[ModelConfig])
+    load = groups[LoadConfig]
+    load.setdefault("seed", model_config.seed)
+    sched = groups[SchedulerConfig]
+    sched["max_model_len"] = model_config.max_model_len
+    return EngineConfig(
+        model_config=model_config, cache_config=CacheConfig(**groups[CacheConfig]),
+        scheduler_config=SchedulerConfig(**sched),
+        parallel_config=ParallelConfig(**groups[ParallelConfig]),
+        speculative_config=SpeculativeConfig(**spec), load_config=LoadConfig(**load),
+        **engine_kwargs)
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:
+    ids = list(config.model_config.arch.eos_token_id)
+    gen_path = os.path.join(config.model_config.model, "generation_config.json")
+    if os.path.isfile(gen_path):
+        import json
+
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from transformers import AutoTokenizer
+
+        from kdaserve.worker.model_runner import ModelRunner
+
+        self.engine_config = config
+        mc = config.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
+        self.vocab_size = mc.arch.vocab_size
+        self.model_runner = ModelRunner(config)
+        self.model_runner.eos_token_ids = self.eos_token_ids
+        num_blocks, num_slots = self.model_runner.determine_num_blocks_and_slots()
+        self.model_runner.initialize_cache(num_blocks, num_slots)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
+                                   num_slots, config.speculative_config,
+                                   max_model_len=mc.max_model_len)
+        self.requests: dict[str, _EngineRequest] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, **kwargs) -> "LLMEngine":
+        return cls(_config_from_kwargs(kwargs))
+
+    # -----------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, arrival_time: float | None = None,
+                    prompt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        max_len = self.engine_config.model_config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, but "
+                f"max_model_len is {max_len}: no room to generate")
+        if sampling_params.logprobs is not None and \
+                sampling_params.logprobs > self.engine_config.max_logprobs:
+            raise ValueError(f"logprobs={sampling_params.logprobs} exceeds max_logprobs="
+                             f"{self.engine_config.max_logprobs}")
+        request = Request(request_id, prompt_token_ids, sampling_params,
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+        self.scheduler.add_request(request)
+        samples = [_Sample(CompletionOutput(index=i, logprobs=[] if sampling_params.logprobs
+                                            is not None else None),
+                           IncrementalDetokenizer(
+                               self.tokenizer, prompt_token_ids,
+                               skip_special_tokens=sampling_params.skip_special_tokens,
+                               stop=sampling_params.stop,
+                               include_stop_str_in_output=sampling_params.include_stop_str_in_output))
+                   for i in range(sampling_params.n)]
+        self.requests[request_id] = _EngineRequest(
+            request_id, prompt, list(prompt_token_ids), sampling_params, samples,
+            RequestMetrics(arrival_time=arrival_time or time.time()))
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        ro = self.model_runner.execute_model(so)
+        core_outputs = self.scheduler.update_from_output(so, ro)
+        now = time.time()
+        touched: dict[str, _EngineRequest] = {}
+        for out in core_outputs:
+            rid = out.parent_req_id or out.req_id
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._apply(req, out, now)
+            touched[rid] = req
+        results = []
+        for rid, req in touched.items():
+            finished = req.finished
+            if finished:
+                req.metrics.finished_time = now
+                del self.requests[rid]
+            results.append(RequestOutput(
+                request_id=rid, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                outputs=[s.output for s in req.samples], finished=finished,
+                num_cached_tokens=req.num_cached_tokens, metrics=req.metrics))
+        return results
+
+    def _apply(self, req: _EngineRequest, out: EngineCoreOutput, now: float) -> None:
+        sample = req.samples[out.sample_index]
+        comp = sample.output
+        if comp.finish_reason is not None:
+            return
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        req.num_cached_tokens = out.num_cached_tokens
+        self.generation_tokens_total += len(out.new_token_ids)
+        comp.token_ids.extend(out.new_token_ids)
+        if comp.logprobs is not None and out.new_logprobs:
+            comp.logprobs.extend(out.new_logprobs)
+        _, stop_str = sample.detok.append(out.new_token_ids)
+        if out.finished and stop_str is None:
+            sample.detok.flush()
+        comp.text = sample.detok.output_text
+        if stop_str is not None:
+            comp.finish_reason, comp.stop_reason = "stop", stop_str
+            if not out.finished:
+                self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
+        elif out.finished:
+            comp.finish_reason, comp.stop_reason = out.finish_reason, out.stop_reason
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.get_stats()
+        return EngineStats(
+            num_running=s.num_running_reqs, num_waiting=s.num_waiting_reqs,
+            kv_cache_usage=s.kv_cache_usage, num_free_blocks=s.num_free_blocks,
+            num_total_blocks=s.num_total_blocks, num_free_state_slots=s.num_free_state_slots,
+            num_total_state_slots=s.num_total_state_slots,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries=getattr(s, "prefix_cache_queries", 0),
+            prefix_cache_hits=getattr(s, "prefix_cache_hits", 0),
+            num_preemptions_total=s.num_preemptions)

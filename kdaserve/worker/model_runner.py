@@ -1,0 +1,236 @@
+"""SchedulerOutput -> flattened inputs + metadata -> model -> sampler -> ModelRunnerOutput.
+
+The runner keeps a persistent copy of every running request (token ids, block ids, state slot,
+seeded generator) keyed by req_id; each step applies the scheduler's delta to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.metadata import ForwardContext, ModelCaches
+from kdaserve.config import EngineConfig
+from kdaserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kdaserve.models.loader import load_weights
+from kdaserve.models.registry import build_model, resolve_architecture
+from kdaserve.outputs import Logprob
+from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
+from kdaserve.sample.sampler import Sampler, to_logprob_dicts
+from kdaserve.sampling_params import SamplingParams
+from kdaserve.worker import cache as cache_mod
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]
+    """Prompt + outputs known to the worker."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    state_slot: int
+    num_computed_tokens: int
+
+
+@dataclass
+class StepBatch:
+    """One step's flattened batch on the host, requests ordered decodes first."""
+
+    req_ids: list[str]
+    input_ids: list[int]
+    query_lens: list[int]
+    num_computed: list[int]
+    sample_rows: list[int]
+    """Indices (into req_ids) of requests that sample a token this step."""
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        mc = config.model_config
+        self.args = mc.arch
+        self.dtype = mc.torch_dtype(self.device.type)
+        self.block_size = config.cache_config.block_size
+        t0 = time.perf_counter()
+        cls = resolve_architecture(mc.hf_config)
+        self.model = build_model(self.args, self.dtype, self.device, cls)
+        load_weights(self.model, mc.model, config.load_config)
+        logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
+                    self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.caches: ModelCaches | None = None
+        self.graphs = None
+
+    # -----------------------------------------------------------------------------------------
+    # Cache sizing and allocation
+    # -----------------------------------------------------------------------------------------
+
+    def determine_num_blocks_and_slots(self) -> tuple[int, int]:
+        """CPU: explicit sizes or defaults. CUDA: profile the largest step, then split the free
+        memory under gpu_memory_utilization between KDA slots (max_num_seqs of them) and KV."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        num_slots = cc.num_state_slots or sc.max_num_seqs + 8
+        if self.device.type != "cuda":
+            return cc.num_gpu_blocks or 512, num_slots
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        budget = total * cc.gpu_memory_utilization - peak - used_elsewhere
+        slot_bytes = cache_mod.state_bytes_per_slot(self.args, self.dtype)
+        block_bytes = cache_mod.kv_bytes_per_block(self.args, self.block_size, self.dtype)
+        if cc.num_state_slots is None:
+            num_slots = sc.max_num_seqs
+        num_blocks = cc.num_gpu_blocks or int((budget - (num_slots + 1) * slot_bytes)
+                                              // block_bytes)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, "
+                f"{num_slots} KDA slots need {num_slots * slot_bytes / 2**30:.2f} GiB; lower "
+                "max_num_seqs or raise gpu_memory_utilization")
+        return num_blocks, num_slots
+
+    def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
+        """One extra slot (the last) is scratch space for CUDA-graph padding rows."""
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        self.caches = cache_mod.allocate_caches(self.args, num_blocks, self.block_size,
+                                                num_slots + 1, self.dtype, self.device)
+        kv_tokens = num_blocks * self.block_size
+        max_len = self.config.scheduler_config.max_model_len
+        logger.info("MLA KV cache: %d tokens; KDA state slots: %d; max concurrency at "
+                    "max_model_len: %.2f", kv_tokens, num_slots,
+                    min(num_slots, kv_tokens / max_len))
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            from kdaserve.worker.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
+
+    def _profile_run(self) -> None:
+        """A forward over max_num_batched_tokens prefill tokens on throwaway caches."""
+        sc = self.config.scheduler_config
+        n = min(sc.max_num_batched_tokens, sc.max_model_len)
+        nb = (n + self.block_size - 1) // self.block_size
+        caches = cache_mod.allocate_caches(self.args, nb, self.block_size, 1, self.dtype,
+                                           self.device)
+        md = build_metadata([n], [0], [list(range(nb))], [0], self.block_size, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            h = self.model(ids, ids, ForwardContext(md, caches))
+            self.model.compute_logits(h[-min(n, sc.max_num_seqs):])
+        torch.cuda.synchronize()
+        del caches, h
+
+    # -----------------------------------------------------------------------------------------
+    # Step
+    # -----------------------------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)   # the generator survives: sampling resumes
+        for new in so.scheduled_new_reqs:
+            self._add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+        for src, dst in so.block_copies:
+            self.caches.copy_block(src, dst)
+        for copy in so.state_copies:
+            self.caches.copy_state(copy.src_slot, copy.dst_slot)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        sp = new.sampling_params
+        self.requests[new.req_id] = CachedRequestState(
+            req_id=new.req_id, token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids), sampling_params=sp,
+            block_ids=list(new.block_ids), state_slot=new.state_slot,
+            num_computed_tokens=new.num_computed_tokens)
+        if sp.seed is not None and not sp.greedy and new.req_id not in self.generators:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed)
+            self.generators[new.req_id] = gen
+
+    def _build_batch(self, so: SchedulerOutput) -> StepBatch:
+        order = sorted(so.num_scheduled_tokens, key=lambda r: not self._is_decode(r, so))
+        batch = StepBatch([], [], [], [], [])
+        for i, req_id in enumerate(order):
+            state = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            batch.req_ids.append(req_id)
+            batch.input_ids.extend(state.token_ids[start:start + n])
+            batch.query_lens.append(n)
+            batch.num_computed.append(start)
+            if start + n >= len(state.token_ids):
+                batch.sample_rows.append(i)
+        return batch
+
+    def _is_decode(self, req_id: str, so: SchedulerOutput) -> bool:
+        return (so.num_scheduled_tokens[req_id] == 1
+                and self.requests[req_id].num_computed_tokens > 0)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        batch = self._build_batch(so)
+        states = [self.requests[r] for r in batch.req_ids]
+        hidden_rows = self._forward(batch, states)                    # [num_sample_rows, D]
+        if not batch.sample_rows:
+            return ModelRunnerOutput(req_ids=batch.req_ids,
+                                     sampled_token_ids=[[] for _ in batch.req_ids],
+                                     logprobs=[None] * len(batch.req_ids))
+        sampled, logprobs = self._sample(hidden_rows, [states[i] for i in batch.sample_rows])
+        out_tokens: list[list[int]] = [[] for _ in batch.req_ids]
+        out_lps: list = [None] * len(batch.req_ids)
+        for j, i in enumerate(batch.sample_rows):
+            out_tokens[i] = [sampled[j]]
+            states[i].token_ids.append(sampled[j])
+            out_lps[i] = None if logprobs[j] is None else [logprobs[j]]
+        return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
+                                 logprobs=out_lps)
+
+    def _forward(self, batch: StepBatch, states: list[CachedRequestState]) -> torch.Tensor:
+        """Runs the model; returns the final hidden state of each sampling row."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch, states)
+        md = build_metadata(batch.query_lens, batch.num_computed, [s.block_ids for s in states],
+                            [s.state_slot for s in states], self.block_size, self.device)
+        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, ids, ForwardContext(md, self.caches))
+        last = [md.query_start_loc_cpu[i + 1].item() - 1 for i in batch.sample_rows]
+        return hidden[torch.tensor(last, device=self.device)]
+
+    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]):
+        logits = self.model.compute_logits(hidden)                    # [R, V] fp32
+        params = [s.sampling_params for s in states]
+        gens = {j: self.generators[s.req_id] for j, s in enumerate(states)
+                if s.req_id in self.generators}
+        banned = min_tokens_banned_ids(params, [len(s.token_ids) - s.num_prompt_tokens
+                                                for s in states], self.args.eos_token_id)
+        md = SamplingMetadata.build(params, gens, banned, self.device)
+        out = self.sampler(logits, md)
+        sampled = out.sampled_token_ids.tolist()
+        lp_dicts, rank_dicts = to_logprob_dicts(out, [p.logprobs for p in params])
+        logprobs = [None if lp is None else {t: Logprob(v, rk[t]) for t, v in lp.items()}
+                    for lp, rk in zip(lp_dicts, rank_dicts)]
+        return sampled, logprobs
