@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -37,4 +37,3 @@ class SchedulerStats:
     num_total_state_slots: int = 0
     num_preemptions: int = 0
     """Total since the scheduler was created."""
-    extra: dict = field(default_factory=dict)

@@ -1,0 +1,487 @@
+"""The scheduler: one token-budget rule for prefill, chunked prefill, decode and spec verification.
+
+Each step every request gets `min(num_tokens_with_spec - num_computed_tokens, budgets)` new
+tokens: RUNNING requests first, then WAITING ones, both first-come first-served. When KV blocks run
+out the newest running request is preempted by recompute (everything freed, back to the front of
+the waiting queue) and no waiting request is admitted in that step.
+
+Budgets (vLLM #51725): `token_budget` counts target tokens; `input_budget` counts target tokens
+plus `draft_slots` per *scheduled* request (the drafter's extra query slots, K - 1 with K
+speculative tokens). The old static rule (`adaptive_spec_budget=False`) instead reserves
+`draft_slots * max_num_seqs` up front, whatever the number of requests.
+
+n > 1: a parent request prefills `prompt_len - 1` tokens, then is forked into n children that share
+its full KV blocks (ref counts), copy its partial last block and its KDA state (`block_copies`,
+`state_copies` in the SchedulerOutput), and each compute the last prompt token on their own.
+
+Call order (the engine): `add_request` ... then per step `schedule()` -> worker ->
+`update_from_output()`; `finish_requests()` at any time (stop strings, aborts).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from kdaserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
+from kdaserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kdaserve.core.sched_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kdaserve.request import Request, RequestStatus
+
+# Proposers that write their own KV past the verified tokens need lookahead slots.
+_NO_LOOKAHEAD_METHODS = ("ngram",)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_gpu_blocks: int,
+        num_state_slots: int,
+        speculative_config: SpeculativeConfig | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len or scheduler_config.max_model_len
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.block_size = cache_config.block_size
+
+        spec = speculative_config
+        spec_on = spec is not None and spec.enabled
+        self.num_spec_tokens = spec.num_speculative_tokens if spec_on else 0
+        self.draft_slots = max(self.num_spec_tokens - 1, 0)
+        """Extra query slots the drafter needs per scheduled request."""
+        self.num_lookahead_tokens = (
+            self.num_spec_tokens if spec_on and spec.method not in _NO_LOOKAHEAD_METHODS else 0)
+        # TODO(lead): read the flag directly once SchedulerConfig.adaptive_spec_budget exists.
+        self.adaptive_spec_budget = bool(
+            getattr(scheduler_config, "adaptive_spec_budget", True))
+        if self.adaptive_spec_budget:
+            self.max_num_scheduled_tokens = self.max_num_batched_tokens
+            self._draft_charge = self.draft_slots
+        else:
+            self.max_num_scheduled_tokens = (
+                self.max_num_batched_tokens - self.draft_slots * self.max_num_seqs)
+            self._draft_charge = 0
+        self._check_config(num_gpu_blocks)
+
+        self.kv_cache_manager = KVCacheManager(
+            self.block_size, num_gpu_blocks, num_state_slots,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+            max_model_len=self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests by id (a forked parent is replaced by its children)."""
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._children: dict[str, list[str]] = {}
+        """n > 1 parent id -> its children's ids, while any child is unfinished."""
+        self._unsent: set[str] = set()
+        """Forked children the worker has not seen yet (they go out as NewRequestData)."""
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def _check_config(self, num_gpu_blocks: int) -> None:
+        if self.max_num_scheduled_tokens <= 0:
+            raise ValueError(
+                f"static spec budget max_num_batched_tokens={self.max_num_batched_tokens} - "
+                f"draft_slots={self.draft_slots} * max_num_seqs={self.max_num_seqs} leaves "
+                f"{self.max_num_scheduled_tokens} tokens; raise max_num_batched_tokens or use the "
+                "adaptive budget")
+        if self.max_num_batched_tokens <= self.draft_slots:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must exceed the "
+                f"{self.draft_slots} draft slots of one request")
+        if cdiv(self.max_model_len, self.block_size) > num_gpu_blocks:
+            raise ValueError(
+                f"num_gpu_blocks={num_gpu_blocks} (block_size={self.block_size}) cannot hold one "
+                f"sequence of max_model_len={self.max_model_len}; lower max_model_len or give "
+                "the KV cache more blocks")
+        per_step = self.max_num_scheduled_tokens - self._draft_charge
+        if not self.enable_chunked_prefill and per_step < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill one step must fit a max_model_len={self.max_model_len} "
+                f"prompt, but only {per_step} tokens fit (max_num_batched_tokens="
+                f"{self.max_num_batched_tokens})")
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, request: Request) -> None:
+        """Queue a request (status WAITING). An n > 1 request with a one-token prompt has no
+        prefix to share, so its n children are queued directly."""
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.req_id!r} is not fresh: {request!r}")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.req_id!r}: prompt of {request.num_prompt_tokens} tokens "
+                f"exceeds max_model_len={self.max_model_len}")
+        n = request.num_samples
+        if n > min(self.max_num_seqs, self.kv_cache_manager.num_state_slots):
+            raise ValueError(
+                f"request {request.req_id!r}: n={n} exceeds max_num_seqs={self.max_num_seqs} "
+                f"or num_state_slots={self.kv_cache_manager.num_state_slots}")
+        if n > 1:
+            fork_tokens = request.num_prompt_tokens - 1
+            fork_blocks = cdiv(fork_tokens, self.block_size) + (
+                n - 1 if fork_tokens % self.block_size else 0)
+            if fork_blocks > self.kv_cache_manager.num_gpu_blocks:
+                raise ValueError(
+                    f"request {request.req_id!r}: forking n={n} samples of a "
+                    f"{request.num_prompt_tokens}-token prompt needs {fork_blocks} KV blocks, "
+                    f"more than num_gpu_blocks={self.kv_cache_manager.num_gpu_blocks}")
+        new = [request]
+        if request.is_fork_parent and request.num_prompt_tokens == 1:
+            new = [request.make_child(i) for i in range(n)]
+        ids = [request.req_id] + [r.req_id for r in new if r is not request]
+        for rid in ids:
+            if rid in self.requests or rid in self._children:
+                raise ValueError(f"request id {rid!r} is already in use")
+        if new[0] is not request:
+            self._children[request.req_id] = [r.req_id for r in new]
+        for r in new:
+            self.requests[r.req_id] = r
+            self.waiting.append(r)
+
+    def finish_requests(self, req_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """Finish requests from outside (stop string: FINISHED_STOPPED, abort:
+        FINISHED_ABORTED), whatever their state. Frees their blocks and slots now and reports
+        them in the next SchedulerOutput.finished_req_ids. A forked n > 1 parent id finishes all
+        its unfinished children. Unknown or already finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        to_finish = []
+        for rid in req_ids:
+            for cid in self._children.get(rid, [rid]):
+                request = self.requests.get(cid)
+                if request is not None and request not in to_finish:
+                    to_finish.append(request)
+        if not to_finish:
+            return
+        gone = {id(r) for r in to_finish}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for request in to_finish:
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        """Release a finished request (already out of running/waiting) and forget it."""
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.req_id)
+        self._unsent.discard(request.req_id)
+        del self.requests[request.req_id]
+        parent = request.parent_req_id
+        if parent in self._children and all(
+                cid not in self.requests for cid in self._children[parent]):
+            del self._children[parent]
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self.max_num_scheduled_tokens
+        input_budget = (self.max_num_batched_tokens if self.adaptive_spec_budget
+                        else self.max_num_scheduled_tokens)
+        charge = self._draft_charge
+        scheduled: list[Request] = []
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        # RUNNING first, oldest first.
+        i = 0
+        while i < len(self.running) and token_budget > 0 and input_budget > charge:
+            request = self.running[i]
+            if request.is_fork_parent and request.num_computed_tokens >= self._target(request):
+                if not self._fork(i, out, preempted):
+                    break  # the parent itself was preempted
+                request = self.running[i]
+            num_new = self._num_new_tokens(request, token_budget, input_budget - charge)
+            if num_new == 0:
+                i += 1
+                continue
+            blocks = self._allocate_or_preempt(request, num_new, preempted, scheduled)
+            if blocks is None:
+                break  # the request itself was preempted: nothing newer is left
+            new_blocks[request.req_id] = blocks
+            out.num_scheduled_tokens[request.req_id] = num_new
+            token_budget -= num_new
+            input_budget -= num_new + charge
+            scheduled.append(request)
+            i += 1
+
+        # WAITING next, FCFS, only if nobody was preempted this step.
+        if not preempted:
+            num_seqs = sum(self._weight(r) for r in self.running)
+            while self.waiting and token_budget > 0 and input_budget > charge:
+                request = self.waiting[0]
+                weight = self._weight(request)
+                if num_seqs + weight > self.max_num_seqs:
+                    break
+                if self.kv_cache_manager.num_free_slots < weight:
+                    break
+                num_new = self._num_new_tokens(request, token_budget, input_budget - charge)
+                remaining = self._target(request) - request.num_computed_tokens
+                if num_new == 0 or (not self.enable_chunked_prefill and num_new < remaining):
+                    break
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                              self.num_lookahead_tokens)
+                if blocks is None:
+                    break
+                self.kv_cache_manager.allocate_state_slot(request, num_reserved=weight - 1)
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_cached_tokens = 0
+                self._unsent.add(request.req_id)
+                num_seqs += weight
+                new_blocks[request.req_id] = blocks
+                out.num_scheduled_tokens[request.req_id] = num_new
+                token_budget -= num_new
+                input_budget -= num_new + charge
+                scheduled.append(request)
+
+        self._build_output(out, scheduled, new_blocks, preempted)
+        return out
+
+    def _weight(self, request: Request) -> int:
+        """Sequences (and state slots) a request will need: n for an unforked parent."""
+        return request.num_samples if request.is_fork_parent else 1
+
+    def _target(self, request: Request) -> int:
+        """Tokens the request wants computed: an n > 1 parent stops one short of its prompt."""
+        if request.is_fork_parent:
+            return request.num_prompt_tokens - 1
+        return request.num_tokens_with_spec
+
+    def _num_new_tokens(self, request: Request, token_budget: int, input_room: int) -> int:
+        num_new = self._target(request) - request.num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        num_new = min(num_new, token_budget, input_room,
+                      self.max_model_len - request.num_computed_tokens)
+        return max(num_new, 0)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request],
+                             scheduled: list[Request]) -> list[int] | None:
+        """Allocate blocks for a running request, preempting the newest running requests until
+        it fits. Returns None when the request itself had to be preempted."""
+        while True:
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                          self.num_lookahead_tokens)
+            if blocks is not None:
+                return blocks
+            if self._preempt_newest(request, preempted, scheduled):
+                return None
+
+    def _preempt_newest(self, request: Request, preempted: list[Request],
+                        scheduled: list[Request]) -> bool:
+        """Preempt running[-1]; True if that was `request` itself."""
+        victim = self.running.pop()
+        # Running requests are visited oldest first, so the newest is never scheduled yet.
+        assert victim not in scheduled, victim
+        self._preempt(victim)
+        preempted.append(victim)
+        return victim is request
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self._unsent.discard(request.req_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _fork(self, index: int, out: SchedulerOutput, preempted: list[Request]) -> bool:
+        """Replace the parent at running[index] by its n children. False if the parent had to be
+        preempted to find blocks for the partial-block copies."""
+        parent = self.running[index]
+        need = self.kv_cache_manager.num_blocks_to_fork(parent)
+        while self.kv_cache_manager.num_free_blocks < need:
+            if self._preempt_newest(parent, preempted, []):
+                return False
+        children = [parent.make_child(k) for k in range(parent.num_samples)]
+        result = self.kv_cache_manager.fork(parent, children)
+        assert result is not None
+        out.block_copies.extend(result.block_copies)
+        out.state_copies.extend(result.state_copies)
+        for child in children:
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.requests[child.req_id] = child
+            self._unsent.add(child.req_id)
+        self._children[parent.req_id] = [c.req_id for c in children]
+        self.running[index:index + 1] = children
+        # The parent is done: the worker drops it (its slot now belongs to the last child).
+        del self.requests[parent.req_id]
+        self._unsent.discard(parent.req_id)
+        self._finished_req_ids.add(parent.req_id)
+        parent.status = RequestStatus.FINISHED_STOPPED
+        return True
+
+    def _build_output(self, out: SchedulerOutput, scheduled: list[Request],
+                      new_blocks: dict[str, list[int]], preempted: list[Request]) -> None:
+        cached = CachedRequestData()
+        for request in scheduled:
+            rid = request.req_id
+            if rid in self._unsent:
+                self._unsent.discard(rid)
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req_id=rid,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(rid),
+                    state_slot=request.state_slot,
+                    num_computed_tokens=request.num_computed_tokens,
+                    sample_seed_offset=request.num_output_tokens,
+                ))
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(new_blocks[rid])
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_new = out.num_scheduled_tokens[rid]
+            num_spec = request.num_computed_tokens + num_new - request.num_tokens
+            if num_spec > 0 and request.spec_token_ids:
+                out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
+            # Advance now (the KV/state of these tokens is written by this step's forward);
+            # update_from_output rolls back rejected drafts.
+            request.num_computed_tokens += num_new
+        out.scheduled_cached_reqs = cached
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.preempted_req_ids = {r.req_id for r in preempted}
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+
+    # ------------------------------------------------------------------ after the forward
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, roll back rejected drafts, check stop conditions and free
+        finished requests. Returns one EngineCoreOutput per request that got tokens."""
+        index = {rid: j for j, rid in enumerate(runner_output.req_ids)}
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted during the step
+            j = index.get(rid)
+            generated = runner_output.sampled_token_ids[j] if j is not None else []
+            logprobs = (runner_output.logprobs[j]
+                        if j is not None and j < len(runner_output.logprobs) else None)
+            self._check_runner_output(request, generated, scheduler_output)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, ())
+            if drafts:
+                request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            if not generated:
+                continue
+            status = None
+            new_token_ids: list[int] = []
+            for token_id in generated:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request)
+                if status is not None:
+                    break
+            if status is not None:
+                request.status = status
+                finished.append(request)
+            outputs.append(EngineCoreOutput(
+                req_id=rid,
+                new_token_ids=new_token_ids,
+                new_logprobs=list(logprobs[:len(new_token_ids)]) if logprobs else None,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+                parent_req_id=request.parent_req_id,
+                sample_index=request.sample_index,
+            ))
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self._free_request(request)
+        return outputs
+
+    def _check_runner_output(self, request: Request, generated: list[int],
+                             scheduler_output: SchedulerOutput) -> None:
+        in_prefill = request.num_computed_tokens < request.num_tokens
+        if in_prefill and generated:
+            raise RuntimeError(
+                f"runner sampled {generated} for request {request.req_id!r} whose prompt is "
+                f"still being prefilled ({request.num_computed_tokens}/{request.num_tokens})")
+        if not in_prefill and not generated:
+            raise RuntimeError(f"runner sampled no token for request {request.req_id!r}")
+        num_drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(request.req_id, ()))
+        if len(generated) > num_drafts + 1:
+            raise RuntimeError(
+                f"runner returned {len(generated)} tokens for request {request.req_id!r} with "
+                f"{num_drafts} scheduled drafts")
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        """Stop after the last appended token? EOS (unless ignore_eos) and stop_token_ids count
+        only once min_tokens are out; max_tokens and max_model_len always."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # ------------------------------------------------------------------ speculative decoding
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Set the drafts to verify next step (the proposer's output), at most
+        num_speculative_tokens each. Ids of finished requests are ignored."""
+        for rid, drafts in draft_token_ids.items():
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.spec_token_ids = list(drafts[:self.num_spec_tokens])
+
+    # ------------------------------------------------------------------ introspection
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet reported to the worker (one more schedule() flushes them)."""
+        return bool(self._finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_gpu_blocks,
+            num_free_state_slots=kv.num_free_slots,
+            num_total_state_slots=kv.num_state_slots,
+            num_preemptions=self.num_preemptions,
+        )
