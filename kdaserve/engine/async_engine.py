@@ -1,0 +1,349 @@
+# SPDX-License-Identifier: Apache-2.0
+"""AsyncEngine: the asyncio front of the engine-core process.
+
+The event loop never runs model work: requests go to the core process over ZMQ, and a reader
+task dispatches the core's per-step deltas into per-request collectors. `generate()` is an
+async iterator per request; leaving it early (client gone, task cancelled) aborts the request
+in the core at once, which frees its KV blocks and state slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, GetStats,
+                                         OutputMessage, Outputs, Ready, RequestDelta,
+                                         RequestFailed, Shutdown, StartupFailed, Stats,
+                                         run_engine_core, sampling_params_to_dict)
+from kdaserve.engine.stats import EngineStats
+from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kdaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; nothing more can be served."""
+
+
+class EngineStartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestTiming:
+    """Front-side timestamps of one finished request (what the client saw)."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+class _RequestCollector:
+    """Collects the core's deltas for one request until its consumer takes them.
+
+    A slow consumer gets the deltas of several steps merged into one output."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 n: int, delta: bool):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.delta = delta
+        self.pending: list[RequestDelta] = []
+        self.error: BaseException | None = None
+        self.event = asyncio.Event()
+        self.outputs = [CompletionOutput(index=i) for i in range(n)]  # cumulative mode only
+        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.num_generation_tokens = 0
+        self.finish_reasons: list[str] = []
+
+    def put(self, delta: RequestDelta) -> None:
+        if self.metrics.first_token_time is None and any(c.token_ids for c in delta.completions):
+            self.metrics.first_token_time = time.time()
+        self.num_generation_tokens += sum(len(c.token_ids) for c in delta.completions)
+        self.finish_reasons += [c.finish_reason for c in delta.completions if c.finish_reason]
+        self.pending.append(delta)
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    async def get(self) -> RequestOutput:
+        while not self.pending:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
+        pending, self.pending = self.pending, []
+        last = pending[-1]
+        if last.finished:
+            self.metrics.finished_time = time.time()
+        outputs = self._merge_delta(pending) if self.delta else self._merge_cumulative(pending)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
+                             last.finished, last.num_cached_tokens, self.metrics)
+
+    def _merge_cumulative(self, pending: list[RequestDelta]) -> list[CompletionOutput]:
+        for d in pending:
+            for c in d.completions:
+                _extend(self.outputs[c.index], c)
+        return [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+                                 None if o.logprobs is None else list(o.logprobs),
+                                 o.finish_reason, o.stop_reason) for o in self.outputs]
+
+    @staticmethod
+    def _merge_delta(pending: list[RequestDelta]) -> list[CompletionOutput]:
+        merged: dict[int, CompletionOutput] = {}
+        for d in pending:
+            for c in d.completions:
+                _extend(merged.setdefault(c.index, CompletionOutput(index=c.index)), c)
+        return [merged[i] for i in sorted(merged)]
+
+
+def _extend(out: CompletionOutput, c) -> None:
+    out.text += c.text
+    out.token_ids.extend(c.token_ids)
+    if c.logprobs is not None:
+        out.logprobs = (out.logprobs or []) + c.logprobs
+    out.cumulative_logprob = c.cumulative_logprob
+    if c.finish_reason is not None:
+        out.finish_reason, out.stop_reason = c.finish_reason, c.stop_reason
+
+
+class AsyncEngine:
+    def __init__(self, proc: multiprocessing.Process, ctx: zmq.asyncio.Context,
+                 input_sock: zmq.asyncio.Socket, output_sock: zmq.asyncio.Socket,
+                 info: dict[str, Any], ipc_dir: str):
+        self.proc = proc
+        self.ctx = ctx
+        self.input_sock = input_sock
+        self.output_sock = output_sock
+        self.info = info
+        self.ipc_dir = ipc_dir
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self.collectors: dict[str, _RequestCollector] = {}
+        self.stats_waiters: dict[int, asyncio.Future] = {}
+        self.nonces = itertools.count()
+        self.dead_error: EngineDeadError | None = None
+        self.request_observer: Callable[[RequestTiming], None] | None = None
+        self.tasks = [asyncio.create_task(self._output_loop()),
+                      asyncio.create_task(self._watch_process())]
+
+    # ------------------------------------------------------------------------------ start-up
+
+    @classmethod
+    async def start(cls, engine_kwargs: dict[str, Any], startup_timeout: float = 900.0,
+                    log_level: str = "INFO") -> "AsyncEngine":
+        """Spawn the core process, wait until its engine is built, return the front.
+
+        Raises EngineStartupError with the engine's message (e.g. a bad flag value)."""
+        ipc_dir = tempfile.mkdtemp(prefix="kdaserve-")
+        input_addr = f"ipc://{ipc_dir}/input"
+        output_addr = f"ipc://{ipc_dir}/output"
+        ctx = zmq.asyncio.Context()
+        input_sock = ctx.socket(zmq.PUSH)
+        input_sock.bind(input_addr)
+        output_sock = ctx.socket(zmq.PULL)
+        output_sock.bind(output_addr)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="kdaserve-engine-core", daemon=True,
+            args=(engine_kwargs, input_addr, output_addr, os.getpid(), log_level))
+        proc.start()
+        decoder = msgspec.msgpack.Decoder(OutputMessage)
+        deadline = time.monotonic() + startup_timeout
+        try:
+            while True:
+                if await output_sock.poll(200):
+                    msg = decoder.decode(await output_sock.recv())
+                    break
+                if not proc.is_alive():
+                    raise EngineStartupError(
+                        f"the engine process exited during start-up (exit code {proc.exitcode})")
+                if time.monotonic() > deadline:
+                    raise EngineStartupError(f"the engine did not start in {startup_timeout}s")
+            if isinstance(msg, StartupFailed):
+                raise EngineStartupError(msg.message)
+            assert isinstance(msg, Ready), msg
+        except BaseException:
+            _stop_process(proc)
+            input_sock.close(linger=0)
+            output_sock.close(linger=0)
+            ctx.term()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
+            raise
+        return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir)
+
+    # ------------------------------------------------------------------------------ requests
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, prompt: str | None = None,
+                       delta: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs, one per engine step (merged if the consumer lags).
+
+        delta=False: each output is cumulative (all text / tokens so far), as LLMEngine.step.
+        delta=True: each output holds only what is new since the previous one.
+        Raises ValueError if the engine rejects the request, EngineDeadError if it is gone."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self.collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        collector = _RequestCollector(request_id, prompt, list(prompt_token_ids),
+                                      sampling_params.n, delta)
+        self.collectors[request_id] = collector
+        self._send(AddRequest(request_id, collector.prompt_token_ids,
+                              sampling_params_to_dict(sampling_params),
+                              collector.metrics.arrival_time, prompt))
+        finished = False
+        try:
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                yield out
+        finally:
+            self.collectors.pop(request_id, None)
+            if not finished:
+                self._abort_now([request_id])
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            collector = self.collectors.pop(rid, None)
+            if collector is not None:
+                collector.fail(asyncio.CancelledError(f"request {rid} aborted"))
+        self._abort_now(ids)
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        if self.dead_error is None:
+            self._send(AbortRequests(request_ids))
+
+    async def get_stats(self) -> EngineStats:
+        if self.dead_error is not None:
+            raise self.dead_error
+        nonce = next(self.nonces)
+        future = asyncio.get_running_loop().create_future()
+        self.stats_waiters[nonce] = future
+        self._send(GetStats(nonce))
+        try:
+            stats = await asyncio.wait_for(future, timeout=30.0)
+        finally:
+            self.stats_waiters.pop(nonce, None)
+        return EngineStats(**stats)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self.proc.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.collectors)
+
+    def _send(self, msg) -> None:
+        # PUSH to a connected peer queues at once; the future needs no awaiting.
+        self.input_sock.send(self.encoder.encode(msg), copy=False)
+
+    # --------------------------------------------------------------------------- background
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                raw = await self.output_sock.recv(copy=False)
+                self._dispatch(self.decoder.decode(raw.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken channel means a dead engine
+            logger.exception("engine output loop failed")
+            self._set_dead(f"engine output channel failed: {e}")
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Outputs):
+            for delta in msg.outputs:
+                collector = self.collectors.get(delta.request_id)
+                if collector is None:
+                    continue
+                collector.put(delta)
+                if delta.finished:
+                    self._observe(collector)
+        elif isinstance(msg, RequestFailed):
+            collector = self.collectors.get(msg.request_id)
+            if collector is not None:
+                error = ValueError(msg.message) if msg.bad_request else RuntimeError(msg.message)
+                collector.fail(error)
+        elif isinstance(msg, Stats):
+            future = self.stats_waiters.get(msg.nonce)
+            if future is not None and not future.done():
+                future.set_result(msg.stats)
+        elif isinstance(msg, CoreFailed):
+            for rid in msg.request_ids:
+                collector = self.collectors.get(rid)
+                if collector is not None:
+                    collector.fail(RuntimeError(f"engine step failed: {msg.message}"))
+
+    def _observe(self, collector: _RequestCollector) -> None:
+        if self.request_observer is None:
+            return
+        self.request_observer(RequestTiming(
+            collector.metrics.arrival_time, collector.metrics.first_token_time, time.time(),
+            len(collector.prompt_token_ids), collector.num_generation_tokens,
+            collector.finish_reasons))
+
+    async def _watch_process(self) -> None:
+        while self.proc.is_alive():
+            await asyncio.sleep(0.5)
+        self._set_dead(f"the engine process died (exit code {self.proc.exitcode})")
+
+    def _set_dead(self, message: str) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error(message)
+        self.dead_error = EngineDeadError(message)
+        for collector in self.collectors.values():
+            collector.fail(self.dead_error)
+        for future in self.stats_waiters.values():
+            if not future.done():
+                future.set_exception(self.dead_error)
+
+    # ------------------------------------------------------------------------------ shutdown
+
+    async def shutdown(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.proc.is_alive():
+            try:
+                self._send(Shutdown())
+            except zmq.ZMQError:
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 5.0)
+        _stop_process(self.proc)
+        self.input_sock.close(linger=0)
+        self.output_sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _stop_process(proc: multiprocessing.Process) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5.0)

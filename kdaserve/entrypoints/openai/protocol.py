@@ -1,0 +1,269 @@
+# SPDX-License-Identifier: Apache-2.0
+"""OpenAI request models (pydantic) and the small builders for response bodies.
+
+Requests are validated here; unknown fields are ignored (clients send many). Responses are
+plain dicts built by the serving classes: the exact set of fields is part of the wire contract
+and easier to see as literals than as `exclude_unset` models.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_MAX_SEED = 2**63 - 1
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatMessage(OpenAIBaseModel):
+    """One input message. Content parts other than text are rejected (text-only model)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                if part.get("type") not in ("text", "input_text") or not isinstance(
+                        part.get("text"), str):
+                    raise ValueError(
+                        f"only text content parts are supported, got part type "
+                        f"{part.get('type')!r}")
+        return v
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The dict handed to the chat template: text parts joined, reasoning normalised."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(part["text"] for part in self.content)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            d["reasoning_content"] = reasoning
+            d["reasoning"] = reasoning
+        return d
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by chat and completion requests (OpenAI + vLLM extensions)."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    best_of: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=_MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    """vLLM extension: put prompt_token_ids and token_ids into the response."""
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, v):
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > 64:
+            raise ValueError(f"at most 64 stop strings, got {len(items)}")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        # Reject what we cannot honour instead of ignoring it silently.
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                raise ValueError(f"{name}={value} is not supported (only {neutral})")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    response_format: dict[str, Any] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _chat_checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(
+                f"response_format type {self.response_format.get('type')!r} is not supported "
+                "(structured outputs are not implemented)")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise ValueError(
+                "tool_choice 'required' or a named function needs structured outputs, which "
+                "are not supported; use 'auto' or 'none'")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be an empty list")
+            if any(isinstance(p, list) and not p for p in v):
+                raise ValueError("token-id prompts must not be empty")
+            if any(isinstance(t, int) and t < 0 for t in v):
+                raise ValueError("token ids must be >= 0")
+            if any(isinstance(p, list) and any(t < 0 for t in p) for p in v):
+                raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _completion_checks(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        return self
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------- responses
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def model_card(model_id: str, root: str, max_model_len: int) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": now(), "owned_by": "kdaserve",
+            "root": root, "parent": None, "max_model_len": max_model_len, "permission": []}
