@@ -218,3 +218,49 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         y = h @ w2[e].t()
         out.index_add_(0, tok, y.float() * topk_weights[tok, pos, None].float())
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Twins added for the Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                         conv_states: torch.Tensor, state_indices: torch.Tensor,
+                         has_initial_state: torch.Tensor, activation: str | None = "silu"
+                         ) -> torch.Tensor:
+    """Packed-sequence prefill conv; updates conv_states in place (twin of
+    kernels.conv.causal_conv1d.causal_conv1d_varlen).
+
+    x: [T, D]; weight: [D, W]; cu_seqlens: [B+1]; conv_states: [num_slots, D, W-1];
+    state_indices: [B] (< 0: padding, slot untouched, zero window); has_initial_state: [B] bool.
+    Rows past cu_seqlens[-1] get y = 0. Returns y [T, D] in x.dtype.
+    """
+    y = torch.zeros_like(x)
+    cu = cu_seqlens.tolist()
+    for b in range(len(cu) - 1):
+        slot = int(state_indices[b])
+        init = conv_states[slot] if slot >= 0 and bool(has_initial_state[b]) else None
+        if cu[b + 1] == cu[b]:                  # empty sequence: the window stays (or is zeroed)
+            new_state = init.clone() if init is not None else torch.zeros_like(conv_states[0])
+        else:
+            y[cu[b]:cu[b + 1]], new_state = causal_conv1d(x[cu[b]:cu[b + 1]], weight, init,
+                                                          activation)
+        if slot >= 0:
+            conv_states[slot] = new_state.to(conv_states.dtype)
+    return y
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
+                         state_indices: torch.Tensor, activation: str | None = "silu"
+                         ) -> torch.Tensor:
+    """One decode token per sequence; shifts x into conv_states[state_indices[b]] in place (twin of
+    kernels.conv.causal_conv1d.causal_conv1d_update). x: [B, D]; returns y [B, D] in x.dtype."""
+    y = torch.empty_like(x)
+    for b in range(x.shape[0]):
+        slot = int(state_indices[b])
+        init = conv_states[slot] if slot >= 0 else None
+        y[b:b + 1], new_state = causal_conv1d(x[b:b + 1], weight, init, activation)
+        if slot >= 0:
+            conv_states[slot] = new_state.to(conv_states.dtype)
+    return y

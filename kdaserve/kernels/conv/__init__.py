@@ -1,0 +1,1 @@
+"""Depthwise causal short convolution (KDA q/k/v conv) kernels."""

@@ -1,0 +1,125 @@
+"""Triton kernels for the depthwise causal conv of KDA (imported lazily by causal_conv1d.py).
+
+Varlen prefill runs in two launches: `conv_varlen_kernel` reads the initial windows from the state
+slots, then `conv_varlen_state_kernel` overwrites those slots with each sequence's last W-1
+inputs (a later launch, so no program reads a slot another program already rewrote).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def conv_varlen_kernel(
+    x_ptr, w_ptr, y_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr,
+    num_tokens, dim, num_seqs,
+    stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj,
+    W: tl.constexpr, SEARCH_STEPS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    total = tl.load(cu_seqlens_ptr + num_seqs)
+    mask_t = offs_t < total                       # rows past cu_seqlens[-1] are padding -> 0
+    # sequence of each token: cu_seqlens[lo] <= t < cu_seqlens[hi], bisect until hi == lo + 1
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.full([BLOCK_T], 0, dtype=tl.int32) + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(cu_seqlens_ptr + mid) <= offs_t
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    seq = lo
+    pos = offs_t - tl.load(cu_seqlens_ptr + seq, mask=mask_t, other=0)
+    slot = tl.load(state_idx_ptr + seq, mask=mask_t, other=-1).to(tl.int64)
+    has = (tl.load(has_init_ptr + seq, mask=mask_t, other=0) != 0) & (slot >= 0)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(W):
+        w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=mask_d, other=0.0)
+        src = pos - (W - 1) + j                                      # position in the sequence
+        in_x = (src >= 0)[:, None] & mask_t[:, None] & mask_d[None, :]
+        xv = tl.load(x_ptr + (offs_t - (W - 1) + j).to(tl.int64)[:, None] * stride_xt
+                     + offs_d[None, :], mask=in_x, other=0.0)
+        in_s = ((src < 0) & has)[:, None] & mask_t[:, None] & mask_d[None, :]
+        sv = tl.load(states_ptr + slot[:, None] * stride_ss + offs_d[None, :] * stride_sd
+                     + (W - 1 + src)[:, None] * stride_sj, mask=in_s, other=0.0)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w_j.to(tl.float32)[None, :]
+    if SILU:
+        acc = _silu(acc)
+    acc = tl.where(mask_t[:, None], acc, 0.0)
+    y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_d[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_t < num_tokens)[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def conv_varlen_state_kernel(
+    x_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr, dim,
+    stride_xt, stride_ss, stride_sd, stride_sj,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    slot = tl.load(state_idx_ptr + seq).to(tl.int64)
+    if slot < 0:
+        return
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    start = tl.load(cu_seqlens_ptr + seq)
+    length = tl.load(cu_seqlens_ptr + seq + 1) - start
+    has = tl.load(has_init_ptr + seq) != 0
+    j = tl.arange(0, BLOCK_W)
+    mask_j = j < W - 1
+    src = length - (W - 1) + j                     # sequence position of new window column j
+    from_x = (src >= 0) & mask_j
+    xv = tl.load(x_ptr + (start + src).to(tl.int64)[None, :] * stride_xt + offs_d[:, None],
+                 mask=mask_d[:, None] & from_x[None, :], other=0.0)
+    base = states_ptr + slot * stride_ss + offs_d[:, None] * stride_sd
+    # the old window is read whole before any store: column j of the new window may come from old
+    # column length + j, which another thread of this program overwrites
+    old = tl.load(base + j[None, :] * stride_sj,
+                  mask=mask_d[:, None] & mask_j[None, :] & has, other=0.0).to(tl.float32)
+    pick = (j[None, :] == (length + j)[:, None]) & (src < 0)[:, None]   # [new col, old col]
+    sv = tl.sum(tl.where(pick[None, :, :], old[:, None, :], 0.0), axis=2)
+    new = xv.to(tl.float32) + sv                  # [BLOCK_D, BLOCK_W]
+    tl.store(base + j[None, :] * stride_sj, new.to(states_ptr.dtype.element_ty),
+             mask=mask_d[:, None] & mask_j[None, :])
+
+
+@triton.jit
+def conv_update_kernel(
+    x_ptr, w_ptr, y_ptr, states_ptr, state_idx_ptr, dim,
+    stride_xb, stride_yb, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    slot = tl.load(state_idx_ptr + b).to(tl.int64)
+    live = slot >= 0                               # slot < 0: padding row, zero window, no write
+    j = tl.arange(0, BLOCK_W)
+    mask_j = j < W - 1
+    base = states_ptr + tl.maximum(slot, 0) * stride_ss + offs_d[:, None] * stride_sd
+    m2 = mask_d[:, None] & mask_j[None, :] & live
+    win = tl.load(base + j[None, :] * stride_sj, mask=m2, other=0.0).to(tl.float32)  # [BD, BW]
+    xv = tl.load(x_ptr + b.to(tl.int64) * stride_xb + offs_d, mask=mask_d, other=0.0)
+    w_win = tl.load(w_ptr + offs_d[:, None] * stride_wd + j[None, :] * stride_wj,
+                    mask=mask_d[:, None] & mask_j[None, :], other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=mask_d,
+                     other=0.0).to(tl.float32)
+    acc = tl.sum(win * w_win, axis=1) + xv.to(tl.float32) * w_last
+    if SILU:
+        acc = _silu(acc)
+    tl.store(y_ptr + b.to(tl.int64) * stride_yb + offs_d, acc.to(y_ptr.dtype.element_ty),
+             mask=mask_d)
+    # shift the window left by one (in registers: no re-read of columns being rewritten), append x
+    shift = j[None, :] == (j + 1)[:, None]                                # [new col, old col]
+    new = tl.sum(tl.where(shift[None, :, :], win[:, None, :], 0.0), axis=2)
+    new = tl.where((j == W - 2)[None, :], xv[:, None].to(tl.float32), new)
+    tl.store(base + j[None, :] * stride_sj, new.to(states_ptr.dtype.element_ty), mask=m2)

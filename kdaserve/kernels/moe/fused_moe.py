@@ -1,0 +1,171 @@
+"""Fused routed-experts MoE layer on Triton: align by expert, two grouped GEMMs, top-k sum.
+
+Same math as `kdaserve.kernels.reference.moe_experts`. No Python loop over experts, no host sync:
+buffers and grids are sized from shapes alone (an upper bound on padded rows), so the call can be
+captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
+
+
+@dataclass(frozen=True)
+class MoEGemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tile shapes of the two grouped GEMMs (they share block_m: the row blocks are common)."""
+    gemm1: MoEGemmConfig
+    gemm2: MoEGemmConfig
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int,
+                   dtype: torch.dtype) -> FusedMoEConfig:
+    """Size classes by rows per expert: decode (weight-bandwidth bound), small, large batches."""
+    if dtype == torch.float32:
+        c = MoEGemmConfig(16, 32, 32, 1, 4, 1)
+        return FusedMoEConfig(c, c)
+    rows_per_expert = num_tokens * top_k / max(1, num_experts)
+    if num_tokens <= 32:
+        return FusedMoEConfig(MoEGemmConfig(16, 32, 128, 1, 4, 4),
+                              MoEGemmConfig(16, 32, 128, 1, 4, 4))
+    if rows_per_expert <= 32:
+        return FusedMoEConfig(MoEGemmConfig(32, 64, 64, 4, 4, 4),
+                              MoEGemmConfig(32, 64, 64, 4, 4, 4))
+    return FusedMoEConfig(MoEGemmConfig(64, 128, 64, 8, 8, 3),
+                          MoEGemmConfig(64, 128, 64, 8, 4, 4))
+
+
+@dataclass
+class MoEAlignment:
+    """Routing entries grouped by expert into padded row blocks of block_m (device tensors)."""
+    sorted_ids: torch.Tensor     # [max_rows] int32 entry ids (n * top_k + j); padding unset
+    expert_ids: torch.Tensor     # [max_blocks] int32 expert of each row block, -1 past the end
+    expert_start: torch.Tensor   # [E] int32 first padded row of each expert
+    counts: torch.Tensor         # [E] int32 entries per expert
+    num_rows: torch.Tensor       # [1] int32 padded rows in use
+    max_blocks: int
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Group the flattened top-k entries by expert, each expert padded to a multiple of block_m."""
+    require_triton()
+    from kdaserve.kernels.moe.triton_moe import (moe_count_kernel, moe_offsets_kernel,
+                                                 moe_scatter_kernel)
+
+    ids = topk_ids.reshape(-1)
+    numel = ids.numel()
+    max_rows = numel + min(num_experts, numel) * (block_m - 1)
+    max_blocks = max(1, cdiv(max_rows, block_m))
+    ws = torch.zeros(3 * num_experts + 1 + max_blocks + max_rows, dtype=torch.int32,
+                     device=ids.device)
+    counts, expert_start, cursor = ws[:num_experts], ws[num_experts:2 * num_experts], \
+        ws[2 * num_experts:3 * num_experts]
+    num_rows = ws[3 * num_experts:3 * num_experts + 1]
+    expert_ids = ws[3 * num_experts + 1:3 * num_experts + 1 + max_blocks]
+    sorted_ids = ws[3 * num_experts + 1 + max_blocks:]
+    block = 256
+    grid = (max(1, cdiv(numel, block)),)
+    moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block)
+    moe_offsets_kernel[(1,)](counts, expert_start, cursor, expert_ids, num_rows,
+                             num_experts, max_blocks, BLOCK_M=block_m,
+                             BLOCK_E=next_power_of_2(num_experts), BLOCK_B=32, num_warps=4)
+    moe_scatter_kernel[grid](ids, cursor, sorted_ids, numel, num_experts, BLOCK=block)
+    return MoEAlignment(sorted_ids, expert_ids, expert_start, counts, num_rows, max_blocks)
+
+
+def _check_moe_inputs(x, w13, w2, topk_weights, topk_ids):
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected x [N, D], w13 [E, 2I, D], w2 [E, D, I]; got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    N, D = x.shape
+    E, two_i, d1 = w13.shape
+    if d1 != D or two_i % 2 or w2.shape != (E, D, two_i // 2):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)} (want w13 [E, 2I, D], w2 [E, D, I])")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != N or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids/topk_weights must be [N={N}, k], got "
+                         f"{tuple(topk_ids.shape)}/{tuple(topk_weights.shape)}")
+    if x.dtype != w13.dtype or x.dtype != w2.dtype:
+        raise ValueError(f"x, w13, w2 dtypes differ: {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32/int64, got {topk_ids.dtype}")
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("x, w13 and w2 need a contiguous last dim")
+    for name, t in (("x", x), ("w13", w13), ("w2", w2), ("topk_weights", topk_weights),
+                    ("topk_ids", topk_ids)):
+        check_kernel_device(t)
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, out: torch.Tensor | None = None,
+              config: FusedMoEConfig | None = None) -> torch.Tensor:
+    """Routed SwiGLU experts: out[n] = sum_j w[n, j] * w2[e] @ (silu(gate_e x_n) * up_e x_n).
+
+    x: [N, D]; w13: [E, 2I, D] (rows [0, I) gate, [I, 2I) up); w2: [E, D, I];
+    topk_weights: [N, k] (fp32); topk_ids: [N, k] int (ids outside [0, E) contribute nothing).
+    Returns [N, D] in x.dtype (into `out` when given). bf16 operands, fp32 accumulation.
+    """
+    require_triton()
+    _check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    from kdaserve.kernels.moe.triton_moe import (moe_gemm1_kernel, moe_gemm2_kernel,
+                                                 moe_sum_kernel)
+
+    N, D = x.shape
+    E, two_i, _ = w13.shape
+    inter_size = two_i // 2
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    elif out.shape != (N, D) or out.stride(1) != 1:
+        raise ValueError(f"out must be [N, D]={N, D} with a contiguous last dim, "
+                         f"got {tuple(out.shape)}")
+    if N == 0:
+        return out
+    cfg = config or default_config(N, top_k, E, x.dtype)
+    if cfg.gemm1.block_m != cfg.gemm2.block_m:
+        raise ValueError(f"gemm1/gemm2 block_m differ: {cfg.gemm1.block_m} != {cfg.gemm2.block_m}")
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    align = moe_align_block_size(topk_ids, E, cfg.gemm1.block_m)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+
+    inter = torch.empty(N * top_k, inter_size, dtype=x.dtype, device=x.device)  # [N*k, I]
+    c1 = cfg.gemm1
+    moe_gemm1_kernel[(align.max_blocks * cdiv(inter_size, c1.block_n),)](
+        x, w13, inter,
+        align.sorted_ids, align.expert_ids, align.expert_start, align.counts, align.num_rows,
+        inter_size, D, top_k, align.max_blocks,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
+        BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, GROUP_M=c1.group_m,
+        DOT_PRECISION=precision, num_warps=c1.num_warps, num_stages=c1.num_stages,
+    )
+    buf = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)             # [N*k, D]
+    c2 = cfg.gemm2
+    moe_gemm2_kernel[(align.max_blocks * cdiv(D, c2.block_n),)](
+        inter, w2, buf, topk_weights,
+        align.sorted_ids, align.expert_ids, align.expert_start, align.counts, align.num_rows,
+        D, inter_size, align.max_blocks,
+        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), buf.stride(0),
+        BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, GROUP_M=c2.group_m,
+        DOT_PRECISION=precision, num_warps=c2.num_warps, num_stages=c2.num_stages,
+    )
+    block_d = min(1024, next_power_of_2(D))
+    moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,
+                                          buf.stride(0), out.stride(0), BLOCK_D=block_d,
+                                          num_warps=4)
+    return out

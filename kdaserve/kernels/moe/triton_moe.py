@@ -1,0 +1,173 @@
+"""Triton kernels of the fused MoE layer (imported lazily by fused_moe.py).
+
+Routing entries are the flattened top-k pairs: entry r = n * top_k + j is token n's j-th expert.
+  1. moe_count_kernel     counts[e] = #entries routed to e                        (atomics)
+  2. moe_offsets_kernel   expert_start[e] (padded to BLOCK_M), block -> expert map, total rows
+  3. moe_scatter_kernel   sorted_ids[expert_start[e] + rank] = r                  (atomics)
+  4. moe_gemm1_kernel     inter[r] = silu(x[n] @ w_gate[e]^T) * (x[n] @ w_up[e]^T)
+  5. moe_gemm2_kernel     buf[r] = topk_weight[r] * (inter[r] @ w2[e]^T)
+  6. moe_sum_kernel       out[n] = sum_j buf[n * top_k + j]
+Entries whose expert id is outside [0, E) are dropped (expert-parallel "not local" convention).
+The order of rows inside an expert's block depends on atomics, but each row's result does not
+(GEMM rows are independent and step 6 sums in a fixed order), so the output is deterministic.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+    ok = (offs < numel) & (e >= 0) & (e < num_experts)
+    tl.atomic_add(counts_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
+
+
+@triton.jit
+def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
+                       num_experts, max_blocks,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    end = tl.cumsum(padded, axis=0)                                   # inclusive
+    start = end - padded
+    tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
+    tl.store(cursor_ptr + offs_e, start, mask=mask_e)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_rows_ptr, total)
+    # block i (rows [i*BLOCK_M, (i+1)*BLOCK_M)) belongs to the number of experts ending at or before it
+    for b0 in range(0, max_blocks, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        row0 = offs_b * BLOCK_M
+        before = (end[None, :] <= row0[:, None]) & mask_e[None, :]   # [BLOCK_B, BLOCK_E]
+        eid = tl.sum(before.to(tl.int32), axis=1)
+        eid = tl.where(row0 < total, eid, -1)
+        tl.store(expert_ids_ptr + offs_b, eid, mask=offs_b < max_blocks)
+
+
+@triton.jit
+def moe_scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, numel, num_experts,
+                       BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+    ok = (offs < numel) & (e >= 0) & (e < num_experts)
+    pos = tl.atomic_add(cursor_ptr + e, tl.full([BLOCK], 1, tl.int32), mask=ok)
+    tl.store(sorted_ids_ptr + pos, offs, mask=ok)
+
+
+@triton.jit
+def _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr,
+                BLOCK_M: tl.constexpr):
+    """(expert, entry ids [BLOCK_M], valid mask [BLOCK_M]) of one padded row block."""
+    e = tl.load(expert_ids_ptr + pid_m)
+    e_safe = tl.maximum(e, 0)
+    start = tl.load(expert_start_ptr + e_safe)
+    count = tl.load(counts_ptr + e_safe)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = (offs_m - start < count) & (e >= 0)
+    rows = tl.load(sorted_ids_ptr + offs_m, mask=valid, other=0)
+    return e_safe.to(tl.int64), rows.to(tl.int64), valid
+
+
+@triton.jit
+def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Walk GROUP_M row blocks before moving along N, so weight tiles are reused from L2."""
+    group_size = GROUP_M * num_pid_n
+    group_id = pid // group_size
+    first_m = group_id * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % size_m
+    pid_n = (pid % group_size) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def moe_gemm1_kernel(
+    x_ptr, w13_ptr, inter_ptr,
+    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
+    inter_size, hidden, top_k, max_blocks,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_im,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
+                                GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e, rows, valid = _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr,
+                                 counts_ptr, BLOCK_M)
+    tok = rows // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter_size
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]                     # [BM, BK]
+    g_ptrs = (w13_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None] * stride_wk)                                         # [BK, BN]
+    u_ptrs = g_ptrs + inter_size * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        mask_k = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K * stride_wk
+        u_ptrs += BLOCK_K * stride_wk
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                                        # SwiGLU
+    o_ptrs = inter_ptr + rows[:, None] * stride_im + offs_n[None, :]
+    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_gemm2_kernel(
+    inter_ptr, w2_ptr, buf_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
+    hidden, inter_size, max_blocks,
+    stride_im, stride_we, stride_wn, stride_wk, stride_bm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    e, rows, valid = _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr,
+                                 counts_ptr, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + rows[:, None] * stride_im + offs_k[None, :]                 # [BM, BK]
+    w_ptrs = (w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+              + offs_k[:, None] * stride_wk)                                         # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        mask_k = offs_k < inter_size - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    route_w = tl.load(topk_weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * route_w[:, None]
+    o_ptrs = buf_ptr + rows[:, None] * stride_bm + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(buf_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_sum_kernel(buf_ptr, topk_ids_ptr, out_ptr, hidden, num_experts, top_k,
+                   stride_bm, stride_om, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < hidden
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in range(0, top_k):
+        r = n * top_k + j
+        e = tl.load(topk_ids_ptr + r)
+        ok = (e >= 0) & (e < num_experts)
+        acc += tl.load(buf_ptr + r * stride_bm + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
