@@ -218,7 +218,7 @@ class ModelRunner:
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, ids, ForwardContext(md, self.caches))
         last = [md.query_start_loc_cpu[i + 1].item() - 1 for i in batch.sample_rows]
-        return hidden[torch.tensor(last, device=self.device)]
+        return hidden[torch.tensor(last, dtype=torch.long, device=self.device)]
 
     def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]):
         logits = self.model.compute_logits(hidden)                    # [R, V] fp32
