@@ -37,7 +37,9 @@ class SamplingMetadata:
     no_top_k: bool = True
     no_min_p: bool = True
     max_top_k: int = 0
-    """Largest top-k of any row (0 when no_top_k): lets top-k-only batches use torch.topk."""
+    """Largest top-k of any random row (0 when no_top_k): lets batches use torch.topk."""
+    all_top_k: bool = False
+    """Every random row has top-k on: top-p then only needs to sort the top max_top_k."""
 
     max_num_logprobs: int | None = None
     """Largest `logprobs` of any row; None = no row wants logprobs."""
@@ -102,6 +104,7 @@ class SamplingMetadata:
             no_top_k=no_top_k,
             no_min_p=no_min_p,
             max_top_k=0 if no_top_k else max(p.top_k for p in random_rows),
+            all_top_k=bool(random_rows) and all(p.top_k > 0 for p in random_rows),
             max_num_logprobs=max(wanted) if wanted else None,
             banned_token_ids=banned_t,
         )

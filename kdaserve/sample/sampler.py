@@ -66,7 +66,7 @@ class Sampler(nn.Module):
             temperature = torch.where(is_greedy_temperature(temperature), 1.0, temperature)
         logits = logits / temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k,
-                                   None if md.no_top_p else md.top_p, md.max_top_k)
+                                   None if md.no_top_p else md.top_p, md.max_top_k, md.all_top_k)
         if not md.no_min_p:
             logits = apply_min_p(logits, md.min_p)
         probs = torch.softmax(logits, dim=-1)  # [B, V]
@@ -82,15 +82,19 @@ def apply_top_k_top_p(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     max_top_k: int = 0,
+    all_top_k: bool = False,
 ) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus of the
     renormalised top-k distribution. top_k [B] int (<= 0 = off), top_p [B] float (1 = off).
-    Ties with the k-th logit are kept. The most likely token is never masked."""
+    max_top_k / all_top_k (host values) allow the partial-sort paths. Ties with the k-th logit
+    are kept, except on the all_top_k path. The most likely token is never masked."""
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[-1]
     if top_p is None:
         return _apply_top_k_only(logits, top_k, max_top_k)
+    if top_k is not None and all_top_k and 0 < max_top_k < vocab:
+        return _apply_top_k_top_p_partial(logits, top_k, top_p, max_top_k)
 
     logits_sort, order = logits.sort(dim=-1, descending=False)  # [B, V] ascending
     if top_k is not None:
@@ -114,6 +118,22 @@ def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int)
     kth = top_vals.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
     kth = kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))  # rows with top-k off
     return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_k_top_p_partial(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int,
+) -> torch.Tensor:
+    """Top-k then top-p when every row has a top-k: sort only the batch's top max_top_k."""
+    vals, idx = logits.topk(max_top_k, dim=-1)  # [B, max_k] descending
+    pos = torch.arange(max_top_k, device=logits.device)
+    k = torch.where(top_k > 0, top_k, max_top_k).to(torch.int64)
+    vals = vals.masked_fill(pos.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    mass_above = torch.cumsum(probs, dim=-1) - probs  # [B, max_k] mass of better tokens
+    drop = mass_above >= top_p.unsqueeze(1)
+    drop[:, 0] = False  # keep the argmax
+    vals = vals.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, idx, vals)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,8 @@ def test_random_stop_strings_match_reference(tokenizer):
         stop = text[start:start + rng.randint(1, 4)]
         include = rng.random() < 0.5
         ids = tokenizer.encode(text)
-        detok = IncrementalDetokenizer(tokenizer, [], stop=[stop], include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(tokenizer, [], stop=[stop],
+                                       include_stop_str_in_output=include)
         got = "".join(_stream(detok, ids, rng))
         full = tokenizer.decode(ids)
         idx = full.find(stop)

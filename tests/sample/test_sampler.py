@@ -243,3 +243,16 @@ def test_banned_dominant_token_in_plain_random_rows():
     assert torch.equal(logits, before)  # the caller's logits are not modified
     # Logprobs stay raw: the ban does not show in them.
     assert (out.logprob_token_ids[:, 1] == 0).all()
+
+
+def test_partial_sort_top_k_top_p_matches_full_sort():
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(64, 500, generator=g) * 2
+    top_k = torch.randint(1, 80, (64,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(64, generator=g) * 0.98 + 0.01
+    full = apply_top_k_top_p(logits, top_k, top_p)
+    partial = apply_top_k_top_p(logits, top_k, top_p, int(top_k.max()), all_top_k=True)
+    assert torch.equal(torch.isinf(full), torch.isinf(partial))
+    kept = ~torch.isinf(full)
+    assert torch.equal(full[kept], partial[kept])
+    assert 1 < kept.sum(-1).float().mean() < 79  # both filters did something
