@@ -255,7 +255,7 @@ def load_safetensors_weights(model: nn.Module, model_path: str) -> None:
 # Dummy weights
 # ----------------------------------------------------------------------------------------------
 
-def _tensor_seed(seed: int, name: str) -> int:
+def tensor_seed(seed: int, name: str) -> int:
     """Per-tensor seed: independent of parameter order, device and of the other tensors."""
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
@@ -290,7 +290,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
             if data.data_ptr() in seen and data.numel() > 0:  # tied alias: filled once
                 continue
             seen.add(data.data_ptr())
-            s = _tensor_seed(seed, name)
+            s = tensor_seed(seed, name)
             if dummy_routing == "spread" and name.endswith(".mlp.gate.e_score_correction_bias"):
                 data.zero_()
             elif dummy_routing == "spread" and name.endswith(".mlp.gate.weight"):

@@ -1,0 +1,239 @@
+"""`kdaserve make-model OUT --preset {tiny,small,kimi-linear-48b-a3b}`: write a synthetic HF-style
+Kimi Linear model folder offline.
+
+The folder holds config.json, generation_config.json, a byte-level BPE tokenizer trained on the
+text shipped in kdaserve/data/ (tokenizer.json + tokenizer_config.json with a Kimi-style chat
+template, also chat_template.jinja) and, for tiny / small, random weights in transformers >= 5.17
+naming (model.safetensors). The 48B preset writes the real architecture's config and the tokenizer
+only: serve it with `--load-format dummy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import math
+import os
+
+import torch
+
+from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.models.loader import tensor_seed, expected_tensors
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
+CONFIG_48B_FILE = "kimi_linear_48b_a3b_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+BOS, EOS, PAD, IM_END = "[BOS]", "[EOS]", "[PAD]", "<|im_end|>"
+# Control tokens: special (dropped by skip_special_tokens on decode).
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_END, "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                  "<|im_middle|>"]
+# Markup the reasoning / tool-call parsers read in the decoded text: single ids, kept on decode.
+MARKUP_TOKENS = ["<think>", "</think>", "<|tool_calls_section_begin|>",
+                 "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+TOKENIZER_VOCAB_SIZE = 4096
+"""Target size incl. added tokens; the shipped corpus may support fewer merges."""
+# cl100k-style split: contractions, letter runs with one leading non-letter, 1-3 digit groups,
+# punctuation runs, newlines, spaces.
+PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                       r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+PRESETS = ("tiny", "small", "kimi-linear-48b-a3b")
+
+# Architecture overrides on top of the 48B config (which supplies every other field).
+_PRESET_ARCH = {
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=4,
+        linear_attn_config=dict(head_dim=16, num_heads=2, short_conv_kernel_size=4,
+                                kda_layers=[1, 2, 3], full_attn_layers=[4]),
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=1, first_k_dense_replace=1,
+        model_max_length=4096),
+    "small": dict(
+        hidden_size=256, num_hidden_layers=8,
+        linear_attn_config=dict(head_dim=64, num_heads=4, short_conv_kernel_size=4,
+                                kda_layers=[1, 2, 3, 5, 6, 7], full_attn_layers=[4, 8]),
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1024, moe_intermediate_size=128,
+        num_experts=32, num_experts_per_token=4, num_shared_experts=1, first_k_dense_replace=1,
+        model_max_length=32768),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+def corpus_files() -> list[str]:
+    files = sorted(glob.glob(os.path.join(DATA_DIR, "corpus_*.txt")))
+    if not files:
+        raise FileNotFoundError(f"no corpus_*.txt training text in {DATA_DIR}")
+    return files
+
+
+def chat_template() -> str:
+    with open(os.path.join(DATA_DIR, CHAT_TEMPLATE_FILE), encoding="utf-8") as f:
+        return f.read()
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """Byte-level BPE trained on the shipped corpus; added tokens get the last ids."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    num_added = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - num_added, min_frequency=2, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(corpus_files(), trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
+    return tok
+
+
+def build_hf_tokenizer(model_max_length: int):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(), bos_token=BOS, eos_token=IM_END, pad_token=PAD,
+        model_max_length=model_max_length, clean_up_tokenization_spaces=False,
+        chat_template=chat_template())
+
+
+def save_tokenizer(tokenizer, out_dir: str) -> None:
+    tokenizer.save_pretrained(out_dir)
+    template = chat_template()
+    with open(os.path.join(out_dir, CHAT_TEMPLATE_FILE), "w", encoding="utf-8") as f:
+        f.write(template)
+    # Also inline in tokenizer_config.json, where older loaders and other servers look for it.
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = template
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+def base_config() -> dict:
+    with open(os.path.join(DATA_DIR, CONFIG_48B_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def preset_config(preset: str, tokenizer) -> dict:
+    """config.json contents for `preset`, special-token ids taken from `tokenizer`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = base_config()
+    if preset in _PRESET_ARCH:
+        cfg.update(copy.deepcopy(_PRESET_ARCH[preset]))
+        cfg["vocab_size"] = 64 * math.ceil(len(tokenizer) / 64)
+    ids = tokenizer.convert_tokens_to_ids
+    cfg.update(bos_token_id=ids(BOS), eos_token_id=ids(IM_END), pad_token_id=ids(PAD))
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Random weights
+# ----------------------------------------------------------------------------------------------
+
+_NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
+INIT_STD = 0.02
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One tensor of a fresh model, fp32: N(0, 0.02) matrices, unit norms, and the FLA-style
+    A_log / dt_bias init transformers uses (A = U(1, 16), dt = logU(1e-3, 1e-1) as softplus^-1)."""
+    if name.endswith(_NORM_SUFFIXES):
+        return torch.ones(shape)
+    if name.endswith(".e_score_correction_bias"):
+        return torch.zeros(shape)
+    if name.endswith(".A_log"):
+        return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log()
+    if name.endswith(".dt_bias"):
+        dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
+        dt = dt.exp().clamp_min(1e-4)
+        return dt + torch.log(-torch.expm1(-dt))
+    return torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
+
+
+def random_weights(args: KimiLinearArgs, seed: int = 0, dtype: torch.dtype = torch.bfloat16
+                   ) -> dict[str, torch.Tensor]:
+    """A full random state dict for `args` in transformers >= 5.17 naming (fp32 where the model
+    keeps fp32). Each tensor is seeded by (seed, name): the same name gives the same values."""
+    out = {}
+    for name, (shape, dt) in expected_tensors(args, dtype).items():
+        gen = torch.Generator().manual_seed(tensor_seed(seed, name))
+        out[name] = _random_tensor(name, shape, gen).to(dt).contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The folder
+# ----------------------------------------------------------------------------------------------
+
+def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
+    """Write the synthetic model folder for `preset` into `out_dir`; returns its path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"output path {out_dir!r} exists and is not a directory")
+    os.makedirs(out_dir, exist_ok=True)
+
+    max_len = int(_PRESET_ARCH.get(preset, base_config())["model_max_length"])
+    tokenizer = build_hf_tokenizer(max_len)
+    cfg = preset_config(preset, tokenizer)
+    args = KimiLinearArgs.from_hf_config(cfg)  # validates the config we are about to write
+
+    save_tokenizer(tokenizer, out_dir)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    gen_cfg = {"bos_token_id": cfg["bos_token_id"],
+               "eos_token_id": [cfg["eos_token_id"], tokenizer.convert_tokens_to_ids(EOS)],
+               "pad_token_id": cfg["pad_token_id"]}
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump(gen_cfg, f, indent=2)
+
+    if preset in _PRESET_ARCH:
+        from safetensors.torch import save_file
+
+        save_file(random_weights(args, seed), os.path.join(out_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "make-model", help="write a synthetic Kimi Linear model folder (config, tokenizer, "
+                           "random weights)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="output folder (created if missing)")
+    p.add_argument("--preset", choices=PRESETS, default="tiny")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    path = make_model(args.out, preset=args.preset, seed=args.seed)
+    what = "config + tokenizer" if args.preset not in _PRESET_ARCH else "config, tokenizer, weights"
+    print(f"wrote {args.preset} model ({what}) to {path}")
+    return 0
