@@ -13,10 +13,11 @@ vLLM (`vllm bench serve`), all times from `start` = just before the HTTP POST:
 - throughputs = totals / benchmark duration.
 
 guidellm 0.8.1:
-- time_to_first_token_ms = vLLM TTFT.
-- inter_token_latency_ms = (last - first token event) / (output_tokens - 1) = vLLM TPOT, but
+- time_to_first_token_ms = first event that carried output text (a role-only chunk does not
+  count; equals vLLM TTFT when the server sends the role chunk with the first token).
+- inter_token_latency_ms = (last - first text event) / (output_tokens - 1) = vLLM TPOT, but
   aggregated weighted by output_tokens - 1.
-- time_per_output_token_ms = (last token event - start) / output_tokens (includes TTFT),
+- time_per_output_token_ms = (last text event - start) / output_tokens (includes TTFT),
   weighted by output_tokens.
 - request_latency (s) = stream closed - start.
 """
@@ -51,6 +52,11 @@ class RequestRecord:
     """Times of the choices-bearing events."""
     event_tokens: list[int] = field(default_factory=list)
     """Output tokens each choices event added (from continuous usage stats; else 1 each)."""
+    first_text_time: float | None = None
+    """First event that carried output text (guidellm's first token iteration: a role-only
+    chunk with empty content does not count)."""
+    last_text_time: float | None = None
+    num_text_events: int = 0
     prompt_tokens: int | None = None
     """usage.prompt_tokens as reported by the server."""
     output_tokens: int | None = None
@@ -233,10 +239,12 @@ def guidellm_metrics(records: list[RequestRecord], duration: float,
     if duration <= 0:
         raise ValueError(f"duration must be > 0, got {duration}")
     ok = [r for r in records if r.success and r.output_tokens]
-    ttft_ms = [r.ttft * 1000.0 for r in ok]
-    itl_vals, itl_w, tpot_vals, tpot_w = [], [], [], []
+    ttft_ms, itl_vals, itl_w, tpot_vals, tpot_w, per_iter = [], [], [], [], [], []
     for r in ok:
-        first, last = r.event_times[0], r.event_times[-1]
+        first = r.first_text_time if r.first_text_time is not None else r.event_times[0]
+        last = r.last_text_time if r.last_text_time is not None else r.event_times[-1]
+        ttft_ms.append(first * 1000.0)
+        per_iter.append(r.output_tokens / max(r.num_text_events or len(r.event_times), 1))
         if r.output_tokens > 1:
             itl_vals.append((last - first) / (r.output_tokens - 1) * 1000.0)
             itl_w.append(r.output_tokens - 1)
@@ -254,8 +262,7 @@ def guidellm_metrics(records: list[RequestRecord], duration: float,
         "time_to_first_token_ms": summarize(ttft_ms, percentiles),
         "inter_token_latency_ms": weighted_summarize(itl_vals, itl_w, percentiles),
         "time_per_output_token_ms": weighted_summarize(tpot_vals, tpot_w, percentiles),
-        "output_tokens_per_iteration": summarize(
-            [r.output_tokens / len(r.event_times) for r in ok], percentiles),
+        "output_tokens_per_iteration": summarize(per_iter, percentiles),
         "prompt_token_count": summarize(prompt, percentiles),
         "output_token_count": summarize(output, percentiles),
         "request_totals": {"successful": len(ok), "errored": sum(not r.success for r in records),
