@@ -155,6 +155,25 @@ def test_request_preempts_itself_when_it_is_newest(make_scheduler):
     assert b.output_token_ids == reference_tokens(b.prompt_token_ids, 8)
 
 
+def test_no_admission_in_a_preemption_step(make_scheduler):
+    sched, runner = make_scheduler(num_gpu_blocks=6, max_model_len=24, max_num_batched_tokens=8)
+    a = make_request("a", 12, max_tokens=10)
+    b = make_request("b", 12, max_tokens=10, start=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(10):
+        so, _ = step(sched, runner)
+        if so.preempted_req_ids:
+            break
+    assert so.preempted_req_ids == {"b"} and so.scheduled_new_reqs == []
+    # b (chunked to the 7 tokens left) would fit now: only the rule kept it out.
+    assert sched.kv_cache_manager.num_free_blocks >= 2 and so.total_num_scheduled_tokens == 1
+    so, _ = step(sched, runner)
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["b"]
+    run_until_done(sched, runner)
+    assert b.output_token_ids == reference_tokens(b.prompt_token_ids, 10)
+
+
 def _holdings(sched):
     kv = sched.kv_cache_manager
     return kv.num_free_blocks, kv.num_free_slots
