@@ -87,7 +87,7 @@ def _delta_rule_cuda(q, k, v, g, beta, md: AttentionMetadata, rec_cache):
     if nd:
         # [1, nd, H, *]: one token per sequence; the kernel reads and writes the pool in place.
         od, _ = fused_recurrent_kda_fwd(
-            q[None, :nd], k[None, :nd], v[None, :nd], g[None, :nd], beta[None, :nd],
+            *(x[None, :nd].contiguous() for x in (q, k, v, g, beta)),
             initial_state=rec_cache, inplace_final_state=True,
             cu_seqlens=md.query_start_loc[:nd + 1].long(),
             ssm_state_indices=md.state_indices[:nd].long(),
@@ -100,7 +100,7 @@ def _delta_rule_cuda(q, k, v, g, beta, md: AttentionMetadata, rec_cache):
         init = rec_cache[slots] * md.has_initial_state[nd:, None, None, None]
         cu = (md.query_start_loc[nd:] - md.query_start_loc[nd]).long()
         op, final = chunk_kda(
-            q[None, t0:t1], k[None, t0:t1], v[None, t0:t1], g[None, t0:t1], beta[None, t0:t1],
+            *(x[None, t0:t1].contiguous() for x in (q, k, v, g, beta)),
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
             cu_seqlens=cu, cu_seqlens_cpu=(md.query_start_loc_cpu[nd:]
                                            - md.query_start_loc_cpu[nd]).long())

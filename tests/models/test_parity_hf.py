@@ -40,10 +40,10 @@ def hf_logits(hf, ids):
 class Runner:
     """Drives the model with explicit per-request block lists and state slots."""
 
-    def __init__(self, model, args, num_reqs):
-        self.model, self.args = model, args
+    def __init__(self, model, args, num_reqs, dtype=torch.float32, device="cpu"):
+        self.model, self.args, self.device = model, args, device
         self.caches = allocate_caches(args, num_blocks=64, block_size=BLOCK, num_slots=num_reqs + 2,
-                                      dtype=torch.float32, device="cpu")
+                                      dtype=dtype, device=device)
         self.blocks = [list(range(i * 16, (i + 1) * 16)) for i in range(num_reqs)]
         self.slots = [i + 1 for i in range(num_reqs)]
 
@@ -52,14 +52,14 @@ class Runner:
         reqs = sorted(reqs, key=lambda r: not (len(r[1]) == 1 and r[2] > 0))
         md = build_metadata([len(r[1]) for r in reqs], [r[2] for r in reqs],
                             [self.blocks[r[0]] for r in reqs], [self.slots[r[0]] for r in reqs],
-                            BLOCK, "cpu")
-        ids = torch.tensor([t for r in reqs for t in r[1]])
+                            BLOCK, self.device)
+        ids = torch.tensor([t for r in reqs for t in r[1]], device=self.device)
         with torch.no_grad():
             h = self.model(ids, torch.zeros_like(ids), ForwardContext(md, self.caches))
             logits = self.model.compute_logits(h)
         out, qsl = {}, md.query_start_loc_cpu.tolist()
         for i, r in enumerate(reqs):
-            out[r[0]] = logits[qsl[i]:qsl[i + 1]]
+            out[r[0]] = logits[qsl[i]:qsl[i + 1]].cpu()
         return out
 
 
@@ -74,10 +74,8 @@ def test_one_flattened_batch_matches_hf(pair):
         assert rel(out[i], hf_logits(hf, p)) <= 1e-4
 
 
-def test_chunked_prefill_then_decode_matches_hf(pair):
-    hf, ours, args = pair
-    extra = [11, 40, 77, 5]
-    runner = Runner(ours, args, len(PROMPTS))
+def run_chunked(runner, extra):
+    """Prefill PROMPTS in odd-sized chunks, then one-token decode steps; logits per prompt."""
     chunk_sizes = [3, 17, 29, 1, 64, 7]
     pos = [0] * len(PROMPTS)
     got = {i: [] for i in range(len(PROMPTS))}
@@ -98,6 +96,14 @@ def test_chunked_prefill_then_decode_matches_hf(pair):
         for i, logits in runner.step(reqs).items():
             got[i].append(logits)
             pos[i] += 1
+    return {i: torch.cat(v) for i, v in got.items()}
+
+
+EXTRA = [11, 40, 77, 5]
+
+
+def test_chunked_prefill_then_decode_matches_hf(pair):
+    hf, ours, args = pair
+    got = run_chunked(Runner(ours, args, len(PROMPTS)), EXTRA)
     for i, p in enumerate(PROMPTS):
-        ref = hf_logits(hf, p + extra)
-        assert rel(torch.cat(got[i]), ref) <= 1e-4
+        assert rel(got[i], hf_logits(hf, p + EXTRA)) <= 1e-4

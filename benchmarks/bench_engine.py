@@ -1,0 +1,193 @@
+"""In-process engine benchmark on one GPU (issues 2 and 3 figures).
+
+    python benchmarks/bench_engine.py MODEL_DIR --load-format dummy --out results.json
+
+MODEL_DIR is an HF-style folder (e.g. `kdaserve make-model /tmp/k48 --preset
+kimi-linear-48b-a3b`: config + tokenizer only). Measures: load time; one 8000-token prefill and
+32 decode steps (time of each); decode step time at batch 1/4/16 with 8K context, CUDA graphs on
+and off, next to the byte floor; offline throughput of 16 x (8000 in, 1000 out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kdaserve import SamplingParams  # noqa: E402
+from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("KDASERVE_COMMIT", "unknown")
+
+
+def measure_copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = []
+    for _ in range(10):
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        s.record()
+        y.copy_(x)
+        e.record()
+        torch.cuda.synchronize()
+        t.append(s.elapsed_time(e) / 1e3)
+    del x, y
+    return 2 * 2 * 2**30 / statistics.median(t)
+
+
+def touched_expert_ids(engine: LLMEngine, token_ids: list[int]) -> int:
+    """Experts a batch's routed tokens touch in the first MoE layer (dummy weights route every
+    token alike, so this holds for every layer)."""
+    model = engine.model_runner.model
+    layer = next(l for l in model.model.layers if hasattr(l.mlp, "gate"))
+    x = model.model.embed_tokens(torch.tensor(token_ids, device="cuda"))
+    _, ids = layer.mlp.gate(layer.post_attention_layernorm(x))
+    return int(torch.unique(ids).numel())
+
+
+def byte_floor(engine: LLMEngine, batch: int, context: int, experts_touched: int,
+               bandwidth: float) -> dict:
+    """Bytes a decode step must move: every non-expert weight, the experts the batch touches,
+    the MLA latent KV of every request, each KDA state read and written."""
+    model = engine.model_runner.model
+    args = engine.engine_config.model_config.arch
+    dense, expert_bytes = 0, 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if ".experts." in name:
+            expert_bytes += p.numel() * p.element_size()
+            continue
+        dense += p.numel() * p.element_size()
+    moe_layers = sum(t == "sparse" for t in args.mlp_layer_types)
+    per_expert = expert_bytes / (moe_layers * args.num_experts)
+    experts = per_expert * experts_touched * moe_layers
+    kv = batch * context * args.kv_cache_dim * 2 * len(args.mla_layer_ids)
+    state = 2 * batch * state_bytes_per_slot(args, torch.bfloat16)
+    total = dense + experts + kv + state
+    return {"dense_bytes": dense, "expert_bytes": experts, "kv_bytes": kv, "state_bytes": state,
+            "total_bytes": total, "floor_ms": total / bandwidth * 1e3,
+            "experts_touched_per_layer": experts_touched}
+
+
+def run_until_done(engine: LLMEngine) -> list[float]:
+    times = []
+    while engine.has_unfinished_requests():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dummy-routing", default="vllm")
+    ap.add_argument("--prompt-len", type=int, default=8000)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--throughput-requests", type=int, default=16)
+    ap.add_argument("--throughput-output", type=int, default=1000)
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    result = {"command": " ".join(sys.argv), "commit": git_commit(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    bw = measure_copy_bandwidth()
+    result["copy_bandwidth_TBps"] = bw / 1e12
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(
+        model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
+        max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.9)
+    result["engine_start_s"] = time.perf_counter() - t0
+    rn = engine.model_runner
+    result["kv_cache_tokens"] = rn.num_blocks * rn.block_size
+    result["kda_state_slots"] = rn.num_slots
+    vocab = engine.vocab_size
+    print(json.dumps(result, indent=1), flush=True)
+
+    # 1. One 8000-token prefill and 32 decode steps.
+    sp = SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
+    engine.add_request("p0", prompt(rng, args.prompt_len, vocab), sp)
+    times = run_until_done(engine)
+    result["prefill_8000_ms"] = times[0] * 1e3
+    result["decode_32_steps_ms"] = [t * 1e3 for t in times[1:]]
+    print(f"prefill {args.prompt_len}: {times[0] * 1e3:.1f} ms; decode steps median "
+          f"{statistics.median(times[1:]) * 1e3:.2f} ms", flush=True)
+
+    # 2. Decode step time at batch B with ~8K context, graphs on and off.
+    result["decode"] = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        ps = [prompt(rng, args.prompt_len, vocab) for _ in range(b)]
+        touched = touched_expert_ids(engine, [p[-1] for p in ps])
+        floor = byte_floor(engine, b, args.prompt_len, touched, bw)
+        row = {"batch": b, "context": args.prompt_len, **floor}
+        for graphs in (True, False):
+            saved = rn.graphs
+            if not graphs:
+                rn.graphs = None
+            for i, p in enumerate(ps):
+                engine.add_request(f"d{b}-{graphs}-{i}", p, SamplingParams(
+                    temperature=0.0, max_tokens=48, ignore_eos=True))
+            times = run_until_done(engine)
+            rn.graphs = saved
+            decode = times[-40:]          # every request is past its prefill here
+            key = "graphs" if graphs else "eager"
+            row[f"step_ms_{key}"] = statistics.median(decode) * 1e3
+            row[f"ratio_{key}"] = row[f"step_ms_{key}"] / floor["floor_ms"]
+        print(f"batch {b}: graphs {row['step_ms_graphs']:.2f} ms, eager "
+              f"{row['step_ms_eager']:.2f} ms, floor {floor['floor_ms']:.2f} ms "
+              f"(ratio {row['ratio_graphs']:.2f}), experts/layer {touched}", flush=True)
+        result["decode"].append(row)
+
+    # 3. Offline throughput: N x (8000 in, 1000 out).
+    if not args.skip_throughput:
+        n, out_len = args.throughput_requests, args.throughput_output
+        for i in range(n):
+            engine.add_request(f"t{i}", prompt(rng, args.prompt_len, vocab), SamplingParams(
+                temperature=1.0, top_p=0.95, seed=i, max_tokens=out_len, ignore_eos=True))
+        t0 = time.perf_counter()
+        times = run_until_done(engine)
+        wall = time.perf_counter() - t0
+        result["throughput"] = {"requests": n, "prompt_len": args.prompt_len,
+                                "output_len": out_len, "wall_s": wall,
+                                "output_tok_per_s": n * out_len / wall,
+                                "total_tok_per_s": n * (out_len + args.prompt_len) / wall,
+                                "steps": len(times)}
+        print(f"offline throughput: {n} x ({args.prompt_len} in, {out_len} out) in "
+              f"{wall:.1f} s = {n * out_len / wall:.0f} output tok/s", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""CUDA graphs for decode-only steps.
+
+One graph per capture size; a step with B decode requests replays the graph of the smallest size
+>= B. Padding rows compute on a scratch KDA slot (the runner's last slot), write no KV
+(slot_mapping -1) and read one cached token; their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kdaserve.attention.metadata import AttentionMetadata, ForwardContext
+
+if TYPE_CHECKING:
+    from kdaserve.worker.model_runner import CachedRequestState, ModelRunner, StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class DecodeGraphs:
+    def __init__(self, runner: "ModelRunner") -> None:
+        self.runner = runner
+        self.sizes = capture_sizes(runner.config.scheduler_config.max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        bs, dev = self.max_bs, runner.device
+        max_blocks = -(-runner.config.scheduler_config.max_model_len // runner.block_size)
+        self.input_ids = torch.zeros(bs, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((bs,), -1, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=dev)
+        self.state_indices = torch.full((bs,), runner.num_slots, dtype=torch.int32, device=dev)
+        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=dev)
+        # Host staging (pinned): one H2D copy per buffer per step.
+        self.h_ids = torch.zeros(bs, dtype=torch.long).pin_memory()
+        self.h_seq = torch.ones(bs, dtype=torch.int32).pin_memory()
+        self.h_slot = torch.full((bs,), -1, dtype=torch.int64).pin_memory()
+        self.h_table = torch.zeros(bs, max_blocks, dtype=torch.int32).pin_memory()
+        self.h_state = torch.zeros(bs, dtype=torch.int32).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+        self.max_seq_len = runner.config.scheduler_config.max_model_len
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        qsl_cpu = torch.arange(bs + 1, dtype=torch.int32)
+        return AttentionMetadata(
+            num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
+            query_start_loc=self.query_start_loc[:bs + 1], query_start_loc_cpu=qsl_cpu,
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
+            slot_mapping=self.slot_mapping[:bs], block_table=self.block_table[:bs],
+            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
+            max_query_len=1, max_seq_len=self.max_seq_len)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        model, caches = self.runner.model, self.runner.caches
+        for bs in reversed(self.sizes):
+            ctx = ForwardContext(self._metadata(bs), caches)
+            ids = self.input_ids[:bs]
+            for _ in range(2):   # warm up: Triton autotuning and lazy init stay out of capture
+                model(ids, ids, ctx)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = model(ids, ids, ctx)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = (graph, hidden)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (sizes %s) in %.1f s", len(self.graphs),
+                    self.sizes, time.perf_counter() - t0)
+
+    def can_run(self, batch: "StepBatch") -> bool:
+        n = len(batch.req_ids)
+        return (n <= self.max_bs and all(q == 1 for q in batch.query_lens)
+                and all(c > 0 for c in batch.num_computed))
+
+    def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
+        n = len(batch.req_ids)
+        bs = next(s for s in self.sizes if s >= n)
+        bsz = self.runner.block_size
+        self.h_ids[:n] = torch.tensor(batch.input_ids)
+        self.h_ids[n:bs] = 0
+        self.h_seq[:bs] = 1
+        self.h_slot[:bs] = -1
+        self.h_state[:bs] = self.runner.num_slots
+        width = 0
+        for i, (s, c) in enumerate(zip(states, batch.num_computed)):
+            self.h_seq[i] = c + 1
+            self.h_slot[i] = s.block_ids[c // bsz] * bsz + c % bsz
+            self.h_state[i] = s.state_slot
+            nb = len(s.block_ids)
+            self.h_table[i, :nb] = torch.tensor(s.block_ids, dtype=torch.int32)
+            width = max(width, nb)
+        self.h_table[n:bs, :1] = 0
+        self.input_ids[:bs].copy_(self.h_ids[:bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(self.h_seq[:bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(self.h_slot[:bs], non_blocking=True)
+        self.state_indices[:bs].copy_(self.h_state[:bs], non_blocking=True)
+        self.block_table[:bs, :width].copy_(self.h_table[:bs, :width], non_blocking=True)
+        graph, hidden = self.graphs[bs]
+        graph.replay()
+        return hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)]
