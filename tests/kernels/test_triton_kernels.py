@@ -1,0 +1,165 @@
+"""Triton kernels vs their plain-PyTorch twins.
+
+GPU tests (marked gpu) run the kernels at the model's sizes in bf16 and fp32. Without a GPU, one
+test runs the fp32 subset through the Triton CPU interpreter in a subprocess (TRITON_INTERPRET
+must be set before triton is imported, and must not leak into GPU tests).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernel_checks as kc
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_interpreter_suite():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(HERE / "kernel_checks.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_kernels_refuse_cpu_tensors_without_interpreter():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("interpreter mode accepts CPU tensors")
+    from kdaserve.kernels.moe.fused_moe import fused_moe
+
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="CUDA"):
+        fused_moe(x, torch.randn(4, 8, 8), torch.randn(4, 8, 4), torch.rand(2, 2),
+                  torch.zeros(2, 2, dtype=torch.int32))
+
+
+def test_bad_shapes_name_the_value():
+    from kdaserve.kernels.mla.decode import _check_mla_inputs
+
+    q = torch.randn(2, 4, 576)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        _check_mla_inputs(q, torch.randn(3, 24, 576), torch.zeros(2, 4, dtype=torch.int32),
+                          torch.zeros(2, dtype=torch.int32), 512)
+    with pytest.raises(ValueError, match="q last dim 576 != kv_cache last dim 512"):
+        _check_mla_inputs(q, torch.randn(3, 16, 512), torch.zeros(2, 4, dtype=torch.int32),
+                          torch.zeros(2, dtype=torch.int32), 512)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("page", [16, 64])
+def test_mla_decode_gpu(dtype, page):
+    lens = torch.randint(1, 3000, (6,)).tolist() + [0, 1, 8192]
+    kc.check_mla_decode("cuda", dtype, lens, num_heads=32, page=page, seed=page)
+    kc.check_mla_decode("cuda", dtype, [4097], num_heads=32, page=page, seed=1)   # batch 1
+    kc.check_mla_decode("cuda", dtype, [300, 5], num_heads=16, page=page, num_kv_splits=1)
+    kc.check_mla_decode("cuda", dtype, [513, 2000], num_heads=20, page=page, num_kv_splits=7)
+
+
+@pytest.mark.gpu
+@gpu
+def test_store_kv_gpu():
+    kc.check_store_kv("cuda", BF16)
+    kc.check_store_kv("cuda", F32, page=64)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_fused_moe_gpu(dtype):
+    for n in (1, 16, 77):
+        kc.check_fused_moe("cuda", dtype, n, hidden=512, inter=256, num_experts=64, top_k=8,
+                           seed=n)
+    kc.check_fused_moe("cuda", dtype, 600, hidden=512, inter=256, num_experts=64, top_k=8)
+    kc.check_fused_moe("cuda", dtype, 300, hidden=512, inter=256, num_experts=64, top_k=8,
+                       same_experts=True)
+    kc.check_fused_moe("cuda", dtype, 33, hidden=320, inter=96, num_experts=10, top_k=3,
+                       drop_some=True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_fused_moe_model_shapes_gpu():
+    # Kimi-Linear-48B expert shapes (D=2304, I=1024, k=8), 64 experts to keep memory small.
+    for n in (1, 16, 1024):
+        kc.check_fused_moe("cuda", BF16, n, hidden=2304, inter=1024, num_experts=64, top_k=8,
+                           seed=n)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_causal_conv1d_gpu(dtype):
+    kc.check_conv_varlen("cuda", dtype, [5, 0, 1, 2, 700, 3, 64], dim=12288)
+    kc.check_conv_varlen("cuda", dtype, [1000], dim=300, pad_rows=0)
+    kc.check_conv_update("cuda", dtype, batch=16, dim=12288)
+    kc.check_conv_update("cuda", dtype, batch=3, dim=100, width=3)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_replay_gpu():
+    """The three decode-path kernels capture once and replay with new seq_lens / routing / slots."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update
+    from kdaserve.kernels.mla.decode import mla_decode
+    from kdaserve.kernels.moe.fused_moe import fused_moe
+
+    dev, B, H = "cuda", 8, 32
+    kv, bt = kc.make_paged_kv(dev, BF16, [2048] * B, 16, 576)
+    q = torch.randn(B, H, 576, device=dev, dtype=BF16)
+    seq_lens = torch.full((B,), 100, dtype=torch.int32, device=dev)
+    x = torch.randn(B, 512, device=dev, dtype=BF16)
+    w13 = torch.randn(32, 512, 512, device=dev, dtype=BF16) * 512 ** -0.5
+    w2 = torch.randn(32, 512, 256, device=dev, dtype=BF16) * 256 ** -0.5
+    weights, ids = kc.make_routing(dev, B, 32, 4)
+    xc = torch.randn(B, 64, device=dev, dtype=BF16)
+    wc = torch.randn(64, 4, device=dev)
+    states = torch.randn(2 * B, 64, 3, device=dev, dtype=BF16)
+    idx = torch.arange(B, dtype=torch.int32, device=dev)
+
+    def step():
+        return (mla_decode(q, kv, bt, seq_lens, 0.07, 512), fused_moe(x, w13, w2, weights, ids),
+                causal_conv1d_update(xc, wc, states, idx))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()                                           # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for trial in range(2):
+        seq_lens.copy_(torch.randint(0, 2048, (B,), device=dev, dtype=torch.int32))
+        new_w, new_ids = kc.make_routing(dev, B, 32, 4, seed=trial + 5)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        idx.copy_(torch.randperm(2 * B, device=dev)[:B].int())
+        before = states.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        kc.assert_close("graph mla", outs[0], ref.mla_decode(q.double(), kv.double(), bt,
+                                                             seq_lens, 0.07, 512), BF16)
+        kc.assert_close("graph moe", outs[1], ref.moe_experts(
+            x.double(), w13.double(), w2.double(), weights, ids.long()), BF16)
+        st = before.double()
+        kc.assert_close("graph conv", outs[2], ref.causal_conv1d_update(
+            xc.double(), wc.double(), st, idx), BF16)
+        kc.assert_close("graph conv state", states, st, BF16)
