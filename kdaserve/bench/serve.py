@@ -22,7 +22,8 @@ guidellm-named equivalents (under "guidellm" in the JSON; note the name clash):
 
 Output JSON: command, date, git_commit, gpu, server {base_url, server_flags, /v1/models},
 config, probe_request (chat template measurement), levels [{concurrency, metrics (vLLM
-names, ms), guidellm, requests (per-request records: start, ttft, latency, itl, tpot,
+names, ms), guidellm, server_counters (deltas of /metrics counters over the level: spec-decode
+acceptance, prefix-cache hits, preemptions; null without /metrics), requests (per-request records: start, ttft, latency, itl, tpot,
 prompt_tokens, output_tokens, error, ...), warmup_requests}].
 """
 
@@ -41,6 +42,7 @@ import time
 import httpx
 
 from kdaserve.bench import client as bench_client
+from kdaserve.bench import server_metrics
 from kdaserve.bench.datasets import PromptFactory, load_prompt_tokenizer
 from kdaserve.bench.metrics import (DEFAULT_PERCENTILES, RequestRecord, guidellm_metrics,
                                     vllm_metrics)
@@ -206,11 +208,13 @@ async def run_level(client, cfg, factory: PromptFactory, concurrency: int, level
     tw = time.perf_counter()
     warm_records, _ = await _run_pool(client, cfg, warm_prompts, concurrency, tw,
                                       f"c{concurrency}-warmup")
+    counters_before = await server_metrics.scrape(client, cfg.base_url, cfg.api_key)
     t0 = time.perf_counter()
     deadline = t0 + duration if duration else None
     records, stopped = await _run_pool(client, cfg, prompts, concurrency, t0,
                                        f"c{concurrency}", deadline)
     elapsed = time.perf_counter() - t0
+    counters_after = await server_metrics.scrape(client, cfg.base_url, cfg.api_key)
     records.sort(key=lambda r: r.start)
     ok = [r for r in records if r.success]
     expected = prompt_len + template_tokens
@@ -225,6 +229,7 @@ async def run_level(client, cfg, factory: PromptFactory, concurrency: int, level
         "prompt_tokens_match_rate": (sum(exact) / len(exact)) if exact else None,
         "metrics": vllm_metrics(records, elapsed, percentiles, slos),
         "guidellm": guidellm_metrics(records, elapsed, percentiles),
+        "server_counters": server_metrics.level_counters(counters_before, counters_after),
         "requests": [r.to_dict() for r in records],
         "warmup_requests": [r.to_dict() for r in warm_records],
     }

@@ -121,3 +121,26 @@ def test_max_output_tokens_per_s_buckets():
 def test_duration_must_be_positive(records):
     with pytest.raises(ValueError, match="duration"):
         vllm_metrics(records, 0.0)
+
+
+def test_prometheus_counters_and_deltas():
+    from kdaserve.bench.server_metrics import level_counters, parse_prometheus
+
+    before = parse_prometheus(
+        '# HELP vllm:spec_decode_num_drafts_total drafts\n'
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 10.0\n'
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 80.0\n'
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0\n'
+        'vllm:prefix_cache_queries_total{model_name="m",engine="0"} 100\n'
+        'vllm:prefix_cache_queries_total{model_name="m",engine="1"} 100\n'
+        'vllm:prefix_cache_hits_total{model_name="m"} 50\n'
+        'process_cpu_seconds_total 3.5\n')
+    assert before["prefix_cache_queries"] == 200.0 and before["process_cpu_seconds"] == 3.5
+    after = dict(before, spec_decode_num_drafts=20.0, spec_decode_num_draft_tokens=160.0,
+                 spec_decode_num_accepted_tokens=60.0, prefix_cache_queries=400.0,
+                 prefix_cache_hits=200.0)
+    d = level_counters(before, after)
+    assert d["spec_decode_acceptance_rate"] == pytest.approx(30 / 80)
+    assert d["spec_decode_acceptance_length"] == pytest.approx(1 + 30 / 10)
+    assert d["prefix_cache_hit_rate"] == pytest.approx(150 / 200)
+    assert level_counters(None, after) is None
