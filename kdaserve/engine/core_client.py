@@ -295,4 +295,5 @@ def _engine_info(engine) -> dict[str, Any]:
         "num_total_blocks": stats.num_total_blocks,
         "num_total_state_slots": stats.num_total_state_slots,
         "eos_token_ids": list(getattr(engine, "eos_token_ids", [])),
+        "vocab_size": getattr(engine, "vocab_size", None),
     }

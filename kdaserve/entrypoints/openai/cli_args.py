@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`kdaserve serve [MODEL]`: vLLM's flag names and meanings, then the server's main loop.
+
+Engine flags (shared with `kdaserve generate`) map 1:1 onto LLMEngine.from_engine_args kwargs;
+a flag left unset is not passed, so the engine's own default applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+from typing import Any
+
+from kdaserve.entrypoints.openai.reasoning_parser import reasoning_parser_names
+from kdaserve.entrypoints.openai.tool_parser import tool_parser_names
+
+logger = logging.getLogger("kdaserve.serve")
+
+DEFAULT_MODEL_DIRNAME = "tiny-kimi-linear"
+
+
+def human_int(value: str) -> int | None:
+    """vLLM's --max-model-len syntax: 4096, 32k (x1000), 32K (x1024), 1m / 1M, -1 or auto."""
+    v = value.strip()
+    if v in ("auto", "-1"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", v)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid length {value!r}: use an integer, 32k / 32K style, or auto")
+    number, suffix = m.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9,
+             "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    if "." in number and suffix not in ("k", "m", "g"):
+        raise argparse.ArgumentTypeError(
+            f"invalid length {value!r}: decimals only with a lowercase (decimal) suffix")
+    result = int(float(number) * scale)
+    if result < 1:
+        raise argparse.ArgumentTypeError(f"length must be >= 1, got {value!r}")
+    return result
+
+
+def json_dict(value: str) -> dict[str, Any]:
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from e
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return data
+
+
+def positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from e
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None,
+                   help="Model folder (same as the positional MODEL).")
+    g.add_argument("--tokenizer", default=None, help="Tokenizer folder (default: the model).")
+    g.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float16", "float32",
+                                                     "half", "float", "bf16"],
+                   help="Weight/activation dtype; auto = bf16 on CUDA, fp32 on the CPU.")
+    g.add_argument("--seed", type=int, default=None, help="Engine seed.")
+    g.add_argument("--max-model-len", type=human_int, default=None,
+                   help="Context length: 4096, 32k, 32K or auto (the model's limit).")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="Most requests in one batch.")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="Token budget of one engine step.")
+    g.add_argument("--block-size", type=positive_int, default=None,
+                   help="Tokens per MLA KV block.")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="Fraction of GPU memory the engine may use (0, 1].")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="Never capture CUDA graphs.")
+    g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
+                   help="dummy = random weights (no checkpoint read).")
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
+                   help="Tensor-parallel ranks.")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help="Reuse KV blocks and KDA state of shared prefixes.")
+    g.add_argument("--speculative-config", "-sc", type=json_dict, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'.')
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
+                   help="Exact number of MLA KV blocks (skips memory profiling).")
+    g.add_argument("--num-state-slots", type=positive_int, default=None,
+                   help="Exact number of KDA state slots.")
+    g.add_argument("--device", default=None, choices=["auto", "cuda", "cpu"])
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Accepted for vLLM compatibility; no remote code is ever run.")
+
+
+_ENGINE_FLAGS = {
+    "tokenizer": "tokenizer", "dtype": "dtype", "seed": "seed",
+    "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
+    "gpu_memory_utilization": "gpu_memory_utilization", "enforce_eager": "enforce_eager",
+    "load_format": "load_format", "tensor_parallel_size": "tensor_parallel_size",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "speculative_config": "speculative_config", "num_gpu_blocks_override": "num_gpu_blocks",
+    "num_state_slots": "num_state_slots", "device": "device",
+}
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    positional = getattr(args, "model_tag", None)
+    if positional and args.model_flag and positional != args.model_flag:
+        raise SystemExit(f"error: two different models given: {positional!r} and "
+                         f"{args.model_flag!r}")
+    return positional or args.model_flag or default_model_path()
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"model": model}
+    for attr, key in _ENGINE_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            kwargs[key] = value
+    return kwargs
+
+
+def default_model_path() -> str:
+    """The embedded default: a tiny random model, made once and cached (works offline)."""
+    cache = os.environ.get("KDASERVE_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kdaserve")
+    path = os.path.join(cache, DEFAULT_MODEL_DIRNAME)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    from kdaserve.models.make_model import make_model
+
+    os.makedirs(cache, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=cache)
+    logger.info("making the default tiny model in %s", path)
+    make_model(tmp, preset="tiny")
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+        description="Serve a model over an OpenAI-compatible HTTP API (vLLM's flags). "
+                    "Without MODEL, serves an embedded tiny random model.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Model folder (config.json + weights + tokenizer).")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) clients use; the first is reported (default: MODEL).")
+    s.add_argument("--api-key", default=None,
+                   help="Require `Authorization: Bearer KEY` on /v1 routes.")
+    s.add_argument("--chat-template", default=None,
+                   help="Chat template file or inline Jinja (overrides the tokenizer's).")
+    s.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names())
+    s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names())
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Let the model call tools (tool_choice=auto); needs --tool-call-parser.")
+    s.add_argument("--mirror-reasoning-content", action=argparse.BooleanOptionalAction,
+                   default=True, help="Also send reasoning as `reasoning_content`.")
+    s.add_argument("--max-request-body-bytes", type=positive_int, default=16 * 1024 * 1024,
+                   help="Larger request bodies get HTTP 413.")
+    s.add_argument("--engine-startup-timeout", type=float, default=900.0)
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--disable-uvicorn-access-log", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    logging.basicConfig(level=args.uvicorn_log_level.upper() if args.uvicorn_log_level != "trace"
+                        else "DEBUG", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_server_args(args)
+        chat_template = load_chat_template(args.chat_template)
+        model = resolve_model(args)
+        from kdaserve.entrypoints.openai.server import serve
+
+        return asyncio.run(serve(args, model, engine_kwargs_from_args(args, model),
+                                 chat_template))
+    except ValueError as e:
+        print(f"kdaserve serve: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prometheus metrics for /metrics, with vLLM's names under a `kdaserve:` prefix.
+
+Engine-side numbers (queue sizes, cache usage, token counters) are read from the engine core at
+scrape time; request latencies are measured in the front, where the client's view is.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kdaserve.engine.async_engine import RequestTiming
+from kdaserve.engine.stats import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+
+# (metric name, help, EngineStats field) -- gauges and counters read from the engine
+_GAUGES = [
+    ("num_requests_running", "Requests in the running batch.", "num_running"),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("kv_cache_usage_perc", "Fraction of MLA KV blocks in use (0..1).", "kv_cache_usage"),
+    ("num_free_kv_blocks", "Free MLA KV blocks.", "num_free_blocks"),
+    ("num_total_kv_blocks", "All MLA KV blocks.", "num_total_blocks"),
+    ("num_free_state_slots", "Free KDA state slots.", "num_free_state_slots"),
+    ("num_total_state_slots", "All KDA state slots.", "num_total_state_slots"),
+]
+_COUNTERS = [
+    ("prompt_tokens", "Prompt tokens admitted.", "prompt_tokens_total"),
+    ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("num_preemptions", "Preemptions.", "num_preemptions_total"),
+    ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+]
+
+
+class _EngineStatsCollector:
+    """Custom collector: renders the last EngineStats snapshot at scrape time."""
+
+    def __init__(self, prefix: str, model_name: str):
+        self.prefix = prefix
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+        self.healthy = True
+
+    def collect(self):
+        labels = ["model_name"]
+        healthy = GaugeMetricFamily(f"{self.prefix}engine_healthy",
+                                    "1 while the engine process is alive.", labels=labels)
+        healthy.add_metric([self.model_name], 1.0 if self.healthy else 0.0)
+        yield healthy
+        if self.stats is None:
+            return
+        for name, doc, attr in _GAUGES:
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=labels)
+            g.add_metric([self.model_name], float(getattr(self.stats, attr)))
+            yield g
+        slots = self.stats.num_total_state_slots
+        g = GaugeMetricFamily(f"{self.prefix}state_slot_usage_perc",
+                              "Fraction of KDA state slots in use (0..1).", labels=labels)
+        g.add_metric([self.model_name],
+                     (slots - self.stats.num_free_state_slots) / slots if slots else 0.0)
+        yield g
+        for name, doc, attr in _COUNTERS:
+            c = CounterMetricFamily(self.prefix + name, doc, labels=labels)
+            c.add_metric([self.model_name], float(getattr(self.stats, attr)))
+            yield c
+        if self.stats.step_floor_ratio is not None:
+            g = GaugeMetricFamily(f"{self.prefix}step_floor_ratio",
+                                  "Last decode step time over its memory-bandwidth floor.",
+                                  labels=labels)
+            g.add_metric([self.model_name], float(self.stats.step_floor_ratio))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, prefix: str = "kdaserve:"):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.engine_stats = _EngineStatsCollector(prefix, model_name)
+        self.registry.register(self.engine_stats)
+        labels = ["model_name"]
+        self.ttft = Histogram(f"{prefix}time_to_first_token_seconds",
+                              "Time to first token, seen by the server front.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(f"{prefix}request_time_per_output_token_seconds",
+                              "(last token - first token) / (output tokens - 1) per request.",
+                              labels, buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(f"{prefix}e2e_request_latency_seconds",
+                             "Arrival to last token.", labels, buckets=_LATENCY_BUCKETS,
+                             registry=self.registry)
+        self.success = Counter(f"{prefix}request_success", "Finished requests by reason.",
+                               labels + ["finished_reason"], registry=self.registry)
+
+    def observe(self, t: RequestTiming) -> None:
+        """AsyncEngine.request_observer: called once per finished request."""
+        m = self.model_name
+        self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
+        if t.first_token_time is not None:
+            self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+            n = t.num_generation_tokens
+            if n > 1:
+                self.tpot.labels(m).observe((t.finished_time - t.first_token_time) / (n - 1))
+        for reason in t.finish_reasons:
+            self.success.labels(m, reason).inc()
+
+    def render(self, stats: EngineStats | None, healthy: bool) -> bytes:
+        self.engine_stats.stats = stats
+        self.engine_stats.healthy = healthy
+        return generate_latest(self.registry)

@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Wire the pieces: engine process -> AsyncEngine -> serving classes -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import uvicorn
+
+from kdaserve.engine.async_engine import AsyncEngine, EngineStartupError
+from kdaserve.entrypoints.openai.api_server import ServerState, build_app
+from kdaserve.entrypoints.openai.metrics import ServerMetrics
+from kdaserve.entrypoints.openai.reasoning_parser import get_reasoning_parser
+from kdaserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kdaserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kdaserve.entrypoints.openai.serving_engine import ModelInfo
+from kdaserve.entrypoints.openai.tool_parser import get_tool_parser
+
+logger = logging.getLogger("kdaserve.serve")
+
+
+def build_state(engine: AsyncEngine, args: argparse.Namespace, model: str,
+                chat_template: str | None) -> ServerState:
+    from transformers import AutoTokenizer
+
+    info = engine.info
+    tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
+    vocab_size = int(info.get("vocab_size") or len(tokenizer))
+    names = args.served_model_name or [model]
+    model_info = ModelInfo(names, model, int(info["max_model_len"]), vocab_size)
+    chat = OpenAIServingChat(
+        engine, tokenizer, model_info, chat_template=chat_template,
+        reasoning_parser_cls=get_reasoning_parser(args.reasoning_parser)
+        if args.reasoning_parser else None,
+        tool_parser_cls=get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        mirror_reasoning_content=args.mirror_reasoning_content)
+    completion = OpenAIServingCompletion(engine, tokenizer, model_info)
+    metrics = ServerMetrics(names[0])
+    engine.request_observer = metrics.observe
+    return ServerState(engine, chat, completion, metrics, args.api_key,
+                       args.max_request_body_bytes)
+
+
+async def serve(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
+                chat_template: str | None) -> int:
+    logger.info("starting the engine for %s", model)
+    try:
+        engine = await AsyncEngine.start(engine_kwargs, args.engine_startup_timeout,
+                                         log_level="INFO")
+    except EngineStartupError as e:
+        raise ValueError(f"the engine failed to start: {e}") from e
+    try:
+        app = build_app(build_state(engine, args, model, chat_template))
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
+                                access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=5)
+        server = uvicorn.Server(config)
+        logger.info("serving %s on http://%s:%d (max_model_len=%d)", model, args.host,
+                    args.port, engine.info["max_model_len"])
+        await server.serve()
+    finally:
+        await engine.shutdown()
+    return 0

@@ -1,0 +1,149 @@
+# SPDX-License-Identifier: Apache-2.0
+"""/v1/completions: one engine request per prompt (text or token ids), n samples each."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kdaserve.entrypoints.openai.protocol import CompletionRequest, now, random_id, usage_dict
+from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
+                                                        merge_async_iterators, sse, sse_error)
+from kdaserve.outputs import RequestOutput
+
+
+def split_prompts(prompt: str | list) -> list[str | list[int]]:
+    """The four accepted shapes -> a list of prompts, each a string or a token-id list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
+    try:
+        yield first
+        async for out in gen:
+            yield out
+    finally:
+        await gen.aclose()
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
+        result = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if not p:
+                    raise OpenAIError("prompt must not be empty", param="prompt")
+                result.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+            else:
+                self.check_token_ids(p, "prompt")
+                result.append((self.tokenizer.decode(p, skip_special_tokens=False), p))
+        return result
+
+    async def create_completion(self, req: CompletionRequest):
+        model_name = self.check_model(req.model)
+        prompts = await asyncio.to_thread(self._tokenize, split_prompts(req.prompt))
+        base_id = random_id("cmpl")
+        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
+                                       req.skip_special_tokens) for _, ids in prompts]
+        gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream)
+                for i, ((text, ids), p) in enumerate(zip(prompts, params))]
+        try:
+            firsts = await asyncio.gather(*(self.first_output(g) for g in gens))
+        except BaseException:
+            for g in gens:
+                await g.aclose()
+            raise
+        gens = [_prepend(f, g) for f, g in zip(firsts, gens)]
+        ctx = _CompletionCall(base_id, model_name, now(), prompts, req)
+        if req.stream:
+            return self._stream(ctx, gens)
+        return await self._full(ctx, gens)
+
+    async def _full(self, ctx: "_CompletionCall", gens) -> dict[str, Any]:
+        finals: list[RequestOutput | None] = [None] * len(gens)
+        async for i, out in merge_async_iterators(*gens):
+            finals[i] = out
+        n = ctx.req.n
+        choices, num_generated, num_cached = [], 0, 0
+        for p, out in enumerate(finals):
+            num_cached += out.num_cached_tokens
+            prompt_text, _ = ctx.prompts[p]
+            for comp in out.outputs:
+                num_generated += len(comp.token_ids)
+                text = prompt_text + comp.text if ctx.req.echo else comp.text
+                choice = {"index": p * n + comp.index, "text": text,
+                          "logprobs": self.completion_logprobs(
+                              comp.token_ids, comp.logprobs, ctx.req.logprobs, 0)
+                          if ctx.req.logprobs is not None else None,
+                          "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+                if ctx.req.return_token_ids:
+                    choice["prompt_token_ids"] = ctx.prompts[p][1]
+                    choice["token_ids"] = list(comp.token_ids)
+                choices.append(choice)
+        return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
+                "model": ctx.model_name, "choices": choices,
+                "usage": usage_dict(ctx.num_prompt_tokens, num_generated, num_cached)}
+
+    async def _stream(self, ctx: "_CompletionCall", gens) -> AsyncIterator[str]:
+        n = ctx.req.n
+        num_tokens = [0] * (len(gens) * n)
+        text_len = [0] * (len(gens) * n)
+        started = [False] * (len(gens) * n)
+        num_cached = [0] * len(gens)
+        merged = merge_async_iterators(*gens)
+        try:
+            async for p, out in merged:
+                num_cached[p] = out.num_cached_tokens
+                for comp in out.outputs:
+                    i = p * n + comp.index
+                    text = comp.text
+                    if ctx.req.echo and not started[i]:
+                        text = ctx.prompts[p][0] + text
+                    started[i] = True
+                    final = comp.finish_reason is not None
+                    if not text and not comp.token_ids and not final:
+                        continue
+                    num_tokens[i] += len(comp.token_ids)
+                    choice = {"index": i, "text": text,
+                              "logprobs": self.completion_logprobs(
+                                  comp.token_ids, comp.logprobs, ctx.req.logprobs, text_len[i])
+                              if ctx.req.logprobs is not None else None,
+                              "finish_reason": comp.finish_reason}
+                    text_len[i] += len(text)
+                    if final:
+                        choice["stop_reason"] = comp.stop_reason
+                    if ctx.req.return_token_ids:
+                        choice["token_ids"] = list(comp.token_ids)
+                    chunk = {"id": ctx.request_id, "object": "text_completion",
+                             "created": ctx.created, "model": ctx.model_name,
+                             "choices": [choice]}
+                    if ctx.req.continuous_usage:
+                        chunk["usage"] = usage_dict(ctx.num_prompt_tokens, sum(num_tokens))
+                    yield sse(chunk)
+            if ctx.req.include_usage:
+                yield sse({"id": ctx.request_id, "object": "text_completion",
+                           "created": ctx.created, "model": ctx.model_name, "choices": [],
+                           "usage": usage_dict(ctx.num_prompt_tokens, sum(num_tokens),
+                                               sum(num_cached))})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in-band
+            yield sse_error(e)
+        finally:
+            await merged.aclose()
+        yield SSE_DONE
+
+
+class _CompletionCall:
+    def __init__(self, request_id, model_name, created, prompts, req: CompletionRequest):
+        self.request_id = request_id
+        self.model_name = model_name
+        self.created = created
+        self.prompts = prompts
+        self.req = req
+        self.num_prompt_tokens = sum(len(ids) for _, ids in prompts)
