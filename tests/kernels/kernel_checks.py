@@ -177,6 +177,24 @@ def check_conv_update(device, dtype, batch=5, dim=96, width=4, seed=0):
     assert torch.equal(st_k[untouched], states[untouched]), "slots not in state_indices changed"
 
 
+def check_router(device, num_tokens=37, num_experts=256, top_k=8, renormalize=True, bias=True,
+                 logits_dtype=torch.float32, seed=0):
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
+
+    g = _gen(device, seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g, device=device).to(logits_dtype)
+    b = torch.randn(num_experts, generator=g, device=device) * 0.3 if bias else None
+    w, ids = moe_topk_sigmoid(logits, b, top_k, renormalize, 2.446)
+    zero = torch.zeros(num_experts, device=device)
+    w_ref, ids_ref = ref.moe_topk_sigmoid(logits, b if bias else zero, top_k, renormalize, 2.446)
+    order, order_ref = ids.long().sort(dim=1), ids_ref.long().sort(dim=1)
+    assert torch.equal(order.values, order_ref.values), "router picked different experts"
+    w_sorted = w.gather(1, order.indices)
+    w_ref_sorted = w_ref.gather(1, order_ref.indices)
+    assert_close("router weights", w_sorted, w_ref_sorted, torch.float32)
+
+
 def run_interpreter_suite() -> None:
     """The CPU interpreter subset (fp32; the interpreter's bf16 tl.dot is wrong in Triton 3.6)."""
     patch_triton_interpreter()
@@ -192,6 +210,8 @@ def run_interpreter_suite() -> None:
     check_conv_varlen("cpu", f32, [2], dim=40, pad_rows=0)
     check_conv_update("cpu", f32, dim=40)
     check_conv_update("cpu", f32, dim=40, width=2)
+    check_router("cpu", num_tokens=19, num_experts=64, top_k=6)
+    check_router("cpu", num_tokens=5, num_experts=48, top_k=8, renormalize=False, bias=False)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,15 @@ def test_fused_moe_gpu(dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_router_gpu():
+    for n in (1, 16, 3000):
+        kc.check_router("cuda", num_tokens=n, seed=n)
+    kc.check_router("cuda", num_tokens=33, logits_dtype=BF16, renormalize=False)
+    kc.check_router("cuda", num_tokens=33, num_experts=100, top_k=6)
+
+
+@pytest.mark.gpu
+@gpu
 def test_fused_moe_model_shapes_gpu():
     # Kimi-Linear-48B expert shapes (D=2304, I=1024, k=8), 64 experts to keep memory small.
     for n in (1, 16, 1024):

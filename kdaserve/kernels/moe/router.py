@@ -1,0 +1,45 @@
+"""Fused sigmoid top-k router: sigmoid + selection bias + top-k + renormalise + scale, one launch.
+
+Twin: `kdaserve.kernels.reference.moe_topk_sigmoid` (ids come out in descending order of
+score + bias; the reference's order is unspecified, the set is the same).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
+
+
+def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
+                     top_k: int, renormalize: bool, scaling: float,
+                     ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [N, E] (any float dtype); correction_bias: [E] or None (selection only).
+
+    Returns (weights fp32 [N, top_k], ids [N, top_k] of ids_dtype).
+    """
+    require_triton()
+    from kdaserve.kernels.moe.triton_router import topk_sigmoid_kernel
+
+    if router_logits.dim() != 2 or router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits must be [N, E] with a contiguous last dim, "
+                         f"got {tuple(router_logits.shape)}")
+    N, E = router_logits.shape
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
+    if correction_bias is not None and correction_bias.shape != (E,):
+        raise ValueError(f"correction_bias must be [E={E}], got {tuple(correction_bias.shape)}")
+    check_kernel_device(router_logits)
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(N, top_k, dtype=ids_dtype, device=router_logits.device)
+    if N == 0:
+        return weights, ids
+    block_e = next_power_of_2(E)
+    block_t = max(1, min(16, 4096 // block_e))
+    topk_sigmoid_kernel[(cdiv(N, block_t),)](
+        router_logits, correction_bias if correction_bias is not None else router_logits,
+        weights, ids, N, E, router_logits.stride(0), float(scaling),
+        TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k), num_warps=4,
+    )
+    return weights, ids
