@@ -103,12 +103,14 @@ class KVCacheManager:
         need = self.num_blocks_to_allocate(request, num_new_tokens, num_lookahead_tokens)
         if need > self.block_pool.num_free_blocks:
             return None
-        new_blocks = self.block_pool.allocate(need)
-        self._blocks.setdefault(request.req_id, []).extend(new_blocks)
+        new_blocks = self.block_pool.allocate(need) if need else []
+        if new_blocks:
+            self._blocks.setdefault(request.req_id, []).extend(new_blocks)
         if self.enable_prefix_caching:
             # Drafts may be rejected: only tokens that are known for sure get cached.
             num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
-            self._cache_full_blocks(request, num_tokens)
+            if num_tokens // self.block_size > self._num_cached_blocks.get(request.req_id, 0):
+                self._cache_full_blocks(request, num_tokens)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

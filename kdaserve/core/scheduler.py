@@ -85,7 +85,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._children: dict[str, list[str]] = {}
-        """n > 1 parent id -> its children's ids, while any child is unfinished."""
+        """n > 1 parent id -> its children's ids, from add_request until all are finished."""
+        self._child_ids: set[str] = set()
+        """Every id in _children's values: reserved even before the fork creates them."""
         self._unsent: set[str] = set()
         """Forked children the worker has not seen yet (they go out as NewRequestData)."""
         self._finished_req_ids: set[str] = set()
@@ -138,15 +140,16 @@ class Scheduler:
                     f"request {request.req_id!r}: forking n={n} samples of a "
                     f"{request.num_prompt_tokens}-token prompt needs {fork_blocks} KV blocks, "
                     f"more than num_gpu_blocks={self.kv_cache_manager.num_gpu_blocks}")
-        new = [request]
-        if request.is_fork_parent and request.num_prompt_tokens == 1:
-            new = [request.make_child(i) for i in range(n)]
-        ids = [request.req_id] + [r.req_id for r in new if r is not request]
-        for rid in ids:
-            if rid in self.requests or rid in self._children:
+        child_ids = [request.child_req_id(i) for i in range(n)] if n > 1 else []
+        for rid in [request.req_id] + child_ids:
+            if rid in self.requests or rid in self._children or rid in self._child_ids:
                 raise ValueError(f"request id {rid!r} is already in use")
-        if new[0] is not request:
-            self._children[request.req_id] = [r.req_id for r in new]
+        new = [request]
+        if n > 1:
+            self._children[request.req_id] = child_ids
+            self._child_ids.update(child_ids)
+            if request.num_prompt_tokens == 1:
+                new = [request.make_child(i) for i in range(n)]
         for r in new:
             self.requests[r.req_id] = r
             self.waiting.append(r)
@@ -163,7 +166,7 @@ class Scheduler:
             req_ids = [req_ids]
         to_finish = []
         for rid in req_ids:
-            for cid in self._children.get(rid, [rid]):
+            for cid in [rid] + self._children.get(rid, []):
                 request = self.requests.get(cid)
                 if request is not None and request not in to_finish:
                     to_finish.append(request)
@@ -182,10 +185,11 @@ class Scheduler:
         self._finished_req_ids.add(request.req_id)
         self._unsent.discard(request.req_id)
         del self.requests[request.req_id]
-        parent = request.parent_req_id
+        # An unforked parent's children will never exist; a child may be the last of its kind.
+        parent = request.req_id if request.is_fork_parent else request.parent_req_id
         if parent in self._children and all(
                 cid not in self.requests for cid in self._children[parent]):
-            del self._children[parent]
+            self._child_ids.difference_update(self._children.pop(parent))
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -266,7 +270,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, token_budget: int, input_room: int) -> int:
         num_new = self._target(request) - request.num_computed_tokens
-        if 0 < self.long_prefill_token_threshold < num_new:
+        if self.enable_chunked_prefill and 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         num_new = min(num_new, token_budget, input_room,
                       self.max_model_len - request.num_computed_tokens)
@@ -323,7 +327,6 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             self.requests[child.req_id] = child
             self._unsent.add(child.req_id)
-        self._children[parent.req_id] = [c.req_id for c in children]
         self.running[index:index + 1] = children
         # The parent is done: the worker drops it (its slot now belongs to the last child).
         del self.requests[parent.req_id]

@@ -202,7 +202,7 @@ def assert_all_free(sched: Scheduler) -> None:
     assert all(kv.block_pool.ref_count(b) == 0 for b in range(kv.num_gpu_blocks))
     assert not kv._blocks and not kv._slot and not kv._reserved_slots
     assert not sched.running and not sched.waiting and not sched.requests
-    assert not sched._children and not sched._unsent
+    assert not sched._children and not sched._child_ids and not sched._unsent
 
 
 def make_request(req_id: str, prompt_len: int, *, max_tokens: int | None = 4, start: int = 1,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kdaserve.request import RequestStatus
 from sched_driver import make_request, reference_tokens, run_until_done, step
 
@@ -134,3 +136,14 @@ def test_fork_under_memory_pressure_preempts_and_recomputes(make_scheduler):
             for i in range(r.sampling_params.n):
                 assert result.tokens[f"{r.req_id}-{i}"] == reference_tokens(
                     r.prompt_token_ids, r.max_tokens, seed=r.sampling_params.seed + i)
+
+
+def test_child_ids_are_reserved_until_the_samples_finish(make_scheduler):
+    sched, runner = make_scheduler()
+    sched.add_request(make_request("p", 6, n=2))
+    with pytest.raises(ValueError, match="'p-1' is already in use"):
+        sched.add_request(make_request("p-1", 3))  # before the fork
+    run_until_done(sched, runner)
+    sched.add_request(make_request("p-1", 3))  # free again
+    sched.add_request(make_request("p", 3))
+    run_until_done(sched, runner)
