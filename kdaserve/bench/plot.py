@@ -24,7 +24,10 @@ def plot_results(runs: list[dict], path: str, title: str | None = None) -> None:
 
     if not runs:
         raise ValueError("nothing to plot: no runs")
+    from matplotlib.ticker import NullLocator, ScalarFormatter
+
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    ticks = sorted({lv["concurrency"] for run in runs for lv in run["levels"]})
     for ax, (panel, ylabel, series) in zip(axes.flat, PANELS):
         for i, run in enumerate(runs):
             levels = [lv for lv in run["levels"] if lv["metrics"]["completed"] > 0]
@@ -40,6 +43,9 @@ def plot_results(runs: list[dict], path: str, title: str | None = None) -> None:
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "kdaserve bench serve")

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start a `kdaserve serve` subprocess for a benchmark and stop it afterwards."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+
+from kdaserve.bench.client import wait_for_health
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m kdaserve.entrypoints.cli serve MODEL --port P <args>` in its own process group,
+    output to `log_path`. Use as a context manager; `start()` returns once /health answers 200
+    or raises (RuntimeError if the server exited: `refused` is then True)."""
+
+    def __init__(self, model: str, args: list[str], log_path: str, port: int | None = None,
+                 host: str = "127.0.0.1", python: str = sys.executable):
+        self.port = port or free_port()
+        self.host = host
+        self.cmd = [python, "-m", "kdaserve.entrypoints.cli", "serve", model,
+                    "--host", host, "--port", str(self.port), *args]
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+        self.refused = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command_line(self) -> str:
+        return shlex.join(self.cmd)
+
+    def start(self, timeout: float) -> float:
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+        try:
+            self.startup_s = wait_for_health(self.base_url, timeout, proc=self.proc)
+        except RuntimeError:
+            self.refused = True
+            raise
+        return self.startup_s
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """SIGTERM the server's process group (the one this object started), SIGKILL after
+        `grace` seconds; returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(10)
+        except ProcessLookupError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
