@@ -16,6 +16,14 @@ its full KV blocks (ref counts), copy its partial last block and its KDA state (
 
 Call order (the engine): `add_request` ... then per step `schedule()` -> worker ->
 `update_from_output()`; `finish_requests()` at any time (stop strings, aborts).
+
+Worker contract for one SchedulerOutput: drop `finished_req_ids` and `preempted_req_ids`; apply
+`block_copies` and `state_copies` before the forward (their sources are never freed in the same
+step, their destinations may belong to requests the worker has not seen yet); a new request with
+`num_computed_tokens == 0` starts from a zero KDA state, one with `num_computed_tokens > 0` (a
+forked sample) continues from its slot as is; sample only for requests whose
+`num_computed_tokens + num_scheduled_tokens` reaches prompt + outputs (+ drafts); return [] for
+the others.
 """
 
 from __future__ import annotations
