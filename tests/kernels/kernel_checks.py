@@ -126,6 +126,29 @@ def check_fused_moe(device, dtype, num_tokens, hidden=256, inter=128, num_expert
     assert_close(f"fused_moe N={num_tokens} same={same_experts}", out, want, dtype)
 
 
+def check_moe_align(device, num_tokens, top_k, num_experts, block_m, seed=0):
+    """Every routed entry sits once inside its expert's padded block range; the map is right."""
+    from kdaserve.kernels.moe.fused_moe import moe_align_block_size
+
+    _, ids = make_routing(device, num_tokens, num_experts, top_k, seed=seed)
+    ids[::4, -1] = -1
+    a = moe_align_block_size(ids, num_experts, block_m)
+    flat = ids.reshape(-1).long().cpu()
+    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    assert torch.equal(a.counts.cpu().long(), counts), "counts differ"
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(padded, 0) - padded
+    assert torch.equal(a.expert_start.cpu().long(), start), "expert starts differ"
+    assert int(a.num_rows) == int(padded.sum())
+    sorted_ids, expert_ids = a.sorted_ids.cpu().long(), a.expert_ids.cpu().long()
+    for e in range(num_experts):
+        got = sorted_ids[start[e]:start[e] + counts[e]].sort().values
+        assert torch.equal(got, torch.nonzero(flat == e).flatten()), f"entries of expert {e}"
+        blocks = expert_ids[start[e] // block_m:(start[e] + padded[e]) // block_m]
+        assert (blocks == e).all(), f"block map of expert {e}"
+    assert (expert_ids[int(padded.sum()) // block_m:] == -1).all(), "blocks past the end"
+
+
 def check_conv_varlen(device, dtype, seq_lens, dim=96, width=4, num_slots=None, pad_rows=3,
                       seed=0):
     from kdaserve.kernels import reference as ref
@@ -204,6 +227,9 @@ def run_interpreter_suite() -> None:
     check_store_kv("cpu", f32)
     check_fused_moe("cpu", f32, 1, hidden=64, inter=48, num_experts=8, top_k=3)
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
+    check_fused_moe("cpu", f32, 30, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
+    for n in (8, 9, 50):                         # one-program and atomic align paths
+        check_moe_align("cpu", n, top_k=8, num_experts=40, block_m=16, seed=n)
     check_fused_moe("cpu", f32, 24, hidden=64, inter=32, num_experts=8, top_k=2,
                     same_experts=True)
     check_conv_varlen("cpu", f32, [5, 0, 1, 2, 37, 3], dim=40)

@@ -95,6 +95,13 @@ def test_fused_moe_gpu(dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_moe_align_gpu():
+    for n, bm in ((1, 16), (8, 16), (16, 16), (700, 64), (5000, 128)):
+        kc.check_moe_align("cuda", n, top_k=8, num_experts=256, block_m=bm, seed=n)
+
+
+@pytest.mark.gpu
+@gpu
 def test_router_gpu():
     for n in (1, 16, 3000):
         kc.check_router("cuda", num_tokens=n, seed=n)

@@ -59,30 +59,42 @@ class MoEAlignment:
     max_blocks: int
 
 
+SMALL_ALIGN_ENTRIES = 64   # up to this many top-k entries, align in one program (no atomics)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Group the flattened top-k entries by expert, each expert padded to a multiple of block_m."""
     require_triton()
-    from kdaserve.kernels.moe.triton_moe import (moe_count_kernel, moe_offsets_kernel,
-                                                 moe_scatter_kernel)
+    from kdaserve.kernels.moe.triton_moe import (moe_align_small_kernel, moe_count_kernel,
+                                                 moe_offsets_kernel, moe_scatter_kernel)
 
     ids = topk_ids.reshape(-1)
     numel = ids.numel()
     max_rows = numel + min(num_experts, numel) * (block_m - 1)
     max_blocks = max(1, cdiv(max_rows, block_m))
-    ws = torch.zeros(3 * num_experts + 1 + max_blocks + max_rows, dtype=torch.int32,
-                     device=ids.device)
+    small = numel <= SMALL_ALIGN_ENTRIES
+    # one int32 workspace: counts | expert_start | cursor | num_rows | expert_ids | sorted_ids
+    alloc = torch.empty if small else torch.zeros     # the atomic path counts from zero
+    ws = alloc(3 * num_experts + 1 + max_blocks + max_rows, dtype=torch.int32, device=ids.device)
     counts, expert_start, cursor = ws[:num_experts], ws[num_experts:2 * num_experts], \
         ws[2 * num_experts:3 * num_experts]
     num_rows = ws[3 * num_experts:3 * num_experts + 1]
     expert_ids = ws[3 * num_experts + 1:3 * num_experts + 1 + max_blocks]
     sorted_ids = ws[3 * num_experts + 1 + max_blocks:]
-    block = 256
-    grid = (max(1, cdiv(numel, block)),)
-    moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block)
-    moe_offsets_kernel[(1,)](counts, expert_start, cursor, expert_ids, num_rows,
-                             num_experts, max_blocks, BLOCK_M=block_m,
-                             BLOCK_E=next_power_of_2(num_experts), BLOCK_B=32, num_warps=4)
-    moe_scatter_kernel[grid](ids, cursor, sorted_ids, numel, num_experts, BLOCK=block)
+    block_e = next_power_of_2(num_experts)
+    if small:
+        moe_align_small_kernel[(1,)](ids, counts, expert_start, expert_ids, num_rows, sorted_ids,
+                                     numel, num_experts, max_blocks, BLOCK_M=block_m,
+                                     BLOCK_T=next_power_of_2(max(numel, 16)), BLOCK_E=block_e,
+                                     BLOCK_B=32, num_warps=4)
+    else:
+        block = 256
+        grid = (max(1, cdiv(numel, block)),)
+        moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block)
+        moe_offsets_kernel[(1,)](counts, expert_start, cursor, expert_ids, num_rows,
+                                 num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
+                                 BLOCK_B=32, num_warps=4)
+        moe_scatter_kernel[grid](ids, cursor, sorted_ids, numel, num_experts, BLOCK=block)
     return MoEAlignment(sorted_ids, expert_ids, expert_start, counts, num_rows, max_blocks)
 
 

@@ -1,6 +1,7 @@
 """Triton kernels of the fused MoE layer (imported lazily by fused_moe.py).
 
 Routing entries are the flattened top-k pairs: entry r = n * top_k + j is token n's j-th expert.
+  (moe_align_small_kernel does steps 1-3 in one program when there are few entries)
   1. moe_count_kernel     counts[e] = #entries routed to e                        (atomics)
   2. moe_offsets_kernel   expert_start[e] (padded to BLOCK_M), block -> expert map, total rows
   3. moe_scatter_kernel   sorted_ids[expert_start[e] + rank] = r                  (atomics)
@@ -25,17 +26,14 @@ def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.con
 
 
 @triton.jit
-def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
-                       num_experts, max_blocks,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+def _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_ptr, max_blocks,
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Pad each expert's count to BLOCK_M; store starts, the total and the block -> expert map."""
     offs_e = tl.arange(0, BLOCK_E)
-    mask_e = offs_e < num_experts
-    counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     end = tl.cumsum(padded, axis=0)                                   # inclusive
     start = end - padded
     tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
-    tl.store(cursor_ptr + offs_e, start, mask=mask_e)
     total = tl.sum(padded, axis=0)
     tl.store(num_rows_ptr, total)
     # block i (rows [i*BLOCK_M, (i+1)*BLOCK_M)) belongs to the number of experts ending at or before it
@@ -46,6 +44,41 @@ def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr,
         eid = tl.sum(before.to(tl.int32), axis=1)
         eid = tl.where(row0 < total, eid, -1)
         tl.store(expert_ids_ptr + offs_b, eid, mask=offs_b < max_blocks)
+    return start
+
+
+@triton.jit
+def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
+                       num_experts, max_blocks,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
+    start = _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_ptr,
+                            max_blocks, BLOCK_M, BLOCK_E, BLOCK_B)
+    tl.store(cursor_ptr + offs_e, start, mask=mask_e)
+
+
+@triton.jit
+def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_ids_ptr,
+                           num_rows_ptr, sorted_ids_ptr, numel, num_experts, max_blocks,
+                           BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_B: tl.constexpr):
+    """Steps 1-3 in one program for a few entries (decode): ranks from pairwise comparisons."""
+    offs = tl.arange(0, BLOCK_T)
+    e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+    ok = (offs < numel) & (e >= 0) & (e < num_experts)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    onehot = (e[:, None] == offs_e[None, :]) & ok[:, None]            # [BLOCK_T, BLOCK_E]
+    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    tl.store(counts_ptr + offs_e, counts, mask=mask_e)
+    start = _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_ptr,
+                            max_blocks, BLOCK_M, BLOCK_E, BLOCK_B)
+    earlier = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])   # [BLOCK_T, BLOCK_T]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    my_start = tl.sum(tl.where(onehot, start[None, :], 0), axis=1)
+    tl.store(sorted_ids_ptr + my_start + rank, offs, mask=ok)
 
 
 @triton.jit
