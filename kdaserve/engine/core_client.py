@@ -156,6 +156,8 @@ class EngineCoreProc:
             busy = self.engine.has_unfinished_requests()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
+            if not self.running:
+                return
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process died, exiting")
                 return

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 from typing import Any
 
 import uvicorn
@@ -19,6 +21,21 @@ from kdaserve.entrypoints.openai.serving_engine import ModelInfo
 from kdaserve.entrypoints.openai.tool_parser import get_tool_parser
 
 logger = logging.getLogger("kdaserve.serve")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its own shutdown, which would kill the process
+    before the engine core is stopped; here the signal only starts the graceful shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
 
 
 def build_state(engine: AsyncEngine, args: argparse.Namespace, model: str,
@@ -58,7 +75,7 @@ async def serve(args: argparse.Namespace, model: str, engine_kwargs: dict[str, A
                                 log_level=args.uvicorn_log_level,
                                 access_log=not args.disable_uvicorn_access_log,
                                 timeout_keep_alive=5)
-        server = uvicorn.Server(config)
+        server = _Server(config)
         logger.info("serving %s on http://%s:%d (max_model_len=%d)", model, args.host,
                     args.port, engine.info["max_model_len"])
         await server.serve()
