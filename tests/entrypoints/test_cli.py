@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`kdaserve serve` / `kdaserve generate` command lines: vLLM flag names and meanings, clear
+start-up errors, the embedded default model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kdaserve.entrypoints.cli import build_parser
+from kdaserve.entrypoints.openai.cli_args import (check_server_args, engine_kwargs_from_args,
+                                                  human_int)
+from tests.entrypoints.conftest import REPO, RemoteServer
+
+
+def parse(*argv):
+    return build_parser("serve").parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("text,value", [("4096", 4096), ("32k", 32000), ("32K", 32768),
+                                        ("1m", 10**6), ("1M", 2**20), ("25.6k", 25600),
+                                        ("auto", None), ("-1", None)])
+def test_human_int(text, value):
+    assert human_int(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "12q", "0", "1.5K", ""])
+def test_human_int_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_int(text)
+
+
+def test_serve_flags_map_to_engine_kwargs():
+    args = parse("/m", "--max-model-len", "8k", "--max-num-seqs", "32",
+                 "--max-num-batched-tokens", "2048", "--block-size", "32",
+                 "--gpu-memory-utilization", "0.8", "--enforce-eager", "--load-format", "dummy",
+                 "-tp", "1", "--no-enable-prefix-caching", "--dtype", "float32", "--seed", "3",
+                 "-sc", '{"method": "ngram", "num_speculative_tokens": 3}',
+                 "--num-gpu-blocks-override", "100", "--device", "cpu", "--trust-remote-code")
+    assert engine_kwargs_from_args(args, "/m") == {
+        "model": "/m", "max_model_len": 8000, "max_num_seqs": 32,
+        "max_num_batched_tokens": 2048, "block_size": 32, "gpu_memory_utilization": 0.8,
+        "enforce_eager": True, "load_format": "dummy", "tensor_parallel_size": 1,
+        "enable_prefix_caching": False, "dtype": "float32", "seed": 3,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
+        "num_gpu_blocks": 100, "device": "cpu"}
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    # unset flags are not passed: the engine's defaults apply
+    assert engine_kwargs_from_args(parse("/m"), "/m") == {"model": "/m"}
+    assert parse("/m", "--enable-prefix-caching").enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("argv", [["--reasoning-parser", "deepseek_r9"],
+                                  ["--tool-call-parser", "hermes"],
+                                  ["--load-format", "pt"], ["--max-model-len", "lots"],
+                                  ["-sc", "{not json"], ["--max-num-seqs", "0"]])
+def test_unknown_values_are_rejected(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("/m", *argv)
+    assert e.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_auto_tool_choice_needs_a_parser():
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        check_server_args(parse("/m", "--enable-auto-tool-choice"))
+    check_server_args(parse("/m", "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2"))
+
+
+def _run_cli(*argv, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", "kdaserve.entrypoints.cli", *argv],
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="2",
+                                   **(env or {})))
+
+
+def test_unsupported_tensor_parallel_is_a_startup_error(tiny_model):
+    r = _run_cli("serve", tiny_model, "--tensor-parallel-size", "2", "--port", "1")
+    assert r.returncode == 2
+    assert "tensor_parallel_size=2" in r.stderr
+
+
+def test_missing_model_folder_is_a_startup_error(tmp_path):
+    r = _run_cli("serve", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "config.json" in r.stderr
+
+
+def test_generate_cli(tiny_model):
+    r = _run_cli("generate", tiny_model, "-p", "hello there", "-p", "second", "--max-tokens",
+                 "5", "--ignore-eos", "--json", "--max-model-len", "256")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["prompt"] for row in rows] == ["hello there", "second"]
+    assert all(len(row["outputs"][0]["token_ids"]) == 5 for row in rows)
+    assert all(row["outputs"][0]["finish_reason"] == "length" for row in rows)
+
+
+def test_serve_without_model_uses_the_embedded_default(tmp_path):
+    srv = RemoteServer(["--max-model-len", "256"], env={"KDASERVE_CACHE": str(tmp_path)})
+    try:
+        card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+        expected = os.path.join(str(tmp_path), "tiny-kimi-linear")
+        assert card["id"] == card["root"] == expected
+        assert os.path.isfile(os.path.join(expected, "config.json"))
+        r = srv.client().completions.create(model=card["id"], prompt="hi", max_tokens=3)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, srv.logs()
