@@ -30,9 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from kdaserve.bench.report import git_commit, gpu_name  # noqa: E402
+from kdaserve.bench.report import git_commit, gpu_name
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 INIT_STD = 0.02
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "hf_baseline",
         "command": shlex.join([sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(), "gpu": gpu_name(), "device": str(device),
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "config": os.path.abspath(args.config), "dtype": args.dtype,

@@ -30,9 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kdaserve.bench.launch import ServerProcess  # noqa: E402
-from kdaserve.bench.report import git_commit, gpu_name  # noqa: E402
-from kdaserve.bench.serve import add_cli_args, run_benchmark  # noqa: E402
+from kdaserve.bench.launch import ServerProcess
+from kdaserve.bench.report import git_commit, gpu_name
+from kdaserve.bench.serve import add_cli_args, run_benchmark
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad or not args.configs:
         p.error(f"--configs takes {', '.join(CONFIGS)}; got {args.configs}")
-    args.tag = args.tag or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    args.tag = args.tag or datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
     return args
 
 
@@ -176,7 +176,7 @@ def run_config(args: argparse.Namespace, config: str, deadline: float, log) -> d
 
 
 def _row(name: str, conc: int, lat_s, tok_s, ttft, tpot, itl, note: str = "") -> list[str]:
-    f = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+    f = lambda v, fmt: "-" if v is None else fmt.format(v)
     return [name, str(conc), f(lat_s, "{:.2f} s"), f(tok_s, "{:.1f}"), f(ttft, "{:.1f} ms"),
             f(tpot, "{:.2f} ms"), f(itl, "{:.2f} ms"), note]
 

@@ -41,8 +41,7 @@ class RequestConfig:
         if self.output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         self.base_url = self.base_url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
+        self.base_url = self.base_url.removesuffix("/v1")
 
     @property
     def url(self) -> str:

@@ -24,6 +24,7 @@ guidellm 0.8.1:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -68,7 +69,7 @@ class RequestRecord:
     @property
     def itl(self) -> list[float]:
         t = self.event_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
     @property
     def tpot(self) -> float | None:

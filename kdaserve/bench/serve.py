@@ -23,8 +23,9 @@ guidellm-named equivalents (under "guidellm" in the JSON; note the name clash):
 Output JSON: command, date, git_commit, gpu, server {base_url, server_flags, /v1/models},
 config, probe_request (chat template measurement), levels [{concurrency, metrics (vLLM
 names, ms), guidellm, server_counters (deltas of /metrics counters over the level: spec-decode
-acceptance, prefix-cache hits, preemptions; null without /metrics), requests (per-request records: start, ttft, latency, itl, tpot,
-prompt_tokens, output_tokens, error, ...), warmup_requests}].
+acceptance, prefix-cache hits, preemptions; null without /metrics), requests (per-request
+records: start, ttft, latency, itl, tpot, prompt_tokens, output_tokens, error, ...),
+warmup_requests}].
 """
 
 from __future__ import annotations
@@ -44,8 +45,11 @@ import httpx
 from kdaserve.bench import client as bench_client
 from kdaserve.bench import server_metrics
 from kdaserve.bench.datasets import PromptFactory, load_prompt_tokenizer
-from kdaserve.bench.metrics import (DEFAULT_PERCENTILES, RequestRecord, guidellm_metrics,
-                                    vllm_metrics)
+from kdaserve.bench.metrics import (
+    RequestRecord,
+    guidellm_metrics,
+    vllm_metrics,
+)
 from kdaserve.bench.report import format_table, git_commit, gpu_name
 
 RESULT_FORMAT_VERSION = 1
@@ -299,7 +303,7 @@ async def run_benchmark(args: argparse.Namespace, log=print) -> dict:
         "format_version": RESULT_FORMAT_VERSION,
         "label": args.label,
         "command": getattr(args, "command_line", None) or shlex.join(sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "git_commit": git_commit(),
         "gpu": gpu_name(),
         "host": platform.node(),

@@ -41,7 +41,7 @@ class FakeServerState:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: "FakeOpenAIServer"
+    server: FakeOpenAIServer
 
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
@@ -158,7 +158,7 @@ class FakeOpenAIServer(ThreadingHTTPServer):
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def __enter__(self) -> "FakeOpenAIServer":
+    def __enter__(self) -> FakeOpenAIServer:
         self._thread.start()
         return self
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from bench_fake_server import FakeOpenAIServer, FakeServerConfig
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which "

@@ -54,7 +54,7 @@ def test_token_id_prompts(tok):
     assert all(len(p.prompt) == 300 == p.prompt_len for p in prompts)
     assert all(p.prompt[:100] == prompts[0].prompt[:100] for p in prompts)
     assert len({tuple(p.prompt[100:]) for p in prompts}) == 3
-    assert not set(i for p in prompts for i in p.prompt) & tok.special_ids
+    assert not {i for p in prompts for i in p.prompt} & tok.special_ids
 
 
 def test_config_only_folder_gives_token_ids(tmp_path):

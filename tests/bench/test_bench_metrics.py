@@ -3,9 +3,15 @@
 
 import pytest
 
-from kdaserve.bench.metrics import (RequestRecord, guidellm_metrics, max_concurrent_requests,
-                                    max_output_tokens_per_s, summarize, vllm_metrics,
-                                    weighted_summarize)
+from kdaserve.bench.metrics import (
+    RequestRecord,
+    guidellm_metrics,
+    max_concurrent_requests,
+    max_output_tokens_per_s,
+    summarize,
+    vllm_metrics,
+    weighted_summarize,
+)
 
 
 def rec(req_id, start, events, out, end, prompt, tokens=None, ok=True):
