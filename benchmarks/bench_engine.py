@@ -29,11 +29,14 @@ from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
 
 
 def git_commit() -> str:
+    """KDASERVE_COMMIT (set by the caller where .git does not travel), else git."""
+    if os.environ.get("KDASERVE_COMMIT"):
+        return os.environ["KDASERVE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
-        return os.environ.get("KDASERVE_COMMIT", "unknown")
+        return "unknown"
 
 
 def measure_copy_bandwidth() -> float:

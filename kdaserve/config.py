@@ -79,6 +79,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     """Cap on tokens of one prefill per step (0 = no cap beyond the budget)."""
     enable_chunked_prefill: bool = True
+    adaptive_spec_budget: bool = True
+    """Reserve draft slots only for requests actually scheduled (off: the static rule that
+    reserves them for max_num_seqs requests)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

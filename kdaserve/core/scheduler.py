@@ -72,9 +72,7 @@ class Scheduler:
         """Extra query slots the drafter needs per scheduled request."""
         self.num_lookahead_tokens = (
             self.num_spec_tokens if spec_on and spec.method not in _NO_LOOKAHEAD_METHODS else 0)
-        # TODO(lead): read the flag directly once SchedulerConfig.adaptive_spec_budget exists.
-        self.adaptive_spec_budget = bool(
-            getattr(scheduler_config, "adaptive_spec_budget", True))
+        self.adaptive_spec_budget = scheduler_config.adaptive_spec_budget
         if self.adaptive_spec_budget:
             self.max_num_scheduled_tokens = self.max_num_batched_tokens
             self._draft_charge = self.draft_slots

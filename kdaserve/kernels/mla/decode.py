@@ -121,7 +121,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     part_out = torch.empty(B, H, num_kv_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H, num_kv_splits, dtype=torch.float32, device=q.device)
     block_c = next_power_of_2(kv_lora_rank)
-    block_r = next_power_of_2(rope) if rope > 0 else 1
+    block_r = max(16, next_power_of_2(rope)) if rope > 0 else 1   # tl.dot needs K >= 16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     mla_decode_partial_kernel[(B, num_kv_splits, head_groups)](
         q, kv_cache, block_table, seq_lens, part_out, part_lse,
