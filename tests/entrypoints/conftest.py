@@ -55,7 +55,10 @@ class RemoteServer:
             time.sleep(0.25)
 
     def logs(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
+        if not os.path.exists(self.log_path):
+            return ""
         with open(self.log_path) as f:
             return f.read()[-5000:]
 
@@ -67,7 +70,10 @@ class RemoteServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
+            if self.proc.returncode == 0:
+                os.unlink(self.log_path)
 
     def client(self, **kwargs):
         import openai

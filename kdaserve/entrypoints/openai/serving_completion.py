@@ -34,7 +34,7 @@ async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
 class OpenAIServingCompletion(OpenAIServing):
     def _tokenize(self, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
         result = []
-        for i, p in enumerate(prompts):
+        for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise OpenAIError("prompt must not be empty", param="prompt")
