@@ -107,8 +107,8 @@ def server_args_for(args: argparse.Namespace, config: str) -> list[str]:
 
 
 def bench_args(args: argparse.Namespace, server: ServerProcess, concurrency: int,
-               duration: float, label: str) -> argparse.Namespace:
-    argv = ["--base-url", server.base_url, "--endpoint", args.endpoint,
+               duration: float, level_timeout: float, label: str) -> argparse.Namespace:
+    argv = ["--level-timeout", f"{level_timeout:.1f}","--base-url", server.base_url, "--endpoint", args.endpoint,
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--concurrency", str(concurrency), "--num-requests", str(2 * concurrency),
             "--duration", f"{duration:.1f}", "--warmup", str(args.warmup),
@@ -151,9 +151,11 @@ def run_config(args: argparse.Namespace, config: str, deadline: float, log) -> d
                 record["levels"].append({"concurrency": conc, "skipped": "time budget"})
                 log(f"[{config}] concurrency {conc}: skipped (time budget)")
                 continue
+            # Hard stop: requests still running past it are cancelled (counted as failed).
+            level_timeout = min(deadline - time.monotonic(), 1.5 * share)
             try:
                 result = asyncio.run(run_benchmark(
-                    bench_args(args, server, conc, duration, config),
+                    bench_args(args, server, conc, duration, level_timeout, config),
                     log=lambda s: log(f"[{config}] {s}")))
             except Exception as e:  # noqa: BLE001 - record it; the other configs still run
                 record["status"] = "failed"
@@ -184,8 +186,8 @@ def _row(name: str, conc: int, lat_s, tok_s, ttft, tpot, itl, note: str = "") ->
 def _note(record: dict, level: dict, same_lengths: bool) -> str:
     m = level["metrics"]
     parts = [f"{m['completed']} req" + (f", {m['failed']} failed" if m["failed"] else "")]
-    if level.get("stopped_by") == "duration":
-        parts.append("duration cap")
+    if level.get("stopped_by") in ("duration", "level_timeout"):
+        parts.append(level["stopped_by"].replace("_", " "))
     vr = VLLM_REF.get(level["concurrency"])
     if same_lengths and vr and m["output_throughput"]:
         parts.append(f"{m['output_throughput'] / vr[1]:.2f}x vLLM tok/s")

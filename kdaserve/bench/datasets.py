@@ -23,12 +23,13 @@ class PromptTokenizer:
     """The little a prompt generator needs from a tokenizer: encode, decode, usable ids."""
 
     def __init__(self, name: str, vocab_size: int, special_ids: set[int],
-                 encode_fn=None, decode_fn=None):
+                 encode_fn=None, decode_fn=None, decode_batch_fn=None):
         self.name = name
         self.vocab_size = vocab_size
         self.special_ids = special_ids
         self._encode = encode_fn
         self._decode = decode_fn
+        self._decode_batch = decode_batch_fn
         self._candidates: np.ndarray | None = None
 
     @property
@@ -52,7 +53,10 @@ class PromptTokenizer:
         if self._candidates is None:
             ids = [i for i in range(self.vocab_size) if i not in self.special_ids]
             if self.can_text:
-                ids = [i for i in ids if _clean(self.decode([i]))]
+                single = [[i] for i in ids]
+                texts = (self._decode_batch(single) if self._decode_batch is not None
+                         else [self.decode(x) for x in single])
+                ids = [i for i, t in zip(ids, texts, strict=True) if _clean(t)]
             if not ids:
                 raise ValueError(f"tokenizer {self.name!r} has no usable (non-special) tokens")
             self._candidates = np.asarray(ids, dtype=np.int64)
@@ -101,7 +105,8 @@ def _from_tokenizers_file(path: str, name: str) -> PromptTokenizer:
     return PromptTokenizer(
         name, tok.get_vocab_size(with_added_tokens=True), special,
         encode_fn=lambda text: tok.encode(text, add_special_tokens=False).ids,
-        decode_fn=lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False))
+        decode_fn=lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False),
+        decode_batch_fn=lambda seqs: tok.decode_batch(seqs, skip_special_tokens=False))
 
 
 def _from_transformers(path_or_id: str, trust_remote_code: bool) -> PromptTokenizer:
@@ -112,7 +117,8 @@ def _from_transformers(path_or_id: str, trust_remote_code: bool) -> PromptTokeni
     return PromptTokenizer(
         path_or_id, len(tok), special,
         encode_fn=lambda text: tok.encode(text, add_special_tokens=False),
-        decode_fn=lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False))
+        decode_fn=lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False),
+        decode_batch_fn=lambda seqs: tok.batch_decode(seqs, skip_special_tokens=False))
 
 
 # ---------------------------------------------------------------------------------------------

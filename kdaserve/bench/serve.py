@@ -128,6 +128,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=None,
                    help="Per-level cap in seconds: no request starts after it (in-flight "
                         "requests finish). Whichever of --num-requests / --duration ends first.")
+    g.add_argument("--level-timeout", type=float, default=None,
+                   help="Hard cap on each level's wall time in seconds, warm-up included: "
+                        "requests still running then are cancelled and count as failed.")
     g.add_argument("--warmup", type=int, default=2,
                    help="Unmeasured warm-up requests per level. Default: %(default)s.")
     g.add_argument("--seed", type=int, default=0, help="Prompt seed. Default: %(default)s.")
@@ -167,6 +170,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--duration must be > 0, got {args.duration}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.level_timeout is not None and args.level_timeout <= 0:
+        raise ValueError(f"--level-timeout must be > 0, got {args.level_timeout}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
 
@@ -182,21 +187,39 @@ def _percentiles(text: str) -> tuple[float, ...]:
 
 
 async def _run_pool(client, cfg, prompts, concurrency: int, t0: float, tag: str,
-                    deadline: float | None = None) -> tuple[list[RequestRecord], bool]:
-    """`concurrency` workers send `prompts` back to back; returns the records (in completion
-    order) and whether the deadline stopped dispatch early."""
+                    deadline: float | None = None, hard_deadline: float | None = None
+                    ) -> tuple[list[RequestRecord], str]:
+    """`concurrency` workers send `prompts` back to back. No request starts after `deadline`;
+    requests still running at `hard_deadline` are cancelled and recorded as failed. Returns
+    the records (completion order) and what stopped the pool: num_requests | duration |
+    level_timeout."""
     records: list[RequestRecord] = []
     todo = iter(enumerate(prompts))
-    stopped = False
+    stopped = "num_requests"
 
     async def worker() -> None:
         nonlocal stopped
         for i, p in todo:
-            if deadline is not None and time.perf_counter() >= deadline:
-                stopped = True
+            now = time.perf_counter()
+            if hard_deadline is not None and now >= hard_deadline:
+                stopped = "level_timeout"
                 return
-            records.append(await bench_client.send_request(
-                client, cfg, f"{tag}-{i}", p.prompt, p.prompt_len, t0))
+            if deadline is not None and now >= deadline:
+                stopped = "duration" if stopped == "num_requests" else stopped
+                return
+            send = bench_client.send_request(client, cfg, f"{tag}-{i}", p.prompt,
+                                             p.prompt_len, t0)
+            try:
+                if hard_deadline is None:
+                    records.append(await send)
+                else:
+                    records.append(await asyncio.wait_for(send, hard_deadline - now))
+            except TimeoutError:
+                stopped = "level_timeout"
+                records.append(RequestRecord(
+                    req_id=f"{tag}-{i}", start=now - t0, prompt_len=p.prompt_len,
+                    expected_output_len=cfg.output_len,
+                    error="cancelled: --level-timeout reached"))
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(prompts)))))
     return records, stopped
@@ -204,19 +227,22 @@ async def _run_pool(client, cfg, prompts, concurrency: int, t0: float, tag: str,
 
 async def run_level(client, cfg, factory: PromptFactory, concurrency: int, level_idx: int,
                     num_requests: int, warmup: int, duration: float | None,
-                    prompt_len: int, template_tokens: int, percentiles, slos) -> dict:
+                    prompt_len: int, template_tokens: int, percentiles, slos,
+                    level_timeout: float | None = None) -> dict:
     """One concurrency level. `prompt_len` is what the client generates (chat: the message
-    content); the server should count `prompt_len + template_tokens`."""
+    content); the server should count `prompt_len + template_tokens`. `level_timeout` bounds
+    the whole level (warm-up included): requests still running then are cancelled."""
     warm_prompts = factory.make(warmup, stream=2 * level_idx + 1, input_len=prompt_len)
     prompts = factory.make(num_requests, stream=2 * level_idx + 2, input_len=prompt_len)
     tw = time.perf_counter()
+    hard = tw + level_timeout if level_timeout else None
     warm_records, _ = await _run_pool(client, cfg, warm_prompts, concurrency, tw,
-                                      f"c{concurrency}-warmup")
+                                      f"c{concurrency}-warmup", hard_deadline=hard)
     counters_before = await server_metrics.scrape(client, cfg.base_url, cfg.api_key)
     t0 = time.perf_counter()
     deadline = t0 + duration if duration else None
     records, stopped = await _run_pool(client, cfg, prompts, concurrency, t0,
-                                       f"c{concurrency}", deadline)
+                                       f"c{concurrency}", deadline, hard)
     elapsed = time.perf_counter() - t0
     counters_after = await server_metrics.scrape(client, cfg.base_url, cfg.api_key)
     records.sort(key=lambda r: r.start)
@@ -227,7 +253,7 @@ async def run_level(client, cfg, factory: PromptFactory, concurrency: int, level
         "concurrency": concurrency,
         "num_requests_planned": num_requests,
         "num_requests_sent": len(records),
-        "stopped_by": "duration" if stopped else "num_requests",
+        "stopped_by": stopped,
         "warmup_failed": sum(not r.success for r in warm_records),
         "expected_prompt_tokens": expected,
         "prompt_tokens_match_rate": (sum(exact) / len(exact)) if exact else None,
@@ -292,7 +318,7 @@ async def run_benchmark(args: argparse.Namespace, log=print) -> dict:
             n = args.num_requests if args.num_requests is not None else max(1, 2 * conc)
             level = await run_level(client, cfg, factory, conc, idx, n, args.warmup,
                                     args.duration, prompt_len, template_tokens or 0,
-                                    percentiles, slos)
+                                    percentiles, slos, args.level_timeout)
             m = level["metrics"]
             log(f"concurrency {conc}: {m['completed']} ok, {m['failed']} failed, "
                 f"{m['output_throughput']:.1f} out tok/s, TTFT {m['mean_ttft_ms']:.1f} ms, "
@@ -315,6 +341,7 @@ async def run_benchmark(args: argparse.Namespace, log=print) -> dict:
             "output_len": args.output_len, "shared_prefix_len": args.shared_prefix_len,
             "token_ids": args.token_ids, "concurrency": args.concurrency,
             "num_requests": args.num_requests, "duration": args.duration,
+            "level_timeout": args.level_timeout,
             "warmup": args.warmup, "seed": args.seed, "temperature": args.temperature,
             "top_p": args.top_p, "ignore_eos": args.ignore_eos, "extra_body": args.extra_body,
             "percentiles": list(percentiles), "goodput_slos": slos, "timeout": args.timeout,

@@ -132,3 +132,16 @@ def test_help_documents_flags(capsys):
                  "--api-key", "--extra-body", "--label", "--out", "--plot", "--server-flags",
                  "--timeout", "--shared-prefix-len", "TPOT", "ITL", "guidellm"]:
         assert flag in text
+
+
+def test_level_timeout_cancels_running_requests(fake_server, tmp_path):
+    fake_server.cfg.itl_s = 0.05  # 40 tokens: ~2 s per request
+    rc, res, _ = run_cli(fake_server, tmp_path, "--endpoint", "completions", "--input-len",
+                         "8", "--output-len", "40", "--concurrency", "2", "--warmup", "0",
+                         "--level-timeout", "0.5")
+    assert rc == 0
+    lv = res["levels"][0]
+    assert lv["stopped_by"] == "level_timeout"
+    assert lv["metrics"]["completed"] == 0 and lv["metrics"]["failed"] == 2
+    assert all("level-timeout" in r["error"] for r in lv["requests"])
+    assert lv["metrics"]["duration_s"] < 1.5
