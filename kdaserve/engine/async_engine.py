@@ -228,7 +228,7 @@ class AsyncEngine:
         for rid in ids:
             collector = self.collectors.pop(rid, None)
             if collector is not None:
-                collector.fail(asyncio.CancelledError(f"request {rid} aborted"))
+                collector.fail(RuntimeError(f"request {rid} was aborted"))
         self._abort_now(ids)
 
     def _abort_now(self, request_ids: list[str]) -> None:
