@@ -144,6 +144,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (in x.dtype; x alone when residual is None) -> (rms_norm(s), s)."""
+    s = x if residual is None else (x + residual)
+    return rms_norm(s, weight, eps), s
+
+
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """fp32 x * rsqrt(mean(x^2) + eps) * w * sigmoid(gate), cast to x.dtype."""

@@ -137,13 +137,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    mla_decode_reduce_kernel[(B, H)](
+    block_s = next_power_of_2(num_kv_splits)
+    block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program
+    mla_decode_reduce_kernel[(B, H, cdiv(kv_lora_rank, block_c_red))](
         part_out, part_lse, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         num_kv_splits,
-        KV_RANK=kv_lora_rank, BLOCK_C=block_c, BLOCK_S=next_power_of_2(num_kv_splits),
+        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s,
         num_warps=4,
     )
     return out

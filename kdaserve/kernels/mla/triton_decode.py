@@ -93,27 +93,23 @@ def mla_decode_reduce_kernel(
     num_splits,
     KV_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """Program (b, h, channel chunk): all partitions' partial outputs in one [BLOCK_S, BLOCK_C]
+    load (no serial loop over partitions), weighted by exp2(lse - max lse)."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    lse_base = part_lse_ptr + pid_b * stride_pl_b + pid_h * stride_pl_h
-    lse_all = tl.load(lse_base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(lse_all, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-    offs_c = tl.arange(0, BLOCK_C)
+    mask_s = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + pid_b * stride_pl_b + pid_h * stride_pl_h + offs_s,
+                  mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))      # 0 for empty partitions
+    denom = tl.sum(w, axis=0)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < KV_RANK
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    denom = 0.0
-    po_base = part_out_ptr + pid_b.to(tl.int64) * stride_po_b + pid_h * stride_po_h
-    for s in range(0, num_splits):
-        lse = tl.load(lse_base + s)
-        if lse > float("-inf"):
-            w = tl.exp2(lse - m_safe)
-            part = tl.load(po_base + s * stride_po_s + offs_c, mask=mask_c, other=0.0)
-            acc += w * part
-            denom += w
-    out = acc / tl.where(denom > 0.0, denom, 1.0)                # empty sequence -> zeros
+    po = (part_out_ptr + pid_b.to(tl.int64) * stride_po_b + pid_h * stride_po_h
+          + offs_s[:, None] * stride_po_s + offs_c[None, :])
+    part = tl.load(po, mask=(mask_s & (w > 0.0))[:, None] & mask_c[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)  # empty -> 0
     o = out_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_c
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=mask_c)
 

@@ -1,0 +1,53 @@
+"""Fused RMS norms: residual add + norm in one pass, and KDA's gated output norm.
+
+Twins: `kdaserve.kernels.reference.add_rms_norm` and `rms_norm_gated`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, require_triton
+
+
+def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [N, D]. s = x + residual (rounded to x.dtype, or x alone); returns
+    (weight * rmsnorm(s), s)."""
+    require_triton()
+    from kdaserve.kernels.norm.triton_norm import add_rms_norm_kernel
+
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [N, D] with a contiguous last dim, got {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    check_kernel_device(x)
+    N, D = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    if N:
+        add_rms_norm_kernel[(N,)](
+            x, residual if residual is not None else x, weight, out, res_out, D, float(eps),
+            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+            res_out.stride(0), HAS_RESIDUAL=residual is not None,
+            BLOCK_D=next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
+    return out, res_out
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """x, gate: [N, D] (any row strides); fp32 norm * weight * sigmoid(gate), in x.dtype."""
+    require_triton()
+    from kdaserve.kernels.norm.triton_norm import rms_norm_gated_kernel
+
+    if x.dim() != 2 or gate.shape != x.shape or x.stride(1) != 1 or gate.stride(1) != 1:
+        raise ValueError(f"x and gate must be [N, D] with contiguous last dims, got "
+                         f"{tuple(x.shape)} / {tuple(gate.shape)}")
+    check_kernel_device(x)
+    N, D = x.shape
+    out = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    if N:
+        rms_norm_gated_kernel[(N,)](x, gate, weight, out, D, float(eps), x.stride(0),
+                                    gate.stride(0), out.stride(0),
+                                    BLOCK_D=next_power_of_2(D), num_warps=1 if D <= 256 else 4)
+    return out

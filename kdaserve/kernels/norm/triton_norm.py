@@ -1,0 +1,38 @@
+"""Triton kernels for RMS norms (one program per row)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
+                        stride_x, stride_res, stride_out, stride_res_out,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)   # the residual stream's rounding
+        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / D
+    normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, (w.to(tl.float32) * normed.to(tl.float32)
+                                                 ).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def rms_norm_gated_kernel(x_ptr, g_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_g, stride_out,
+                          BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / D
+    y = x * tl.rsqrt(var + eps) * w * tl.sigmoid(g)
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
