@@ -60,12 +60,18 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
 # ---------------------------------------------------------------------------------------------
 
 
-def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, md: AttentionMetadata, rec_cache: torch.Tensor) -> torch.Tensor:
-    """q, k: [T, H, K] (not normalised); v: [T, H, V]; g: [T, H, K] fp32 log decay; beta: [T, H]
-    fp32; rec_cache: [slots, H, K, V] fp32. Returns o [T, H, V]; final states go to the slots."""
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.Tensor,
+               beta_logits: torch.Tensor, gate, md: AttentionMetadata,
+               rec_cache: torch.Tensor) -> torch.Tensor:
+    """q, k: [T, H, K] (not normalised); v: [T, H, V]; g_raw: [T, H, K] gate pre-activation;
+    beta_logits: [T, H]; gate: the layer's ForgetGate (A_log, dt_bias, lower_bound, activate());
+    rec_cache: [slots, H, K, V] fp32. Returns o [T, H, V]; final states go to the slots.
+
+    The CUDA path activates gate and beta inside the fla kernels (one pass fewer over [T, H, K])."""
     if q.is_cuda:
-        return _delta_rule_cuda(q, k, v, g, beta, md, rec_cache)
+        return _delta_rule_cuda(q, k, v, g_raw, beta_logits, gate, md, rec_cache)
+    g = gate.activate(g_raw)                                          # [T, H, K] fp32
+    beta = torch.sigmoid(beta_logits.float())                         # [T, H]
     o = torch.empty_like(v)
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
@@ -78,10 +84,16 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return o
 
 
-def _delta_rule_cuda(q, k, v, g, beta, md: AttentionMetadata, rec_cache):
+def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache):
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
+    if gate.lower_bound is None:
+        in_kernel = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         A_log=gate.A_log.view(-1), dt_bias=gate.dt_bias)
+    else:   # bounded gate variant (K3-style): activate here
+        g, beta = gate.activate(g), torch.sigmoid(beta.float())
+        in_kernel = {}
     nd = md.num_decodes
     o = torch.empty_like(v)
     if nd:
@@ -91,7 +103,7 @@ def _delta_rule_cuda(q, k, v, g, beta, md: AttentionMetadata, rec_cache):
             initial_state=rec_cache, inplace_final_state=True,
             cu_seqlens=md.query_start_loc[:nd + 1].long(),
             ssm_state_indices=md.state_indices[:nd].long(),
-            use_qk_l2norm_in_kernel=True)
+            use_qk_l2norm_in_kernel=True, **in_kernel)
         o[:nd] = od[0]
     if md.num_prefills:
         t0 = int(md.query_start_loc_cpu[nd])
@@ -102,6 +114,7 @@ def _delta_rule_cuda(q, k, v, g, beta, md: AttentionMetadata, rec_cache):
         op, final = chunk_kda(
             *(x[None, t0:t1].contiguous() for x in (q, k, v, g, beta)),
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            **in_kernel,
             cu_seqlens=cu, cu_seqlens_cpu=(md.query_start_loc_cpu[nd:]
                                            - md.query_start_loc_cpu[nd]).long())
         o[t0:t1] = op[0]

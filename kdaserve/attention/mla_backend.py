@@ -55,9 +55,14 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         k, v = expand(latent)
         qi = q[s:e].transpose(0, 1)                                          # [H, q_len, dk]
         q_len, kv_len = e - s, k.shape[0]
-        # bottom-right aligned causal mask: query j sees keys <= kv_len - q_len + j
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-        o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=scale)
+        if q_len == kv_len:   # no cached prefix: plain causal (fused kernels, no mask tensor)
+            o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=scale)
+        else:
+            # bottom-right aligned causal mask: query j sees keys <= kv_len - q_len + j
+            mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(
+                kv_len - q_len)
+            o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1),
+                                               attn_mask=mask, scale=scale)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)

@@ -9,6 +9,7 @@ from torch import nn
 from kdaserve.attention import kda_backend
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.kernels import reference as ref
+from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.norm import RMSNormGated
 from kdaserve.models.hf_config import KimiLinearArgs
 
@@ -27,6 +28,10 @@ class ForgetGate(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> fp32 log decay [T, H, K]."""
         g_raw = self.f_b_proj(self.f_a_proj(x)).view(-1, self.num_heads, self.head_dim)
+        return ref.kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
+
+    def activate(self, g_raw: torch.Tensor) -> torch.Tensor:
+        """g_raw: [T, H, K] = f_b_proj(f_a_proj(x)) -> fp32 log decay [T, H, K]."""
         return ref.kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
 
 
@@ -50,17 +55,25 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
 
+    def process_weights_after_loading(self) -> None:
+        # q|k|v share x, and so do the three low-rank/scalar heads: two GEMMs instead of six.
+        self.qkv_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        self.small_weight = merge_rows(self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
+                                       self.b_proj.weight)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
         md, caches = ctx.attn, ctx.caches
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
+        qkv = F.linear(x, self.qkv_weight)                           # [T, 3P]
+        small = F.linear(x, self.small_weight)                       # [T, 2d + H]
+        f_a, g_a, b = small.split([d, d, h], dim=-1)
         qkv = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
                                      caches.kda_conv[self.kda_index])
         q, k, v = qkv.view(T, 3, h, d).unbind(1)                     # each [T, H, K]
-        g = self.forget_gate(x)                                      # [T, H, K] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())                 # [T, H]
-        o = kda_backend.delta_rule(q, k, v, g, beta, md, caches.kda_recurrent[self.kda_index])
-        gate = self.g_b_proj(self.g_a_proj(x)).view(T, h, d)
-        o = self.o_norm(o, gate).reshape(T, h * d)
+        g_raw = self.forget_gate.f_b_proj(f_a).view(T, h, d)         # gate pre-activation
+        o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
+                                   caches.kda_recurrent[self.kda_index])  # [T, H, V]
+        gate = self.g_b_proj(g_a)                                    # [T, P]
+        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
         return self.o_proj(o)

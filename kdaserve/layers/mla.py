@@ -7,6 +7,7 @@ from torch import nn
 
 from kdaserve.attention import mla_backend
 from kdaserve.attention.metadata import ForwardContext
+from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.hf_config import KimiLinearArgs
 
@@ -43,13 +44,17 @@ class MLAttention(nn.Module):
         k = torch.cat([kv[..., :self.nope_dim], k_pe], dim=-1)
         return k, kv[..., self.nope_dim:]
 
+    def process_weights_after_loading(self) -> None:
+        self.q_kva_weight = merge_rows(self.q_proj.weight, self.kv_a_proj_with_mqa.weight)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
         md = ctx.attn
         kv_cache = ctx.caches.mla_kv[self.mla_index]
         T, h = x.shape[0], self.num_heads
-        q = self.q_proj(x).view(T, h, self.qk_dim)
-        ckv = self.kv_a_proj_with_mqa(x)                                  # [T, rank + rope]
+        q_ckv = torch.nn.functional.linear(x, self.q_kva_weight)   # [T, H*qk + rank + rope]
+        q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
+        ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
         latent = torch.cat([self.kv_a_layernorm(ckv[:, :self.kv_lora_rank]),
                             ckv[:, self.kv_lora_rank:]], dim=-1)
         mla_backend.store_latent(kv_cache, md.slot_mapping[:T], latent)

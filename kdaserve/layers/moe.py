@@ -27,6 +27,11 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k])."""
         logits = F.linear(x.float(), self.weight)                  # [N, E] fp32
+        if x.is_cuda:
+            from kdaserve.kernels.moe.router import moe_topk_sigmoid
+
+            return moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
+                                    self.renormalize, self.scaling)
         return ref.moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
                                     self.renormalize, self.scaling)
 
@@ -48,13 +53,42 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """On CUDA with one shared expert, the shared expert is folded into the fused MoE as expert
+    E with weight 1 for every token: one grouped kernel pass computes routed + shared."""
+
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
+        self.num_experts = args.num_experts
         self.gate = TopkRouter(args)
         self.experts = Experts(args)
         self.shared_experts = MLP(args.hidden_size,
                                   args.moe_intermediate_size * args.num_shared_experts)
+        self.w13_all: torch.Tensor | None = None
+        self.w2_all: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        sh_inter = self.shared_experts.gate_proj.weight.shape[0]
+        if not self.experts.gate_up_proj.is_cuda or sh_inter != self.experts.down_proj.shape[-1]:
+            return
+        e, sh = self.experts, self.shared_experts
+        # [E+1, 2I, D] / [E+1, D, I]: the shared expert becomes the last expert; every original
+        # parameter turns into a view of the merged storage.
+        w13 = torch.cat([e.gate_up_proj.data, torch.cat([sh.gate_proj.weight.data,
+                                                         sh.up_proj.weight.data])[None]])
+        w2 = torch.cat([e.down_proj.data, sh.down_proj.weight.data[None]])
+        e.gate_up_proj.data, e.down_proj.data = w13[:self.num_experts], w2[:self.num_experts]
+        inter = sh.gate_proj.weight.shape[0]
+        sh.gate_proj.weight.data, sh.up_proj.weight.data = w13[-1, :inter], w13[-1, inter:]
+        sh.down_proj.weight.data = w2[-1]
+        self.w13_all, self.w2_all = w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        if self.w13_all is not None:
+            from kdaserve.kernels.moe.fused_moe import fused_moe
+
+            n = x.shape[0]
+            ids = torch.cat([topk_ids, topk_ids.new_full((n, 1), self.num_experts)], dim=1)
+            w = torch.cat([topk_weights, topk_weights.new_ones(n, 1)], dim=1)
+            return fused_moe(x, self.w13_all, self.w2_all, w, ids)
         return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)

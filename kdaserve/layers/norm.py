@@ -1,4 +1,4 @@
-"""RMS norms with HF KimiLinear numerics."""
+"""RMS norms with HF KimiLinear numerics: Triton on CUDA, reference twins on the CPU."""
 
 from __future__ import annotations
 
@@ -15,7 +15,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ref.rms_norm(x, self.weight, self.eps)
+        return self.forward_residual(x, None)[0]
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D]; s = x + residual (x alone when None). Returns (norm(s), s)."""
+        if x.is_cuda:
+            from kdaserve.kernels.norm.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, self.weight, self.eps, residual)
+        return ref.add_rms_norm(x, self.weight, self.eps, residual)
 
 
 class RMSNormGated(nn.Module):
@@ -27,4 +36,9 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate: [N, D]."""
+        if x.is_cuda:
+            from kdaserve.kernels.norm.rms_norm import rms_norm_gated
+
+            return rms_norm_gated(x, gate, self.weight, self.eps)
         return ref.rms_norm_gated(x, gate, self.weight, self.eps)

@@ -33,9 +33,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block in residual-stream form: returns (branch output, residual); the
+        next norm adds the two (fused on the GPU)."""
+        h, residual = self.input_layernorm.forward_residual(x, residual)
+        h = self.self_attn(h, ctx)
+        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class KimiLinearModel(nn.Module):
@@ -47,9 +52,10 @@ class KimiLinearModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                             # [T, D]
+        residual = None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx)
+        return self.norm.forward_residual(x, residual)[0]
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -72,5 +78,8 @@ class KimiLinearForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def process_weights_after_loading(self) -> None:
-        """Hook run once by the loader after every tensor is in place."""
-        return None
+        """Run once after every tensor is in place (the loader calls it): merges projections
+        that share an input. Required before the first forward."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()

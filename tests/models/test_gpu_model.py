@@ -17,6 +17,7 @@ def gpu_model(pair):
     _, ours, args = pair
     model = build_model(args, torch.bfloat16, "cuda")
     model.load_state_dict(ours.state_dict())
+    model.process_weights_after_loading()
     return model, args
 
 

@@ -29,6 +29,7 @@ def pair():
     ours = build_model(args, torch.float32, "cpu")
     missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=True)
     assert not missing and not unexpected
+    ours.process_weights_after_loading()
     return hf, ours, args
 
 
