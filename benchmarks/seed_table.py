@@ -108,7 +108,8 @@ def server_args_for(args: argparse.Namespace, config: str) -> list[str]:
 
 def bench_args(args: argparse.Namespace, server: ServerProcess, concurrency: int,
                duration: float, level_timeout: float, label: str) -> argparse.Namespace:
-    argv = ["--level-timeout", f"{level_timeout:.1f}","--base-url", server.base_url, "--endpoint", args.endpoint,
+    argv = ["--base-url", server.base_url, "--endpoint", args.endpoint,
+            "--level-timeout", f"{level_timeout:.1f}",
             "--input-len", str(args.input_len), "--output-len", str(args.output_len),
             "--concurrency", str(concurrency), "--num-requests", str(2 * concurrency),
             "--duration", f"{duration:.1f}", "--warmup", str(args.warmup),

@@ -3,9 +3,9 @@
 
 For each concurrency level: `--warmup` unmeasured requests, then `concurrency` workers send
 requests back to back until `--num-requests` are done or `--duration` has passed (no request
-starts after the deadline; those in flight finish). Prompts are synthetic, of exact token
-lengths (random vocabulary tokens, re-tokenized until the count is exact), distinct per request
-(seeded). Requests stream with stream_options {include_usage, continuous_usage_stats}; token
+starts after the deadline; those in flight finish unless `--level-timeout` cancels them).
+Prompts are synthetic, of exact token lengths (random vocabulary tokens, re-tokenized until the
+count is exact), distinct per request (seeded). Requests stream with stream_options {include_usage, continuous_usage_stats}; token
 counts come from the server's usage.
 
 Metrics (vLLM `bench serve` definitions; start = just before the POST):
@@ -286,7 +286,12 @@ async def run_benchmark(args: argparse.Namespace, log=print) -> dict:
     max_conc = max(args.concurrency)
     async with bench_client.make_client(args.timeout, max_conc + 2) as client:
         base = args.base_url.rstrip("/").removesuffix("/v1")
-        models = await bench_client.get_models(client, base, args.api_key)
+        try:
+            models = await bench_client.get_models(client, base, args.api_key)
+        except httpx.HTTPStatusError as e:
+            if args.model is None:
+                raise RuntimeError(f"GET {base}/v1/models failed ({e}); pass --model") from e
+            models = {"error": str(e)}
         data = models.get("data") or []
         if args.model is None and not data:
             raise RuntimeError(f"{base}/v1/models lists no model; pass --model")
