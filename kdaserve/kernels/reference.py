@@ -271,3 +271,165 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
         if slot >= 0:
             conv_states[slot] = new_state.to(conv_states.dtype)
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Twins for speculative decoding (RecoverSSM)
+# ---------------------------------------------------------------------------------------------
+# A spec request brings T_i = 1 + K_i tokens (its last sampled token, then its drafts), packed by
+# cu_seqlens [N+1]. After sampling, n_i = accepted drafts + 1 of them are real (vLLM's
+# num_accepted_tokens; 0 <= n_i <= T_i). Two ways to leave no trace of the rest:
+#   RecoverSSM: verify reads S_0 and never writes it, recording per token
+#     u_t = beta_t (v_t - S'_t^T k_t) (S'_t = decayed state before token t), k_t (normalised) and
+#     g_t; commit then folds exactly n_i tokens: S <- S * exp(g_t) + k_t u_t^T for t < n_i.
+#   per-position (baseline): verify writes the state after token t to slot idx[i, t]; the slot
+#     after the last accepted token is then the request's state.
+# The conv window works the same way over the step's pre-conv inputs x: the window after m
+# tokens is columns m .. m + W-2 of cat(window_before, x^T).
+
+
+def _pad_by_request(x: torch.Tensor, cu: list[int], t_max: int) -> torch.Tensor:
+    """[T, *] packed -> [N, t_max, *]: each request's first t_max rows, zero-padded."""
+    out = x.new_zeros(len(cu) - 1, t_max, *x.shape[1:])
+    for i in range(len(cu) - 1):
+        n = min(cu[i + 1] - cu[i], t_max)
+        out[i, :n] = x[cu[i]:cu[i] + n]
+    return out
+
+
+def _unpad(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    return torch.cat([x[i, :cu[i + 1] - cu[i]] for i in range(len(cu) - 1)])
+
+
+def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    beta: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
+                    state_indices: torch.Tensor, initial_cols: torch.Tensor | None = None,
+                    per_position: bool = False, scale: float | None = None,
+                    use_qk_l2norm: bool = True):
+    """Gated delta rule over each spec request's window, batched over requests.
+
+    q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] fp32 log decay; beta: [T, H] fp32;
+    cu_seqlens: [N+1]; state_pool: [slots, H, K, V] fp32; state_indices: [N] (RecoverSSM) or
+    [N, 1+K] (per-position: column t receives the state after token t); initial_cols: [N], the
+    column S_0 is read from (default 0; vLLM's num_accepted_prev - 1).
+    Returns (o [T, H, V] in v.dtype, u [T, H, V] fp32, k_hat [T, H, K] fp32). The pool is left
+    untouched unless per_position.
+    """
+    dtype = v.dtype
+    idx = state_indices.long().view(len(cu_seqlens) - 1, -1)                  # [N, C]
+    cols = (torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device)
+            if initial_cols is None else initial_cols.long())
+    cu = cu_seqlens.tolist()
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    if per_position and max(lens, default=0) > idx.shape[1]:
+        raise ValueError(f"a request has {max(lens)} tokens but state_indices has only "
+                         f"{idx.shape[1]} columns")
+    qf, kf, vf, gf, bf = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        qf, kf = l2norm(qf), l2norm(kf)
+    K = kf.shape[-1]
+    qf = qf * (K ** -0.5 if scale is None else scale)
+    t_max = max(lens, default=0)
+    qp, kp, vp, gp, bp = (_pad_by_request(x, cu, t_max) for x in (qf, kf, vf, gf, bf))
+    S = state_pool[idx.gather(1, cols[:, None]).squeeze(1)].float()           # [N, H, K, V]
+    o = torch.zeros_like(vp)
+    u = torch.zeros_like(vp)
+    lens_t = torch.tensor(lens, device=S.device)
+    for t in range(t_max):
+        S = S * gp[:, t].exp()[..., None]                                      # decay key rows
+        kv_mem = (S * kp[:, t][..., None]).sum(dim=-2)                         # [N, H, V]
+        u[:, t] = (vp[:, t] - kv_mem) * bp[:, t][..., None]
+        S = S + kp[:, t][..., None] * u[:, t][..., None, :]
+        o[:, t] = (S * qp[:, t][..., None]).sum(dim=-2)
+        if per_position:
+            live = (lens_t > t).nonzero().squeeze(1)
+            state_pool[idx[live, t]] = S[live].to(state_pool.dtype)
+    return _unpad(o, cu).to(dtype), _unpad(u, cu), kf
+
+
+def kda_recover_commit(state_pool: torch.Tensor, state_indices: torch.Tensor, u: torch.Tensor,
+                       k_hat: torch.Tensor, g: torch.Tensor, cu_seqlens: torch.Tensor,
+                       num_accepted: torch.Tensor) -> None:
+    """Fold the first num_accepted[i] tokens of request i into state_pool[state_indices[i]]:
+    S_n = S_0 * prod_{t<n} D_t + sum_{t<n} (k_t u_t^T) * prod_{t<s<n} D_s, D_t = exp(g_t) per
+    key row, computed forward. u, k_hat from `kda_spec_verify`; g: [T, H, K] fp32."""
+    cu = cu_seqlens.tolist()
+    n = num_accepted.tolist()
+    for i in range(len(cu) - 1):
+        if not 0 <= n[i] <= cu[i + 1] - cu[i]:
+            raise ValueError(f"num_accepted[{i}]={n[i]} outside [0, {cu[i + 1] - cu[i]}]")
+    t_max = max(n, default=0)
+    if t_max == 0:
+        return
+    slots = state_indices.long().view(-1)
+    up, kp, gp = (_pad_by_request(x.float(), cu, t_max) for x in (u, k_hat, g))
+    S = state_pool[slots].float()                                              # [N, H, K, V]
+    n_t = torch.tensor(n, device=S.device)
+    for t in range(t_max):
+        live = (n_t > t)[:, None, None, None]
+        upd = S * gp[:, t].exp()[..., None] + kp[:, t][..., None] * up[:, t][..., None, :]
+        S = torch.where(live, upd, S)
+    state_pool[slots] = S.to(state_pool.dtype)
+
+
+def conv_window_after(window: torch.Tensor, x: torch.Tensor, m: int) -> torch.Tensor:
+    """window: [D, W-1] before the step; x: [T, D] the step's pre-conv inputs. Returns the
+    window after the first m tokens (0 <= m <= T)."""
+    if not 0 <= m <= x.shape[0]:
+        raise ValueError(f"m={m} outside [0, {x.shape[0]}]")
+    w1 = window.shape[-1]
+    xs = torch.cat([window, x.t().to(window.dtype)], dim=-1)                  # [D, W-1+T]
+    return xs[:, m:m + w1].clone()
+
+
+def conv_spec_verify(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                     conv_pool: torch.Tensor, state_indices: torch.Tensor,
+                     initial_cols: torch.Tensor | None = None, per_position: bool = False,
+                     activation: str | None = "silu") -> torch.Tensor:
+    """Causal conv over each spec request's window from conv_pool[idx[i, initial_cols[i]]].
+    RecoverSSM: the pool is read only. per_position: column t of state_indices [N, 1+K]
+    receives the window after token t. x: [T, D]; weight: [D, W]. Returns y [T, D]."""
+    idx = state_indices.long().view(len(cu_seqlens) - 1, -1)
+    cols = [0] * idx.shape[0] if initial_cols is None else initial_cols.tolist()
+    cu = cu_seqlens.tolist()
+    y = torch.empty_like(x)
+    windows = [conv_pool[int(idx[i, cols[i]])].clone() for i in range(idx.shape[0])]
+    for i, window in enumerate(windows):
+        s, e = cu[i], cu[i + 1]
+        if e == s:
+            continue
+        y[s:e], _ = causal_conv1d(x[s:e], weight, window, activation)
+        if per_position:
+            if e - s > idx.shape[1]:
+                raise ValueError(f"request {i} has {e - s} tokens but state_indices has only "
+                                 f"{idx.shape[1]} columns")
+            for t in range(e - s):
+                conv_pool[int(idx[i, t])] = conv_window_after(window, x[s:e], t + 1)
+    return y
+
+
+def conv_recover_commit(conv_pool: torch.Tensor, state_indices: torch.Tensor, x: torch.Tensor,
+                        cu_seqlens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """conv_pool[state_indices[i]] <- its window after the first num_accepted[i] tokens of the
+    step (x: [T, D] the step's pre-conv inputs, as given to `conv_spec_verify`)."""
+    cu = cu_seqlens.tolist()
+    for i, (slot, m) in enumerate(zip(state_indices.view(-1).tolist(), num_accepted.tolist())):
+        conv_pool[slot] = conv_window_after(conv_pool[slot], x[cu[i]:cu[i + 1]], m)
+
+
+def select_per_position(pools: list[torch.Tensor], state_indices: torch.Tensor,
+                        num_accepted: torch.Tensor) -> None:
+    """Per-position mode, after sampling: copy column num_accepted[i] - 1 of state_indices
+    [N, 1+K] into column 0 (the request's own slot) in every pool (recurrent and conv state of
+    each KDA layer). Requests with num_accepted == 1 need no copy (n == 0 is not allowed:
+    column 0 was already overwritten by the state after token 0)."""
+    n = num_accepted.long()
+    if bool((n < 1).any()) or bool((n > state_indices.shape[1]).any()):
+        raise ValueError(f"num_accepted must be in [1, {state_indices.shape[1]}] in "
+                         f"per-position mode, got {n.tolist()}")
+    idx = state_indices.long()
+    src = idx.gather(1, (n - 1)[:, None]).squeeze(1)
+    dst = idx[:, 0]
+    move = src != dst
+    for pool in pools:
+        pool[dst[move]] = pool[src[move]]
