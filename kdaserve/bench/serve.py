@@ -5,8 +5,8 @@ For each concurrency level: `--warmup` unmeasured requests, then `concurrency` w
 requests back to back until `--num-requests` are done or `--duration` has passed (no request
 starts after the deadline; those in flight finish unless `--level-timeout` cancels them).
 Prompts are synthetic, of exact token lengths (random vocabulary tokens, re-tokenized until the
-count is exact), distinct per request (seeded). Requests stream with stream_options {include_usage, continuous_usage_stats}; token
-counts come from the server's usage.
+count is exact), distinct per request (seeded). Requests stream with stream_options
+{include_usage, continuous_usage_stats}; token counts come from the server's usage.
 
 Metrics (vLLM `bench serve` definitions; start = just before the POST):
   TTFT  first SSE event with non-empty choices (chat: the role chunk, sent with token 1)
