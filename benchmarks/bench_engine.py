@@ -137,10 +137,27 @@ def main() -> None:
     vocab = engine.vocab_size
     print(json.dumps(result, indent=1), flush=True)
 
-    # 1. One 8000-token prefill and 32 decode steps.
+    # 1. One 8000-token prefill and 32 decode steps; the same greedy run in eager mode must
+    #    give the same tokens as with CUDA graphs.
     sp = SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
-    engine.add_request("p0", prompt(rng, args.prompt_len, vocab), sp)
-    times = run_until_done(engine)
+    p0 = prompt(rng, args.prompt_len, vocab)
+    engine.add_request("p0", p0, sp)
+    times = []
+    while engine.has_unfinished_requests():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        graph_tokens = outs[0].outputs[0].token_ids if outs else None
+    saved, rn.graphs = rn.graphs, None
+    engine.add_request("p0-eager", p0, sp)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        eager_tokens = outs[0].outputs[0].token_ids if outs else None
+    rn.graphs = saved
+    result["graphs_equal_eager_greedy_tokens"] = graph_tokens == eager_tokens
+    print("graphs vs eager greedy tokens equal:", graph_tokens == eager_tokens, flush=True)
     result["prefill_8000_ms"] = times[0] * 1e3
     result["decode_32_steps_ms"] = [t * 1e3 for t in times[1:]]
     print(f"prefill {args.prompt_len}: {times[0] * 1e3:.1f} ms; decode steps median "
