@@ -129,9 +129,10 @@ def bench_mla(results, ceil, batch, ctx=8192, page=16, tune=False):
     if not tune:
         return
     best = (times[1] or times[0], "default")
-    for bh, bn, nw, ns in [(32, 32, 8, 2), (32, 16, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2),
-                           (32, 32, 4, 2), (32, 16, 4, 2), (32, 32, 4, 3)]:
-        cfg = mla.MLADecodeConfig(bh, bn, nw, ns)
+    for bh, bn, nw, ns, tr in [(32, 32, 4, 3, False), (32, 64, 8, 2, False), (32, 32, 8, 2, False),
+                               (32, 64, 4, 2, True), (32, 64, 8, 2, True), (32, 128, 8, 2, True),
+                               (32, 128, 4, 2, True), (32, 64, 4, 3, True)]:
+        cfg = mla.MLADecodeConfig(bh, bn, nw, ns, tr)
         for splits in (None, 16, 32, 64, 128):
             try:
                 t = bench_graph_ms(lambda: mla.mla_decode(q, kv, bt, seq_lens, scale, KV_RANK,

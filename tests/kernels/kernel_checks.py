@@ -58,7 +58,7 @@ def make_paged_kv(device, dtype, seq_lens, page, dim, num_blocks=None, seed=0):
 
 
 def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_rank=512, rope=64,
-                     num_kv_splits=None, seed=0):
+                     num_kv_splits=None, config=None, seed=0):
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.mla.decode import mla_decode
 
@@ -68,7 +68,8 @@ def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_ran
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = 192 ** -0.5
     out = torch.full((B, num_heads, kv_lora_rank), float("nan"), dtype=dtype, device=device)
-    mla_decode(q, kv, bt, sl, scale, kv_lora_rank, out=out, num_kv_splits=num_kv_splits)
+    mla_decode(q, kv, bt, sl, scale, kv_lora_rank, out=out, num_kv_splits=num_kv_splits,
+               config=config)
     want = ref.mla_decode(q.double(), kv.double(), bt, sl, scale, kv_lora_rank)
     assert_close(f"mla_decode{tuple(seq_lens)} page={page}", out, want, dtype)
     for b, s in enumerate(seq_lens):
@@ -220,10 +221,14 @@ def check_router(device, num_tokens=37, num_experts=256, top_k=8, renormalize=Tr
 
 def run_interpreter_suite() -> None:
     """The CPU interpreter subset (fp32; the interpreter's bf16 tl.dot is wrong in Triton 3.6)."""
+    from kdaserve.kernels.mla.decode import MLADecodeConfig
+
     patch_triton_interpreter()
     f32 = torch.float32
     check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3)
     check_mla_decode("cpu", f32, [70, 1], page=64)
+    check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3,
+                     config=MLADecodeConfig(16, 16, 4, 1, transposed=True))
     check_store_kv("cpu", f32)
     check_fused_moe("cpu", f32, 1, hidden=64, inter=48, num_experts=8, top_k=3)
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)

@@ -74,6 +74,18 @@ def test_mla_decode_gpu(dtype, page):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 8), (32, 4)])
+def test_mla_decode_transposed_gpu(block_n, num_warps):
+    from kdaserve.kernels.mla.decode import MLADecodeConfig
+
+    cfg = MLADecodeConfig(32, block_n, num_warps, 2, transposed=True)
+    lens = torch.randint(1, 3000, (5,)).tolist() + [0, 8192]
+    kc.check_mla_decode("cuda", BF16, lens, num_heads=32, page=16, config=cfg, seed=block_n)
+    kc.check_mla_decode("cuda", BF16, [700, 33], num_heads=20, page=64, config=cfg)
+
+
+@pytest.mark.gpu
+@gpu
 def test_store_kv_gpu():
     kc.check_store_kv("cuda", BF16)
     kc.check_store_kv("cuda", F32, page=64)

@@ -23,18 +23,22 @@ class MLADecodeConfig:
     block_n: int        # context rows per inner step
     num_warps: int
     num_stages: int
+    transposed: bool = False   # tokens/channels as MMA rows (warpgroup MMA on Hopper)
 
 
-def default_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
+def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
+    """Measured on an H200 (bench_layers.py --tune) at 32 heads, 8K context, batch 1 and 16."""
     block_h = min(32, max(16, next_power_of_2(num_heads)))
     if dtype == torch.float32:
         return MLADecodeConfig(block_h=min(block_h, 16), block_n=16, num_warps=4, num_stages=1)
-    return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=8, num_stages=2)
+    if batch <= 4:
+        return MLADecodeConfig(block_h=block_h, block_n=64, num_warps=8, num_stages=2)
+    return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3)
 
 
 def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
-                         device: torch.device, min_tokens_per_split: int = 256,
-                         max_splits: int = 64) -> int:
+                         device: torch.device, min_tokens_per_split: int = 64,
+                         max_splits: int = 128) -> int:
     """Enough (b, split, head group) programs for ~2 waves, each partition >= min_tokens_per_split.
 
     Depends only on shapes, so a captured CUDA graph keeps its grid.
@@ -94,12 +98,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     require_triton()
     _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank)
     from kdaserve.kernels.mla.triton_decode import (mla_decode_partial_kernel,
+                                                    mla_decode_partial_t_kernel,
                                                     mla_decode_reduce_kernel)
 
     B, H, D = q.shape
     rope = D - kv_lora_rank
     page = kv_cache.shape[1]
-    cfg = config or default_config(H, q.dtype)
+    cfg = config or default_config(B, H, q.dtype)
     if cfg.block_h < 16 and q.device.type == "cuda":
         raise ValueError(f"block_h must be >= 16 on GPU (tl.dot), got {cfg.block_h}")
     head_groups = cdiv(H, cfg.block_h)
@@ -123,7 +128,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_c = next_power_of_2(kv_lora_rank)
     block_r = max(16, next_power_of_2(rope)) if rope > 0 else 1   # tl.dot needs K >= 16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    mla_decode_partial_kernel[(B, num_kv_splits, head_groups)](
+    partial = mla_decode_partial_t_kernel if cfg.transposed else mla_decode_partial_kernel
+    partial[(B, num_kv_splits, head_groups)](
         q, kv_cache, block_table, seq_lens, part_out, part_lse,
         float(scale) * LOG2E,
         q.stride(0), q.stride(1),

@@ -85,6 +85,82 @@ def mla_decode_partial_kernel(
 
 
 @triton.jit
+def mla_decode_partial_t_kernel(
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale_log2,
+    stride_qb, stride_qh,
+    stride_kv_block, stride_kv_tok,
+    stride_bt,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    num_heads, num_splits,
+    KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Same contract as mla_decode_partial_kernel, computed transposed (tokens and latent
+    channels as the matrix rows, heads as columns): both products then have >= 64 rows, which
+    lets Hopper use its warpgroup MMA although a sequence has only 16-32 heads."""
+    pid_b = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_h = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    split_len = tl.cdiv(seq_len, num_splits)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < KV_RANK
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < ROPE
+
+    q_base = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[None, :] * stride_qh
+    qt_c = tl.load(q_base + offs_c[:, None], mask=mask_c[:, None] & mask_h[None, :], other=0.0)
+    if ROPE > 0:
+        qt_r = tl.load(q_base + KV_RANK + offs_r[:, None],
+                       mask=mask_r[:, None] & mask_h[None, :], other=0.0)   # [BLOCK_R, BLOCK_H]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C, BLOCK_H], dtype=tl.float32)        # [kv_lora_rank, BLOCK_H]
+
+    bt_row = block_table_ptr + pid_b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block_ids = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = block_ids * stride_kv_block + (offs_n % PAGE_SIZE) * stride_kv_tok
+        kv_c = tl.load(kv_ptr + row[:, None] + offs_c[None, :],
+                       mask=mask_n[:, None] & mask_c[None, :], other=0.0)   # [BLOCK_N, BLOCK_C]
+        st = tl.dot(kv_c, qt_c, input_precision=DOT_PRECISION)             # [BLOCK_N, BLOCK_H]
+        if ROPE > 0:
+            kv_r = tl.load(kv_ptr + row[:, None] + KV_RANK + offs_r[None, :],
+                           mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+            st += tl.dot(kv_r, qt_r, input_precision=DOT_PRECISION)
+        st = tl.where(mask_n[:, None], st * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        pt = tl.exp2(st - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(kv_c), pt.to(kv_c.dtype),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[None, :]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    po = (part_out_ptr + pid_b.to(tl.int64) * stride_po_b + offs_h[None, :] * stride_po_h
+          + pid_s * stride_po_s + offs_c[:, None])
+    tl.store(po, out, mask=mask_c[:, None] & mask_h[None, :])
+    tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
+
+
+@triton.jit
 def mla_decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_po_b, stride_po_h, stride_po_s,
