@@ -1,0 +1,141 @@
+"""Triton kernels for KDA speculative verification (imported lazily by recover.py).
+
+State tiles are [BK, BV] of one (request, head, V-block): a program owns its tile for the whole
+window, so reading S_0 and later writing states into the same slot (per-position mode) cannot
+race with another program. Loops over a request's tokens are dynamic (CUDA-graph safe: lengths
+and accept counts are read on the device).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_spec_verify_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, state_ptr, idx_ptr, col_ptr,
+    o_ptr, u_ptr, kh_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
+    stride_bt, stride_bh, stride_ot, stride_oh, stride_ut, stride_uh, stride_kht, stride_khh,
+    stride_ss, stride_sh, stride_sk, stride_sv, stride_idx,
+    scale,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, HAS_COLS: tl.constexpr, RECORD: tl.constexpr,
+    PER_POSITION: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    bos = tl.load(cu_ptr + i).to(tl.int64)
+    eos = tl.load(cu_ptr + i + 1).to(tl.int64)
+    col = 0
+    if HAS_COLS:
+        col = tl.load(col_ptr + i).to(tl.int64)
+    slot = tl.load(idx_ptr + i * stride_idx + col).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mk = offs_k < K
+    mv = offs_v < V
+    tile = h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    m_tile = mk[:, None] & mv[None, :]
+    S = tl.load(state_ptr + slot * stride_ss + tile, mask=m_tile & (slot >= 0), other=0.0)
+    S = S.to(tl.float32)                                             # [BK, BV]
+    for t in range(bos, eos):
+        kt = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_k, mask=mk, other=0.0)
+        qt = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_k, mask=mk, other=0.0)
+        kt = kt.to(tl.float32)
+        qt = qt.to(tl.float32)
+        if L2NORM:
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
+        qt = qt * scale
+        gt = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs_k, mask=mk, other=0.0)
+        bt = tl.load(beta_ptr + t * stride_bt + h * stride_bh).to(tl.float32)
+        vt = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=mv, other=0.0)
+        S = S * tl.exp(gt.to(tl.float32))[:, None]                   # decay key rows
+        ut = (vt.to(tl.float32) - tl.sum(S * kt[:, None], axis=0)) * bt
+        S = S + kt[:, None] * ut[None, :]                            # rank-1 write
+        ot = tl.sum(S * qt[:, None], axis=0)                         # read after write
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_v,
+                 ot.to(o_ptr.dtype.element_ty), mask=mv)
+        if RECORD:
+            tl.store(u_ptr + t * stride_ut + h * stride_uh + offs_v, ut, mask=mv)
+            tl.store(kh_ptr + t * stride_kht + h * stride_khh + offs_k, kt, mask=mk & (vb == 0))
+        if PER_POSITION:
+            dst = tl.load(idx_ptr + i * stride_idx + (t - bos)).to(tl.int64)
+            tl.store(state_ptr + dst * stride_ss + tile, S, mask=m_tile & (dst >= 0))
+
+
+@triton.jit
+def kda_recover_commit_kernel(
+    state_ptr, idx_ptr, u_ptr, kh_ptr, g_ptr, cu_ptr, n_ptr,
+    stride_ss, stride_sh, stride_sk, stride_sv, stride_idx,
+    stride_ut, stride_uh, stride_kht, stride_khh, stride_gt, stride_gh,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    bos = tl.load(cu_ptr + i).to(tl.int64)
+    eos = tl.load(cu_ptr + i + 1).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(n_ptr + i).to(tl.int64), 0), eos - bos)
+    slot = tl.load(idx_ptr + i * stride_idx).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mk = offs_k < K
+    mv = offs_v < V
+    ptrs = state_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * stride_sk \
+        + offs_v[None, :] * stride_sv
+    m_tile = mk[:, None] & mv[None, :] & (slot >= 0) & (n > 0)
+    S = tl.load(ptrs, mask=m_tile, other=0.0).to(tl.float32)
+    for t in range(bos, bos + n):
+        kt = tl.load(kh_ptr + t * stride_kht + h * stride_khh + offs_k, mask=mk, other=0.0)
+        gt = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs_k, mask=mk, other=0.0)
+        ut = tl.load(u_ptr + t * stride_ut + h * stride_uh + offs_v, mask=mv, other=0.0)
+        S = S * tl.exp(gt.to(tl.float32))[:, None] \
+            + kt.to(tl.float32)[:, None] * ut.to(tl.float32)[None, :]
+    tl.store(ptrs, S.to(state_ptr.dtype.element_ty), mask=m_tile)
+
+
+@triton.jit
+def conv_spec_window_kernel(
+    pool_ptr, idx_ptr, col_ptr, x_ptr, cu_ptr, n_ptr, dim,
+    stride_ps, stride_pd, stride_pj, stride_idx, stride_xt,
+    W1: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
+    HAS_COLS: tl.constexpr, PER_POSITION: tl.constexpr,
+):
+    """Window after m tokens = columns m .. m+W1-1 of cat(window, x^T). Commit: m = n[i] into
+    the source slot; per-position: every m = 1..T_i into idx[i, m-1]. The source window is held
+    in registers, so writing into its own slot is safe."""
+    i = tl.program_id(0)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = offs_d < dim
+    bos = tl.load(cu_ptr + i).to(tl.int64)
+    T = tl.load(cu_ptr + i + 1).to(tl.int64) - bos
+    col = 0
+    if HAS_COLS:
+        col = tl.load(col_ptr + i).to(tl.int64)
+    src = tl.load(idx_ptr + i * stride_idx + col).to(tl.int64)
+    jj = tl.arange(0, BW)
+    old = tl.load(pool_ptr + src * stride_ps + offs_d[:, None] * stride_pd
+                  + jj[None, :] * stride_pj,
+                  mask=md[:, None] & (jj < W1)[None, :] & (src >= 0), other=0.0)
+    old = old.to(tl.float32)                                           # [BD, BW]
+    if PER_POSITION:
+        m_lo = 1
+        m_hi = T + 1
+    else:
+        m_lo = tl.minimum(tl.maximum(tl.load(n_ptr + i).to(tl.int64), 0), T)
+        m_hi = m_lo + 1
+    for m in range(m_lo, m_hi):
+        if PER_POSITION:
+            dst = tl.load(idx_ptr + i * stride_idx + m - 1).to(tl.int64)
+        else:
+            dst = src
+        for j in tl.static_range(W1):
+            s = m + j
+            from_old = tl.sum(tl.where(jj[None, :] == s, old, 0.0), axis=1)
+            from_x = tl.load(x_ptr + (bos + s - W1) * stride_xt + offs_d,
+                             mask=md & (s >= W1), other=0.0).to(tl.float32)
+            val = tl.where(s < W1, from_old, from_x)
+            tl.store(pool_ptr + dst * stride_ps + offs_d * stride_pd + j * stride_pj,
+                     val.to(pool_ptr.dtype.element_ty), mask=md & (dst >= 0))

@@ -1,0 +1,111 @@
+"""Triton RecoverSSM kernels: the CPU interpreter subset in a subprocess (TRITON_INTERPRET must
+be set before triton is imported), GPU tests at the 48B model's sizes, and CPU dispatch/memory."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdaserve.kernels.kda import recover as rc
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def test_interpreter_suite():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(HERE / "recover_checks.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cpu_dispatch_uses_twins():
+    from kdaserve.kernels import reference as ref
+
+    T, H, K = 3, 2, 4
+    q, k, v, g = (torch.randn(T, H, K) for _ in range(4))
+    g = -g.abs()
+    beta = torch.rand(T, H)
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    pool = torch.randn(2, H, K, K)
+    out = torch.empty(T, H, K)
+    o, u, kh = rc.kda_spec_verify(q, k, v, g, beta, cu, pool, torch.tensor([1]), out=out)
+    assert o is out
+    o_ref, _ = ref.kda_recurrent(q, k, v, g, beta, pool[1])
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="state_pool"):
+        rc.kda_spec_verify(q, k, v, g, beta, cu, torch.zeros(2, H, K, 5), torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"\[N, 1\+K\]"):
+        rc.kda_spec_verify(q, k, v, g, beta, cu, pool, torch.tensor([1]), per_position=True)
+    with pytest.raises(ValueError, match="beta"):
+        rc.kda_spec_verify(q, k, v, g, beta[:, :1], cu, pool, torch.tensor([1]))
+
+
+def test_state_memory_48b():
+    """20 KDA layers, H=32, K=V=128, conv 12288 x 3 (bf16), K=8 drafts."""
+    args = dict(num_kda_layers=20, num_heads=32, head_k_dim=128, head_v_dim=128,
+                conv_dim=12288, conv_kernel=4, num_speculative_tokens=8)
+    slot = 20 * (32 * 128 * 128 * 4 + 12288 * 3 * 2)
+    pp = rc.spec_state_memory("per_position", **args)
+    rs = rc.spec_state_memory("recover", **args)
+    assert pp.total == 9 * slot
+    assert rs.state_bytes == slot
+    assert rs.record_bytes == 20 * 9 * (32 * 128 * 4 * 3 + 12288 * 2)
+    assert rs.total * 6 < pp.total
+    with pytest.raises(ValueError, match="mode"):
+        rc.spec_state_memory("ring", **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_recover_48b_sizes(dtype):
+    import recover_checks as chk
+
+    lens = [9] * 12 + [1, 5, 9, 3]
+    chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4)
+    chk.check_per_position("cuda", H=32, K=128, D=12288, dtype=dtype, lens=[9, 4, 1, 9],
+                           tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_commit_under_cuda_graph():
+    """verify + commit capture into one graph and replay with new accept counts."""
+    import recover_checks as chk
+    from kdaserve.kernels import reference as ref
+
+    H, K, D, lens = 32, 128, 12288, [9, 9, 9, 9]
+    q, k, v, g, beta, x, cu = chk._inputs(lens, H, K, K, D, torch.bfloat16, "cuda", 0)
+    pool = torch.randn(8, H, K, K, device="cuda") * 0.5
+    slots = torch.tensor([1, 3, 5, 7], dtype=torch.int32, device="cuda")
+    n = torch.tensor([9, 9, 9, 9], dtype=torch.int32, device="cuda")
+    pool0 = pool.clone()
+
+    def step():
+        o, u, kh = rc.kda_spec_verify(q, k, v, g, beta, cu, pool, slots)
+        rc.kda_recover_commit(pool, slots, u, kh, g, cu, n)
+        return o
+
+    step()                                     # compile outside capture
+    pool.copy_(pool0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for counts in ([1, 2, 3, 4], [9, 0, 5, 1]):
+        pool.copy_(pool0)
+        n.copy_(torch.tensor(counts, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = pool0.cpu().clone()
+        _, u_r, kh_r = ref.kda_spec_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
+                                           cu.cpu(), want, slots.cpu())
+        ref.kda_recover_commit(want, slots.cpu(), u_r, kh_r, g.cpu(), cu.cpu(),
+                               torch.tensor(counts))
+        chk._close(f"graph commit {counts}", pool.cpu(), want, 1e-4)
