@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,11 +62,40 @@ class CacheConfig:
     """Explicit KDA state slot count (CPU default: max_num_seqs + 8; GPU: sized from memory)."""
     enable_prefix_caching: bool = True
     kda_checkpoint_interval: int | None = None
-    """Tokens between KDA prefix checkpoints (a multiple of block_size); None = 64 * block_size."""
+    """Tokens between KDA prefix checkpoints (a multiple of block_size); None = the smallest
+    multiple of lcm(block_size, 64) that is >= 512 (512 for block_size 16)."""
+    kda_checkpoint_mode: str = "internal"
+    """internal: a prefill exports the KDA states at the checkpoints it crosses from inside the
+    same kernel call; split: the baseline that ends a prefill chunk at the last checkpoint it
+    crosses (one more forward pass), for ablation."""
+    kda_checkpoint_turn_end: bool = True
+    """Also checkpoint at the end of each prompt and where each request finishes (any token
+    position: where the next turn of a chat or agent loop diverges)."""
+    num_kda_checkpoint_slots: int | None = None
+    """KDA checkpoint slots (each one request slot's size). None: 64 on the CPU, on CUDA 10% of
+    the cache memory budget (at most max(64, 2 * max_num_seqs)); 0 without prefix caching."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kda_checkpoint_mode not in ("internal", "split"):
+            raise ValueError(f"kda_checkpoint_mode must be internal or split, got "
+                             f"{self.kda_checkpoint_mode!r}")
+        interval = self.kda_checkpoint_interval
+        if interval is not None and (interval < 1 or interval % self.block_size):
+            raise ValueError(f"kda_checkpoint_interval={interval} must be a positive multiple "
+                             f"of block_size={self.block_size}")
+        if self.num_kda_checkpoint_slots is not None and self.num_kda_checkpoint_slots < 0:
+            raise ValueError(f"num_kda_checkpoint_slots must be >= 0, got "
+                             f"{self.num_kda_checkpoint_slots}")
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """kda_checkpoint_interval resolved (see its docstring)."""
+        if self.kda_checkpoint_interval is not None:
+            return self.kda_checkpoint_interval
+        unit = math.lcm(self.block_size, 64)
+        return unit * -(-512 // unit)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

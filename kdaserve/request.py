@@ -58,6 +58,7 @@ class Request:
         arrival_time: float | None = None,
         parent_req_id: str | None = None,
         sample_index: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
@@ -74,6 +75,9 @@ class Request:
                 f"got {type(sampling_params).__name__}")
         if isinstance(eos_token_ids, int):
             eos_token_ids = [eos_token_ids]
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"request {req_id!r}: cache_salt must be a string, "
+                            f"got {type(cache_salt).__name__}")
 
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
@@ -82,6 +86,11 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.parent_req_id = parent_req_id
         self.sample_index = sample_index
+        self.cache_salt = cache_salt
+        """Enters the first block's hash: requests with different salts never share a prefix."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of the leading full blocks (extended by the KVCacheManager; tokens are
+        only appended, so they stay valid across preemption)."""
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -90,7 +99,7 @@ class Request:
         """Draft tokens to verify next step (written by speculative decoding)."""
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        """Prompt tokens served from the prefix cache at first schedule."""
+        """Tokens served from the prefix cache at first schedule (KV and KDA state)."""
         self.state_slot: int | None = None
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that finished the request (None for EOS/length)."""
@@ -142,7 +151,8 @@ class Request:
             params.seed += index
         return Request(self.child_req_id(index), self.prompt_token_ids, params,
                        eos_token_ids=self.eos_token_ids, arrival_time=self.arrival_time,
-                       parent_req_id=self.req_id, sample_index=index)
+                       parent_req_id=self.req_id, sample_index=index,
+                       cache_salt=self.cache_salt)
 
     # ---- status ----
     @property

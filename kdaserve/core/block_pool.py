@@ -4,6 +4,12 @@ Block ids are 0..num_blocks-1. A block is *free* when its ref count is 0. With p
 a full block carries the chained hash of the tokens it holds; when it is freed it stays in the
 hash map ("free but cached") until it is reused for something else, and the free queue is an LRU
 order: uncached blocks are handed out first, then cached ones oldest-freed first.
+
+A block may also carry *partial keys*: the key of a KDA checkpoint that sits inside the block
+(position not on a block multiple) names the block whose first tokens hold that checkpoint's KV
+(see checkpoint_pool.py). Partial keys make a block "cached" like a full hash does (kept in LRU
+order when freed). When a cached block is handed out again, every hash it carried is dropped and
+reported to `on_evict`, so checkpoints that depend on it die with it.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 BlockHash = bytes
 """sha256 digest of (parent hash, block token ids, extra keys)."""
@@ -27,24 +33,41 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
 
 
 def hash_request_blocks(token_ids: Sequence[int], block_size: int, hashes: list[BlockHash],
-                        num_tokens: int | None = None) -> list[BlockHash]:
+                        num_tokens: int | None = None,
+                        first_extra_keys: tuple | None = None) -> list[BlockHash]:
     """Extend `hashes` (the chain of the first blocks) in place to cover every full block of
-    token_ids[:num_tokens] (all of them when None); returns it."""
+    token_ids[:num_tokens] (all of them when None); returns it. `first_extra_keys` (e.g. a cache
+    salt) enter the first block's hash, so they separate whole chains."""
     num_tokens = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
     for i in range(len(hashes), num_tokens // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size]))
+        extra = first_extra_keys if i == 0 else None
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size],
+                                        extra))
     return hashes
 
 
+def hash_partial_block(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                       extra_keys: tuple | None = None) -> BlockHash:
+    """Key of a position inside a block: chained on the last full block's hash, over the first
+    tokens of the next block. Never equal to a full block's hash (a distinct extra key)."""
+    return hash_block_tokens(parent_hash, token_ids, ("partial", extra_keys))
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False,
+                 on_evict: Callable[[list[BlockHash]], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
+        """Called with the hashes (full and partial) a block loses when it is handed out again
+        or the cache is reset."""
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        self._partial_keys: dict[int, list[BlockHash]] = {}
+        """block id -> partial keys registered on it."""
         # Front = next block handed out. Values unused (OrderedDict as an O(1) linked list).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
@@ -88,7 +111,7 @@ class BlockPool:
         for block_id in block_ids:
             self._check_id(block_id)
             if self._ref_cnt[block_id] == 0:
-                if self._block_hash[block_id] is None:
+                if not self.is_cached(block_id):
                     raise RuntimeError(f"block {block_id} is free and uncached: cannot share it")
                 del self._free[block_id]
             self._ref_cnt[block_id] += 1
@@ -103,7 +126,7 @@ class BlockPool:
             self._ref_cnt[block_id] -= 1
             if self._ref_cnt[block_id] == 0:
                 self._free[block_id] = None
-                if self._block_hash[block_id] is None:
+                if not self.is_cached(block_id):
                     self._free.move_to_end(block_id, last=False)
 
     # ---- prefix cache ----
@@ -121,23 +144,60 @@ class BlockPool:
         self._block_hash[block_id] = block_hash
         return True
 
+    def cache_partial(self, block_id: int, key: BlockHash) -> bool:
+        """Register a partial key (a checkpoint inside this block) on an in-use block. Returns
+        False when caching is off or the key is already registered."""
+        self._check_id(block_id)
+        if not self.enable_caching or key in self._cached:
+            return False
+        if self._ref_cnt[block_id] == 0:
+            raise RuntimeError(f"cannot cache free KV block {block_id}")
+        self._cached[key] = block_id
+        self._partial_keys.setdefault(block_id, []).append(key)
+        return True
+
+    def uncache_partial(self, key: BlockHash) -> None:
+        """Forget a partial key (its checkpoint is gone). A free block left with no hash moves to
+        the front of the free queue."""
+        block_id = self._cached.get(key)
+        if block_id is None or key not in self._partial_keys.get(block_id, ()):
+            return
+        del self._cached[key]
+        keys = self._partial_keys[block_id]
+        keys.remove(key)
+        if not keys:
+            del self._partial_keys[block_id]
+        if self._ref_cnt[block_id] == 0 and not self.is_cached(block_id):
+            self._free.move_to_end(block_id, last=False)
+
+    def is_cached(self, block_id: int) -> bool:
+        return self._block_hash[block_id] is not None or block_id in self._partial_keys
+
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash) if self.enable_caching else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (in-use blocks included). Returns how many were dropped."""
-        dropped = len(self._cached)
+        dropped = list(self._cached)
         for block_id in self._cached.values():
             self._block_hash[block_id] = None
         self._cached.clear()
-        return dropped
+        self._partial_keys.clear()
+        if dropped and self.on_evict is not None:
+            self.on_evict(dropped)
+        return len(dropped)
 
     # ---- internals ----
     def _evict(self, block_id: int) -> None:
+        lost = self._partial_keys.pop(block_id, [])
         block_hash = self._block_hash[block_id]
         if block_hash is not None:
-            del self._cached[block_hash]
+            lost.append(block_hash)
             self._block_hash[block_id] = None
+        for key in lost:
+            del self._cached[key]
+        if lost and self.on_evict is not None:
+            self.on_evict(lost)
 
     def _check_id(self, block_id: int) -> int:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

@@ -37,3 +37,12 @@ class SchedulerStats:
     num_total_state_slots: int = 0
     num_preemptions: int = 0
     """Total since the scheduler was created."""
+    prefix_cache_queries: int = 0
+    """Tokens of admitted requests looked up in the prefix cache (total)."""
+    prefix_cache_hits: int = 0
+    """Tokens served from the prefix cache: KV blocks + KDA checkpoint (total)."""
+    num_kda_checkpoints: int = 0
+    """Ready KDA checkpoints now."""
+    num_total_kda_checkpoint_slots: int = 0
+    num_kda_checkpoint_exports: int = 0
+    """KDA checkpoints written (total)."""

@@ -3,13 +3,27 @@
 The manager is the only owner of "which request holds which block / slot". The scheduler asks it
 to grow a request (`allocate_slots`), to give a request its state slot (`allocate_state_slot`),
 to fork an n > 1 parent into its samples (`fork`) and to release everything (`free`).
+
+Prefix caching (hybrid): `find_prefix_hit` finds the longest prefix whose KV blocks are cached
+*and* that has a ready KDA checkpoint (checkpoint_pool.py); `allocate_with_hit` shares those
+blocks and says which copies the worker must do (checkpoint slot -> request slot, and for a hit
+inside a block, the checkpoint's tail block -> the request's new block). `reserve_checkpoint`
+gets a slot for a state export at a position of a running request; `commit_checkpoints` makes
+exports hit-able once the forward that writes them is done; `end_step` drops the step's pins.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kdaserve.core.block_pool import BlockHash, BlockPool, hash_request_blocks
+from kdaserve.core.block_pool import (
+    NONE_HASH,
+    BlockHash,
+    BlockPool,
+    hash_partial_block,
+    hash_request_blocks,
+)
+from kdaserve.core.checkpoint_pool import Checkpoint, CheckpointPool
 from kdaserve.core.sched_output import KDAStateCopy
 from kdaserve.core.state_pool import StateSlotPool
 from kdaserve.request import Request
@@ -30,22 +44,52 @@ class ForkResult:
     """Parent slot -> each child's slot, for all children but the last (which inherits it)."""
 
 
+@dataclass
+class PrefixHit:
+    """A usable prefix: KV of positions [0, num_tokens) and the KDA state after num_tokens."""
+
+    num_tokens: int
+    block_ids: list[int]
+    """Cached full blocks covering [0, num_tokens // block_size * block_size), to share."""
+    tail_block: int | None
+    """For a hit inside a block: the block whose first num_tokens % block_size tokens hold the
+    KV (copied into the request's own block); None on a block multiple."""
+    checkpoint: Checkpoint
+
+
+@dataclass
+class HitAllocation:
+    new_block_ids: list[int]
+    """Blocks appended after the shared ones (the first is the tail copy's destination)."""
+    block_copy: tuple[int, int] | None
+    """(tail_block, the request's block) for a hit inside a block."""
+    state_copy_src: int
+    """The checkpoint slot to copy into the request's state slot."""
+
+
 class KVCacheManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_state_slots: int,
-                 enable_prefix_caching: bool = False, max_model_len: int | None = None) -> None:
+                 enable_prefix_caching: bool = False, max_model_len: int | None = None,
+                 num_checkpoint_slots: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching,
+                                    on_evict=self._on_blocks_evicted)
         self.state_pool = StateSlotPool(num_state_slots)
+        # Checkpoint slot ids follow the request slot ids (same cache rows on the worker).
+        self.checkpoint_pool = CheckpointPool(
+            num_checkpoint_slots if enable_prefix_caching else 0, first_slot=num_state_slots,
+            on_lru_evict=self._on_checkpoint_evicted)
         self._blocks: dict[str, list[int]] = {}
         self._slot: dict[str, int] = {}
         self._reserved_slots: dict[str, list[int]] = {}
         """Slots held for an n > 1 parent's future children (n - 1 of them)."""
-        self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._step_pins: list[int] = []
+        """Tail blocks that are copy sources this step (one reference each until end_step)."""
 
     # ---- accounting ----
     @property
@@ -115,8 +159,7 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         req_id = request.req_id
-        hashes = hash_request_blocks(request.all_token_ids, self.block_size,
-                                     self._block_hashes.setdefault(req_id, []), num_tokens)
+        hashes = self._hashes(request, num_tokens)
         blocks = self._blocks[req_id]
         start = self._num_cached_blocks.get(req_id, 0)
         end = min(num_tokens // self.block_size, len(blocks))
@@ -124,24 +167,156 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[req_id] = max(start, end)
 
-    def find_cached_kv_prefix(self, request: Request) -> list[int]:
-        """Longest run of the request's leading full blocks already in the prefix cache (at least
-        one prompt token is left out so logits can be computed). Takes no references.
+    def _hashes(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """Chained hashes of the full blocks of the request's first num_tokens tokens (kept on
+        the request: its tokens are only ever appended)."""
+        extra = (request.cache_salt,) if request.cache_salt is not None else None
+        hashes = hash_request_blocks(request.all_token_ids, self.block_size,
+                                     request.block_hashes, num_tokens, first_extra_keys=extra)
+        return hashes[:num_tokens // self.block_size]
 
-        KV side only: a hit is usable only together with a KDA state checkpoint at the same
-        boundary, which is not implemented yet, so the scheduler does not call this.
-        """
+    def find_cached_kv_prefix(self, request: Request, max_tokens: int | None = None) -> list[int]:
+        """Longest run of the request's leading full blocks in the prefix cache, within its first
+        max_tokens tokens (default: all but the last). Takes no references."""
         if not self.enable_prefix_caching:
             return []
-        hashes = hash_request_blocks(request.all_token_ids, self.block_size, [],
-                                     request.num_tokens - 1)
+        max_tokens = request.num_tokens - 1 if max_tokens is None else max_tokens
         hit = []
-        for block_hash in hashes:
+        for block_hash in self._hashes(request, max_tokens):
             block_id = self.block_pool.get_cached_block(block_hash)
             if block_id is None:
                 break
             hit.append(block_id)
         return hit
+
+    # ---- hybrid prefix hits ----
+    def checkpoint_key(self, request: Request, num_tokens: int) -> tuple[BlockHash, BlockHash]:
+        """(key, anchor) of a checkpoint after the request's first num_tokens tokens."""
+        if not 0 < num_tokens <= request.num_tokens:
+            raise ValueError(f"request {request.req_id!r}: checkpoint position {num_tokens} is "
+                             f"outside (0, {request.num_tokens}]")
+        j, r = divmod(num_tokens, self.block_size)
+        hashes = self._hashes(request, num_tokens)
+        anchor = hashes[j - 1] if j else NONE_HASH
+        if r == 0:
+            return anchor, anchor
+        extra = (request.cache_salt,) if j == 0 and request.cache_salt is not None else None
+        tokens = request.all_token_ids[j * self.block_size:num_tokens]
+        return hash_partial_block(hashes[j - 1] if j else None, tokens, extra), anchor
+
+    def find_prefix_hit(self, request: Request, max_tokens: int) -> PrefixHit | None:
+        """Longest prefix of at most max_tokens tokens with both its KV (cached blocks, plus the
+        tail block for a position inside a block) and a ready KDA checkpoint. Takes nothing."""
+        pool = self.checkpoint_pool
+        if not self.enable_prefix_caching or pool.num_slots == 0 or max_tokens <= 0:
+            return None
+        blocks = self.find_cached_kv_prefix(request, max_tokens)
+        hashes = request.block_hashes
+        bs = self.block_size
+        for j in range(len(blocks), -1, -1):
+            anchor = hashes[j - 1] if j else NONE_HASH
+            for r in pool.partial_offsets(anchor):
+                if j * bs + r > max_tokens:
+                    continue
+                key, _ = self.checkpoint_key(request, j * bs + r)
+                ckpt, tail = pool.get(key), self.block_pool.get_cached_block(key)
+                if ckpt is not None and tail is not None:
+                    return PrefixHit(j * bs + r, blocks[:j], tail, ckpt)
+            if j and (ckpt := pool.get(anchor)) is not None:
+                return PrefixHit(j * bs, blocks[:j], None, ckpt)
+        return None
+
+    def allocate_with_hit(self, request: Request, hit: PrefixHit, num_new_tokens: int,
+                          num_lookahead_tokens: int = 0) -> HitAllocation | None:
+        """Give a request that holds no blocks the hit's blocks plus room for num_new_tokens
+        (and lookahead) after it. None (nothing taken) when the free blocks do not suffice.
+        The checkpoint and the tail block stay put until end_step (they are copy sources)."""
+        req_id = request.req_id
+        if req_id in self._blocks:
+            raise RuntimeError(f"request {req_id!r} already holds blocks: cannot apply a hit")
+        if num_new_tokens < 1:
+            raise ValueError(f"request {req_id!r}: a hit needs num_new_tokens >= 1, "
+                             f"got {num_new_tokens}")
+        num_tokens = hit.num_tokens + num_new_tokens
+        total = num_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:
+            total = min(total, max(self.max_model_len, num_tokens))
+        num_new_blocks = cdiv(total, self.block_size) - len(hit.block_ids)
+        pool = self.block_pool
+        revived = {b for b in hit.block_ids if pool.ref_count(b) == 0}
+        if hit.tail_block is not None and pool.ref_count(hit.tail_block) == 0:
+            revived.add(hit.tail_block)
+        if num_new_blocks + len(revived) > pool.num_free_blocks:
+            return None
+        pool.share(hit.block_ids)
+        if hit.tail_block is not None:
+            pool.share([hit.tail_block])
+            self._step_pins.append(hit.tail_block)
+        self.checkpoint_pool.lock(hit.checkpoint.key)
+        new_blocks = pool.allocate(num_new_blocks)
+        self._blocks[req_id] = list(hit.block_ids) + new_blocks
+        self._num_cached_blocks[req_id] = len(hit.block_ids)
+        copy = (hit.tail_block, new_blocks[0]) if hit.tail_block is not None else None
+        num_known = min(num_tokens, request.num_tokens)
+        if num_known // self.block_size > len(hit.block_ids):
+            self._cache_full_blocks(request, num_known)
+        return HitAllocation(new_blocks, copy, hit.checkpoint.slot)
+
+    # ---- checkpoint export ----
+    def reserve_checkpoint(self, request: Request, num_tokens: int) -> Checkpoint | None:
+        """A checkpoint slot for the request's KDA state after num_tokens tokens, unless one is
+        ready or pending already or no slot can be freed (None). The request must hold the
+        blocks of those tokens; the checkpoint is pending until commit_checkpoints."""
+        pool = self.checkpoint_pool
+        if not self.enable_prefix_caching or pool.num_slots == 0:
+            return None
+        key, anchor = self.checkpoint_key(request, num_tokens)
+        if pool.known(key):
+            pool.touch(key)
+            return None
+        offset = num_tokens % self.block_size
+        blocks = self._blocks.get(request.req_id, [])
+        if len(blocks) < cdiv(num_tokens, self.block_size):
+            raise RuntimeError(f"request {request.req_id!r} holds {len(blocks)} blocks: no KV "
+                               f"for a checkpoint at {num_tokens} tokens")
+        if anchor != NONE_HASH and self.block_pool.get_cached_block(anchor) is None:
+            return None  # the chain is not cached: it could not be hit
+        ckpt = pool.reserve(key, anchor, offset, num_tokens)
+        if ckpt is not None and offset:
+            self.block_pool.cache_partial(blocks[num_tokens // self.block_size], key)
+        return ckpt
+
+    def commit_checkpoints(self, keys: list[BlockHash]) -> int:
+        """Make pending checkpoints hit-able (their forward is done). Returns how many."""
+        committed = 0
+        for key in keys:
+            ckpt = self.checkpoint_pool.commit(key)
+            if ckpt is None:
+                self.block_pool.uncache_partial(key)
+            else:
+                committed += 1
+        return committed
+
+    def end_step(self) -> None:
+        """The step's copies are done: release copy-source pins and checkpoint locks."""
+        pins, self._step_pins = self._step_pins, []
+        self.block_pool.free(pins)
+        self.checkpoint_pool.unlock_all()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash and checkpoint. Returns how many hashes were dropped."""
+        for ckpt in self.checkpoint_pool.evict_all():
+            self.block_pool.uncache_partial(ckpt.key)
+        return self.block_pool.reset_prefix_cache()
+
+    def _on_blocks_evicted(self, hashes: list[BlockHash]) -> None:
+        for ckpt in self.checkpoint_pool.drop_hashes(hashes):
+            if ckpt.offset:
+                self.block_pool.uncache_partial(ckpt.key)
+
+    def _on_checkpoint_evicted(self, ckpt: Checkpoint) -> None:
+        if ckpt.offset:
+            self.block_pool.uncache_partial(ckpt.key)
 
     # ---- KDA state slots ----
     def allocate_state_slot(self, request: Request, num_reserved: int = 0) -> int | None:
@@ -192,7 +367,6 @@ class KVCacheManager:
         copy_blocks = self.block_pool.allocate(num_copies)
         result = ForkResult(block_copies=[], state_copies=[])
         parent_slot = self._slot.pop(pid)
-        hashes = self._block_hashes.pop(pid, [])
         num_cached = min(self._num_cached_blocks.pop(pid, 0), num_full)
         for i, child in enumerate(children):
             cid = child.req_id
@@ -212,7 +386,6 @@ class KVCacheManager:
                 result.state_copies.append(KDAStateCopy(src_slot=parent_slot, dst_slot=slot))
             self._slot[cid] = slot
             child.state_slot = slot
-            self._block_hashes[cid] = list(hashes[:num_full])
             self._num_cached_blocks[cid] = num_cached
         # Blocks past the computed prefix (drafter lookahead) were never written.
         self.block_pool.free(reversed(blocks[num_used:]))
@@ -233,6 +406,5 @@ class KVCacheManager:
             self.state_pool.free(slot)
         for reserved in self._reserved_slots.pop(req_id, []):
             self.state_pool.free(reserved)
-        self._block_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
         request.state_slot = None

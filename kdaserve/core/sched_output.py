@@ -54,6 +54,20 @@ class KDAStateCopy:
 
 
 @dataclass
+class KDACheckpointExport:
+    """Write the request's KDA state after its first `num_tokens` tokens (every KDA layer's
+    recurrent + conv state) into checkpoint slot `dst_slot` during this step's forward.
+
+    `num_tokens` lies in (num_computed_tokens, num_computed_tokens + num_scheduled_tokens]: at
+    the chunk end it is the request's final state (a slot copy after the forward); inside the
+    chunk the KDA layers export it from the same kernel call (internal checkpoint)."""
+
+    req_id: str
+    num_tokens: int
+    dst_slot: int
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
@@ -66,6 +80,10 @@ class SchedulerOutput:
     """Requests finished or aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
     state_copies: list[KDAStateCopy] = field(default_factory=list)
+    """Applied in list order before the forward (checkpoint exports of requests that finished
+    last step come first: their source slot may be a later copy's destination)."""
+    kda_checkpoint_exports: list[KDACheckpointExport] = field(default_factory=list)
+    """KDA prefix checkpoints to export during this step's forward."""
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src_block, dst_block) MLA latent-KV block copies to do before the forward (copy-on-write of
     a partially filled block when n > 1 samples fork from one prompt)."""

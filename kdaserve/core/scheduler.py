@@ -14,16 +14,21 @@ n > 1: a parent request prefills `prompt_len - 1` tokens, then is forked into n 
 its full KV blocks (ref counts), copy its partial last block and its KDA state (`block_copies`,
 `state_copies` in the SchedulerOutput), and each compute the last prompt token on their own.
 
+Prefix caching (prefix_cache.py): a waiting request starts at the longest prefix with cached KV
+blocks and a ready KDA checkpoint (num_computed_tokens > 0 at its first schedule, the state
+restored by a state copy); chunks export checkpoints as they cross the chosen positions.
+
 Call order (the engine): `add_request` ... then per step `schedule()` -> worker ->
 `update_from_output()`; `finish_requests()` at any time (stop strings, aborts).
 
 Worker contract for one SchedulerOutput: drop `finished_req_ids` and `preempted_req_ids`; apply
-`block_copies` and `state_copies` before the forward (their sources are never freed in the same
-step, their destinations may belong to requests the worker has not seen yet); a new request with
+`block_copies` and then `state_copies`, each in list order, before the forward (their
+destinations may belong to requests the worker has not seen yet); a new request with
 `num_computed_tokens == 0` starts from a zero KDA state, one with `num_computed_tokens > 0` (a
-forked sample) continues from its slot as is; sample only for requests whose
-`num_computed_tokens + num_scheduled_tokens` reaches prompt + outputs (+ drafts); return [] for
-the others.
+forked sample or a prefix hit) continues from its slot as is (after the copies); write each
+`kda_checkpoint_exports` entry's state into its slot during the forward; sample only for
+requests whose `num_computed_tokens + num_scheduled_tokens` reaches prompt + outputs (+ drafts);
+return [] for the others.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from collections.abc import Iterable
 
 from kdaserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
-from kdaserve.core.kv_cache_manager import KVCacheManager, cdiv
+from kdaserve.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from kdaserve.core.prefix_cache import HybridPrefixCache, resolve_num_checkpoint_slots
 from kdaserve.core.sched_output import (
     CachedRequestData,
+    KDAStateCopy,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -85,7 +92,9 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             self.block_size, num_gpu_blocks, num_state_slots,
             enable_prefix_caching=cache_config.enable_prefix_caching,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len,
+            num_checkpoint_slots=resolve_num_checkpoint_slots(cache_config))
+        self.prefix_cache = HybridPrefixCache(self.kv_cache_manager, cache_config)
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id (a forked parent is replaced by its children)."""
         self.waiting: deque[Request] = deque()
@@ -187,6 +196,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         """Release a finished request (already out of running/waiting) and forget it."""
+        self.prefix_cache.on_finish(request)
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.req_id)
         self._unsent.discard(request.req_id)
@@ -207,6 +217,7 @@ class Scheduler:
         scheduled: list[Request] = []
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
+        self.prefix_cache.begin_step(out)
 
         # RUNNING first, oldest first.
         i = 0
@@ -220,6 +231,7 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            num_new = self.prefix_cache.split_chunk(request, num_new)
             blocks = self._allocate_or_preempt(request, num_new, preempted, scheduled)
             if blocks is None:
                 break  # the request itself was preempted: nothing newer is left
@@ -240,19 +252,24 @@ class Scheduler:
                     break
                 if self.kv_cache_manager.num_free_slots < weight:
                     break
+                hit = self.prefix_cache.find_hit(request, self._target(request) - 1)
+                request.num_computed_tokens = hit.num_tokens if hit is not None else 0
                 num_new = self._num_new_tokens(request, token_budget, input_budget - charge)
                 remaining = self._target(request) - request.num_computed_tokens
                 if num_new == 0 or (not self.enable_chunked_prefill and num_new < remaining):
+                    request.num_computed_tokens = 0
                     break
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new,
-                                                              self.num_lookahead_tokens)
+                num_new = self.prefix_cache.split_chunk(request, num_new)
+                blocks = self._allocate_waiting(request, hit, num_new, out)
                 if blocks is None:
+                    request.num_computed_tokens = 0
                     break
-                self.kv_cache_manager.allocate_state_slot(request, num_reserved=weight - 1)
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
-                request.num_cached_tokens = 0
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = request.num_computed_tokens
+                self.prefix_cache.record_admission(request, hit)
                 self._unsent.add(request.req_id)
                 num_seqs += weight
                 new_blocks[request.req_id] = blocks
@@ -263,6 +280,27 @@ class Scheduler:
 
         self._build_output(out, scheduled, new_blocks, preempted)
         return out
+
+    def _allocate_waiting(self, request: Request, hit: PrefixHit | None, num_new: int,
+                          out: SchedulerOutput) -> list[int] | None:
+        """Blocks and state slot(s) for a waiting request (free slots already checked); with a
+        hit, the copies that restore its prefix. Returns the new blocks, or None (nothing
+        taken) when blocks run out."""
+        kv = self.kv_cache_manager
+        if hit is None:
+            blocks = kv.allocate_slots(request, num_new, self.num_lookahead_tokens)
+            if blocks is not None:
+                kv.allocate_state_slot(request, num_reserved=self._weight(request) - 1)
+            return blocks
+        alloc = kv.allocate_with_hit(request, hit, num_new, self.num_lookahead_tokens)
+        if alloc is None:
+            return None
+        kv.allocate_state_slot(request, num_reserved=self._weight(request) - 1)
+        if alloc.block_copy is not None:
+            out.block_copies.append(alloc.block_copy)
+        out.state_copies.append(KDAStateCopy(src_slot=alloc.state_copy_src,
+                                             dst_slot=request.state_slot))
+        return alloc.new_block_ids
 
     def _weight(self, request: Request) -> int:
         """Sequences (and state slots) a request will need: n for an unforked parent."""
@@ -363,6 +401,7 @@ class Scheduler:
                 cached.new_block_ids.append(new_blocks[rid])
                 cached.num_computed_tokens.append(request.num_computed_tokens)
             num_new = out.num_scheduled_tokens[rid]
+            self.prefix_cache.plan_exports(request, num_new, out)
             num_spec = request.num_computed_tokens + num_new - request.num_tokens
             if num_spec > 0 and request.spec_token_ids:
                 out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_spec]
@@ -381,6 +420,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, roll back rejected drafts, check stop conditions and free
         finished requests. Returns one EngineCoreOutput per request that got tokens."""
+        self.prefix_cache.end_step()
         index = {rid: j for j, rid in enumerate(runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
@@ -482,8 +522,14 @@ class Scheduler:
     def get_request_counts(self) -> tuple[int, int]:
         return len(self.running), len(self.waiting)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash and KDA checkpoint (vLLM's reset_prefix_cache).
+        Returns how many hashes were dropped."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        ckpt = kv.checkpoint_pool
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -493,4 +539,9 @@ class Scheduler:
             num_free_state_slots=kv.num_free_slots,
             num_total_state_slots=kv.num_state_slots,
             num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache.num_queries,
+            prefix_cache_hits=self.prefix_cache.num_hits,
+            num_kda_checkpoints=ckpt.num_ready,
+            num_total_kda_checkpoint_slots=ckpt.num_slots,
+            num_kda_checkpoint_exports=ckpt.num_exports,
         )

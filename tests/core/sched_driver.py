@@ -59,19 +59,18 @@ class FakeRunner:
     state: dict[int, tuple[int, int]] = field(default_factory=dict)
     reqs: dict[str, _RunnerReq] = field(default_factory=dict)
     steps: list[SchedulerOutput] = field(default_factory=list)
+    exported: list[tuple[str, int, int]] = field(default_factory=list)
+    """(req_id, position, checkpoint slot) of every export done."""
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(so)
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(rid, None)
-        # Copies first: read every source before writing any destination.
-        kv_src = [(dst, list(self.kv.get(src, [None] * self.block_size)))
-                  for src, dst in so.block_copies]
-        st_src = [(c.dst_slot, self.state[c.src_slot]) for c in so.state_copies]
-        for dst, data in kv_src:
-            self.kv[dst] = data
-        for dst, st in st_src:
-            self.state[dst] = st
+        # Copies first, in list order (the worker contract).
+        for src, dst in so.block_copies:
+            self.kv[dst] = list(self.kv.get(src, [None] * self.block_size))
+        for c in so.state_copies:
+            self.state[c.dst_slot] = self.state[c.src_slot]
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.reqs, new.req_id
             if new.num_computed_tokens == 0:
@@ -89,16 +88,21 @@ class FakeRunner:
         slots = [r.slot for r in self.reqs.values()]
         assert len(slots) == len(set(slots)), f"state slot shared: {slots}"
 
+        exports: dict[str, dict[int, int]] = defaultdict(dict)
+        for e in so.kda_checkpoint_exports:
+            exports[e.req_id][e.num_tokens] = e.dst_slot
         out = ModelRunnerOutput()
         for rid, n in so.num_scheduled_tokens.items():
-            sampled = self._run_one(rid, n, so.scheduled_spec_decode_tokens.get(rid, []))
+            sampled = self._run_one(rid, n, so.scheduled_spec_decode_tokens.get(rid, []),
+                                    exports.get(rid, {}))
             if sampled:
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append(sampled)
                 out.logprobs.append([{t: -0.5} for t in sampled])
         return out
 
-    def _run_one(self, rid: str, n: int, drafts: list[int]) -> list[int]:
+    def _run_one(self, rid: str, n: int, drafts: list[int],
+                 exports: dict[int, int]) -> list[int]:
         r = self.reqs[rid]
         seq = r.tokens + drafts
         start = r.num_computed
@@ -110,6 +114,10 @@ class FakeRunner:
             self._write(rid, r, p, seq[p])
             num, h = num + 1, fold(h, seq[p])
             snapshots.append((num, h))
+        for pos, dst in exports.items():
+            assert start < pos <= min(start + n, len(r.tokens)), (rid, pos, start, n)
+            self.state[dst] = snapshots[pos - start - 1]
+            self.exported.append((rid, pos, dst))
         if start + n < len(r.tokens):  # still prefilling
             self.state[r.slot] = snapshots[-1]
             r.num_computed = start + n
