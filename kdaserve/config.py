@@ -78,6 +78,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kda_checkpoint_mode not in ("internal", "split"):
             raise ValueError(f"kda_checkpoint_mode must be internal or split, got "
                              f"{self.kda_checkpoint_mode!r}")
@@ -96,9 +99,6 @@ class CacheConfig:
             return self.kda_checkpoint_interval
         unit = math.lcm(self.block_size, 64)
         return unit * -(-512 // unit)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass
