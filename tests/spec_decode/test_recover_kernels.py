@@ -65,7 +65,7 @@ def test_state_memory_48b():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_recover_48b_sizes(dtype):
-    import recover_checks as chk
+    from tests.spec_decode import recover_checks as chk
 
     lens = [9] * 12 + [1, 5, 9, 3]
     chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4)
@@ -77,7 +77,7 @@ def test_gpu_recover_48b_sizes(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_commit_under_cuda_graph():
     """verify + commit capture into one graph and replay with new accept counts."""
-    import recover_checks as chk
+    from tests.spec_decode import recover_checks as chk
     from kdaserve.kernels import reference as ref
 
     H, K, D, lens = 32, 128, 12288, [9, 9, 9, 9]

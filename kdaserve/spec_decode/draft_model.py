@@ -1,0 +1,223 @@
+"""Draft-model proposer: a second, smaller KimiLinearForCausalLM with its own caches proposes K
+tokens per request through the same forward contract as the target (AttentionMetadata +
+ForwardContext + ModelCaches).
+
+Each request owns, in the draft's caches, a *committed* KDA state slot (only tokens the target
+has accepted ever enter it), a *scratch* slot, and its own MLA KV blocks. One `propose` call:
+  1. catch-up: one forward over the request's committed tokens the draft has not seen yet (the
+     whole prompt the first time; afterwards the accepted drafts + the bonus token) on the
+     committed slot; its last logits give draft 1;
+  2. the committed state is copied to the scratch slot, and K - 1 one-token forwards on the
+     scratch slot give drafts 2..K.
+Rejected drafts therefore leave no trace: the committed slot never saw them, and the KV they
+wrote at positions >= the committed length is overwritten by the next catch-up before any
+query reads it.
+
+draft_sample_method: "greedy" (argmax; q is one-hot, the sampler gets draft_probs=None) or
+"probabilistic" (sample from softmax(logits / T) with the request's temperature, T = 0 rows stay
+argmax; returns q for the rejection sampler's ratio test).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.metadata import ForwardContext, ModelCaches
+from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.worker.cache import allocate_caches
+
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
+
+
+@dataclass
+class _DraftRequest:
+    block_ids: list[int]
+    slot: int
+    scratch_slot: int
+    num_computed: int = 0
+    """Committed tokens whose KV and state are in the draft caches."""
+
+
+@dataclass
+class DraftProposal:
+    draft_token_ids: list[list[int]]
+    draft_probs: torch.Tensor | None = None
+    """[sum K_i, V] fp32 in request order (probabilistic only)."""
+
+
+@dataclass
+class _Allocator:
+    free: list[int] = field(default_factory=list)
+
+    def take(self, n: int, what: str) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"draft model is out of {what}: need {n}, {len(self.free)} free")
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def give(self, ids: list[int]) -> None:
+        self.free.extend(ids)
+
+
+class DraftModelProposer:
+    def __init__(self, model: nn.Module, args: KimiLinearArgs, num_speculative_tokens: int,
+                 max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device | str, dtype: torch.dtype,
+                 draft_sample_method: str = "greedy", num_blocks: int | None = None) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
+                             f"got {draft_sample_method!r}")
+        self.model, self.args = model, args
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.sample_method = draft_sample_method
+        per_req = -(-(max_model_len + num_speculative_tokens) // block_size)
+        num_blocks = num_blocks or max_num_seqs * per_req
+        self.caches: ModelCaches = allocate_caches(args, num_blocks, block_size,
+                                                   2 * max_num_seqs, dtype, self.device)
+        self._blocks = _Allocator(list(range(num_blocks)))
+        self._slots = _Allocator(list(range(2 * max_num_seqs)))
+        self.requests: dict[str, _DraftRequest] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str, target_args: KimiLinearArgs, **kwargs
+                        ) -> "DraftModelProposer":
+        """Load the draft from an HF-style folder (speculative_config.model); kwargs as
+        __init__ (without model / args). The vocabularies must match."""
+        import json
+        import os
+
+        from kdaserve.config import LoadConfig
+        from kdaserve.models.loader import load_weights
+        from kdaserve.models.registry import build_model, resolve_architecture
+
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"draft model folder {path!r} has no config.json")
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        args = KimiLinearArgs.from_hf_config(hf)
+        if args.vocab_size != target_args.vocab_size:
+            raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size "
+                             f"{target_args.vocab_size}")
+        model = build_model(args, kwargs["dtype"], kwargs["device"], resolve_architecture(hf))
+        load_weights(model, path, LoadConfig())
+        return cls(model, args, **kwargs)
+
+    # -----------------------------------------------------------------------------------------
+
+    def free(self, req_id: str) -> None:
+        """Drop a finished / aborted / preempted request (a preempted one restarts from its
+        prompt on its next propose)."""
+        req = self.requests.pop(req_id, None)
+        if req is not None:
+            self._blocks.give(req.block_ids)
+            self._slots.give([req.slot, req.scratch_slot])
+
+    @torch.inference_mode()
+    def propose(self, req_ids: list[str], token_ids: list[list[int]],
+                temperatures: list[float] | None = None,
+                max_drafts: list[int] | None = None) -> DraftProposal:
+        """token_ids[i]: request i's committed tokens (prompt + accepted outputs, the bonus token
+        last). temperatures: per request (probabilistic only; None = all greedy). max_drafts:
+        per-request caps (<= K), e.g. the tokens left before max_model_len."""
+        n = len(req_ids)
+        if len(token_ids) != n:
+            raise ValueError(f"{n} req_ids but {len(token_ids)} token lists")
+        if n == 0:
+            return DraftProposal([])
+        reqs = [self._get(rid, len(toks)) for rid, toks in zip(req_ids, token_ids)]
+        for rid, req, toks in zip(req_ids, reqs, token_ids):
+            if len(toks) <= req.num_computed:
+                raise ValueError(f"request {rid!r}: {len(toks)} committed tokens but the draft "
+                                 f"has already computed {req.num_computed}")
+        temps = torch.tensor(temperatures if temperatures is not None else [0.0] * n,
+                             dtype=torch.float32, device=self.device)
+
+        # 1. catch-up on the committed slots (decodes first, as build_metadata expects)
+        queries = [toks[r.num_computed:] for r, toks in zip(reqs, token_ids)]
+        order = sorted(range(n), key=lambda i: not (len(queries[i]) == 1
+                                                    and reqs[i].num_computed > 0))
+        logits = self._forward([queries[i] for i in order], [reqs[i].num_computed for i in order],
+                               [reqs[i].block_ids for i in order], [reqs[i].slot for i in order])
+        inv = torch.empty(n, dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(n)
+        logits = logits[inv.to(self.device)]                               # [n, V]
+        for r, toks in zip(reqs, token_ids):
+            r.num_computed = len(toks)
+
+        drafts, probs = [], []
+        tok, q = self._sample(logits, temps)
+        drafts.append(tok)
+        probs.append(q)
+        # 2. K - 1 single-token steps on scratch copies of the committed state
+        if self.k > 1:
+            self._copy_slots([r.slot for r in reqs], [r.scratch_slot for r in reqs])
+            for j in range(1, self.k):
+                logits = self._forward([[t] for t in drafts[-1].tolist()],
+                                       [r.num_computed + j - 1 for r in reqs],
+                                       [r.block_ids for r in reqs],
+                                       [r.scratch_slot for r in reqs])
+                tok, q = self._sample(logits, temps)
+                drafts.append(tok)
+                probs.append(q)
+        out = torch.stack(drafts, dim=1).tolist()                          # [n, K]
+        caps = max_drafts if max_drafts is not None else [self.k] * n
+        out = [d[:max(0, min(c, self.k))] for d, c in zip(out, caps)]
+        if self.sample_method == "greedy":
+            return DraftProposal(out)
+        q_all = torch.stack(probs, dim=1)                                  # [n, K, V]
+        rows = [q_all[i, :len(d)] for i, d in enumerate(out)]
+        return DraftProposal(out, torch.cat(rows) if rows else None)
+
+    # -----------------------------------------------------------------------------------------
+
+    def _get(self, req_id: str, num_tokens: int) -> _DraftRequest:
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {req_id!r} has {num_tokens} tokens, over the draft's "
+                             f"max_model_len {self.max_model_len}")
+        req = self.requests.get(req_id)
+        if req is None:
+            slot, scratch = self._slots.take(2, "state slots")
+            req = _DraftRequest([], slot, scratch)
+            self.requests[req_id] = req
+        need = -(-(num_tokens + self.k - 1) // self.block_size)
+        if need > len(req.block_ids):
+            req.block_ids.extend(self._blocks.take(need - len(req.block_ids), "KV blocks"))
+        return req
+
+    def _forward(self, queries: list[list[int]], num_computed: list[int],
+                 block_ids: list[list[int]], slots: list[int]) -> torch.Tensor:
+        """One forward; returns fp32 logits [len(queries), V] at each query's last token."""
+        md = build_metadata([len(x) for x in queries], num_computed, block_ids, slots,
+                            self.block_size, self.device)
+        ids = torch.tensor([t for x in queries for t in x], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, ids, ForwardContext(md, self.caches))
+        last = (md.query_start_loc[1:] - 1).long()
+        return self.model.compute_logits(hidden[last])
+
+    def _sample(self, logits: torch.Tensor, temps: torch.Tensor):
+        greedy = logits.argmax(dim=-1)
+        if self.sample_method == "greedy":
+            return greedy, None
+        is_greedy = temps < 1e-5
+        t = torch.where(is_greedy, 1.0, temps)
+        q = torch.softmax(logits / t[:, None], dim=-1)
+        q = torch.where(is_greedy[:, None],
+                        torch.nn.functional.one_hot(greedy, q.shape[-1]).to(q.dtype), q)
+        sampled = torch.multinomial(q, 1).squeeze(1)
+        return torch.where(is_greedy, greedy, sampled), q
+
+    def _copy_slots(self, src: list[int], dst: list[int]) -> None:
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for pool in (*self.caches.kda_recurrent, *self.caches.kda_conv):
+            pool.index_copy_(0, d, pool.index_select(0, s))

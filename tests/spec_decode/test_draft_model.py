@@ -1,0 +1,165 @@
+"""Draft-model proposer on the CPU: the tiny model drafting for itself is accepted 100% and the
+speculative greedy output equals plain greedy decoding; drafts depend only on committed tokens."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.metadata import ForwardContext
+from kdaserve.config import LoadConfig
+from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.models.loader import load_weights
+from kdaserve.models.registry import build_model, resolve_architecture
+from kdaserve.sample.metadata import SamplingMetadata
+from kdaserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+from kdaserve.sampling_params import SamplingParams
+from kdaserve.spec_decode.draft_model import DraftModelProposer
+from kdaserve.spec_decode.metrics import SpecDecodingStats
+from kdaserve.worker.cache import allocate_caches
+from tests.models.hf_tiny import make_hf_model
+
+BS, K = 16, 3
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    paths = []
+    for seed in (0, 1):
+        path = str(tmp_path_factory.mktemp(f"tiny{seed}"))
+        make_hf_model(seed=seed).save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+def _load(path):
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    args = KimiLinearArgs.from_hf_config(hf)
+    model = build_model(args, torch.float32, "cpu", resolve_architecture(hf))
+    load_weights(model, path, LoadConfig())
+    return model, args
+
+
+class Target:
+    """The target model with its own caches; no rollback (the tests only verify drafts that
+    are all accepted, or decode one token at a time)."""
+
+    def __init__(self, path, n):
+        self.model, self.args = _load(path)
+        self.caches = allocate_caches(self.args, 64, BS, n, torch.float32, "cpu")
+        self.blocks = [list(range(i * 8, (i + 1) * 8)) for i in range(n)]
+
+    def forward(self, queries, num_computed, rows):
+        """Returns logits at every query token [sum len, V]."""
+        md = build_metadata([len(q) for q in queries], num_computed,
+                            [self.blocks[r] for r in rows], rows, BS, "cpu")
+        ids = torch.tensor([t for q in queries for t in q])
+        with torch.inference_mode():
+            h = self.model(ids, ids, ForwardContext(md, self.caches))
+            return self.model.compute_logits(h)
+
+
+def _prompts(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 128, (int(torch.randint(3, 12, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def plain_greedy(path, prompts, steps):
+    t = Target(path, len(prompts))
+    n = len(prompts)
+    logits = t.forward(prompts, [0] * n, list(range(n)))
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    outs = [[int(x)] for x in logits[ends].argmax(-1)]
+    for _ in range(steps - 1):
+        seqs = [p + o for p, o in zip(prompts, outs)]
+        logits = t.forward([[o[-1]] for o in outs], [len(s) - 1 for s in seqs], list(range(n)))
+        for o, x in zip(outs, logits.argmax(-1).tolist()):
+            o.append(x)
+    return outs
+
+
+def test_self_drafting_is_fully_accepted_and_lossless(model_dirs):
+    prompts = _prompts(4)
+    steps = 13
+    want = plain_greedy(model_dirs[0], prompts, steps)
+    n = len(prompts)
+    target = Target(model_dirs[0], n)
+    dmodel, dargs = _load(model_dirs[0])
+    prop = DraftModelProposer(dmodel, dargs, K, max_num_seqs=n, max_model_len=128,
+                              block_size=BS, device="cpu", dtype=torch.float32)
+    sampler = RejectionSampler()
+    stats = SpecDecodingStats(K)
+    logits = target.forward(prompts, [0] * n, list(range(n)))
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    outs = [[int(x)] for x in logits[ends].argmax(-1)]
+    rids = [f"r{i}" for i in range(n)]
+    while min(len(o) for o in outs) < steps:
+        seqs = [p + o for p, o in zip(prompts, outs)]
+        drafts = prop.propose(rids, seqs).draft_token_ids
+        assert all(len(d) == K for d in drafts)
+        logits = target.forward([[o[-1]] + d for o, d in zip(outs, drafts)],
+                                [len(s) - 1 for s in seqs], list(range(n)))
+        spec = SpecDecodeMetadata.make(drafts)
+        md = SamplingMetadata.build([SamplingParams(temperature=0.0)] * n)
+        res = sampler(logits, spec, md)
+        stats.observe_batch(spec.num_draft_tokens, res.num_accepted.tolist())
+        for o, toks in zip(outs, res.parse_output()):
+            o.extend(toks)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert stats.mean_acceptance_length == K + 1
+    for o, w in zip(outs, want):
+        assert o[:steps] == w
+    for r in rids:
+        prop.free(r)
+    assert len(prop._slots.free) == 2 * n and len(prop._blocks.free) == prop.caches.mla_kv[0].shape[0]
+
+
+def test_drafts_depend_only_on_committed_tokens(model_dirs):
+    """A different drafter: its drafts after arbitrary accept/reject steps equal those of a
+    fresh proposer given the same committed tokens (rejected drafts leave no trace)."""
+    prompts = _prompts(3)
+    seqs = plain_greedy(model_dirs[0], prompts, 16)        # the "target's" committed tokens
+    dmodel, dargs = _load(model_dirs[1])
+    prop = DraftModelProposer(dmodel, dargs, K, max_num_seqs=3, max_model_len=128,
+                              block_size=BS, device="cpu", dtype=torch.float32)
+    committed = [1, 1, 1]
+    rejected_any = False
+    for step in range(5):
+        toks = [p + s[:c] for p, s, c in zip(prompts, seqs, committed)]
+        drafts = prop.propose(["a", "b", "c"], toks).draft_token_ids
+        fresh = DraftModelProposer(dmodel, dargs, K, max_num_seqs=3, max_model_len=128,
+                                   block_size=BS, device="cpu", dtype=torch.float32)
+        assert fresh.propose(["a", "b", "c"], toks).draft_token_ids == drafts
+        for i, d in enumerate(drafts):
+            truth = seqs[i][committed[i]:committed[i] + K]
+            n_acc = 0
+            while n_acc < K and d[n_acc] == truth[n_acc]:
+                n_acc += 1
+            rejected_any |= n_acc < K
+            committed[i] += n_acc + 1
+    assert rejected_any
+
+
+def test_probabilistic_drafts_and_caps(model_dirs):
+    dmodel, dargs = _load(model_dirs[1])
+    prop = DraftModelProposer(dmodel, dargs, K, max_num_seqs=2, max_model_len=128,
+                              block_size=BS, device="cpu", dtype=torch.float32,
+                              draft_sample_method="probabilistic")
+    torch.manual_seed(0)
+    out = prop.propose(["x", "y"], [[5, 6, 7], [8, 9]], temperatures=[1.0, 0.0],
+                       max_drafts=[3, 2])
+    assert [len(d) for d in out.draft_token_ids] == [3, 2]
+    q = out.draft_probs
+    assert q.shape == (5, dargs.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(5))
+    flat = [t for d in out.draft_token_ids for t in d]
+    assert all(q[i, t] > 0 for i, t in enumerate(flat))
+    assert torch.equal(q[3:].max(-1).values, torch.ones(2))     # greedy row: one-hot
+    with pytest.raises(ValueError, match="already computed"):
+        prop.propose(["y"], [[8, 9]])
+    with pytest.raises(ValueError, match="draft_sample_method"):
+        DraftModelProposer(dmodel, dargs, K, 1, 64, BS, "cpu", torch.float32, "beam")
