@@ -35,7 +35,9 @@ def _close(name, out, want, tol):
 
 
 def check_recover(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1, 5, 2), seed=0,
-                  tol=1e-5):
+                  tol=1e-5, gate_in_kernel=None):
+    """gate_in_kernel: None (activated g, beta given), "softplus" or "lower_bound" (the kernel
+    activates the raw gate and beta logits)."""
     V = K
     lens = list(lens)
     N = len(lens)
@@ -48,15 +50,29 @@ def check_recover(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1,
     slots = torch.randperm(slots_n, generator=gen)[:N].to(torch.int32).to(device)
     rec0, conv0 = rec.clone(), conv.clone()
 
-    o, u, kh = rc.kda_spec_verify(q, k, v, g, beta, cu, rec, slots, use_triton=True)
+    gate = None
+    g_in, beta_in = g, beta
+    if gate_in_kernel is not None:
+        gate = rc.KDAGateParams(
+            (torch.randn(H, generator=gen) * 0.3).to(device),
+            torch.randn(H * K, generator=gen).to(device),
+            -5.0 if gate_in_kernel == "lower_bound" else None)
+        g_in = torch.randn(sum(lens), H, K, generator=gen).to(dtype).to(device)
+        beta_in = torch.randn(sum(lens), H, generator=gen).to(dtype).to(device)
+        g = ref.kda_gate(g_in.cpu(), gate.A_log.cpu(), gate.dt_bias.cpu(),
+                         gate.lower_bound).to(device)
+        beta = torch.sigmoid(beta_in.float())
+    o, records = rc.kda_spec_verify(q, k, v, g_in, beta_in, cu, rec, slots, gate=gate,
+                                    use_triton=True)
     y = rc.conv_spec_verify(x, weight, cu, conv, slots, use_triton=True)
     assert torch.equal(rec, rec0) and torch.equal(conv, conv0), "verify wrote the pool"
     o_r, u_r, kh_r = ref.kda_spec_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
                                          cu.cpu(), rec0.cpu(), slots.cpu())
     y_r = ref.conv_spec_verify(x.cpu(), weight.cpu(), cu.cpu(), conv0.cpu(), slots.cpu())
     _close("verify o", o.cpu(), o_r, tol if dtype == torch.float32 else 1e-2)
-    _close("verify u", u.cpu(), u_r, tol if dtype == torch.float32 else 1e-2)
-    _close("verify k_hat", kh.cpu(), kh_r, tol if dtype == torch.float32 else 1e-2)
+    _close("verify u", records.u.cpu(), u_r, tol if dtype == torch.float32 else 1e-2)
+    _close("verify k_hat", records.k_hat.cpu(), kh_r, tol if dtype == torch.float32 else 1e-2)
+    _close("verify g", records.g.cpu(), g.cpu(), tol)
     _close("conv verify y", y.cpu().float(), y_r.float(), tol if dtype == torch.float32 else 1e-2)
 
     for trial in range(3):
@@ -64,7 +80,7 @@ def check_recover(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1,
         if trial == 0:
             n = torch.tensor(lens)
         r, cv = rec0.clone(), conv0.clone()
-        rc.kda_recover_commit(r, slots, u, kh, g, cu, n.to(device).to(torch.int32),
+        rc.kda_recover_commit(r, slots, records, cu, n.to(device).to(torch.int32),
                               use_triton=True)
         rc.conv_recover_commit(cv, slots, x, cu, n.to(device).to(torch.int32), use_triton=True)
         r_r, cv_r = rec0.cpu().clone(), conv0.cpu().clone()
@@ -89,7 +105,7 @@ def check_per_position(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(
     idx = torch.randperm(slots_n, generator=gen)[:N * C].view(N, C).to(torch.int32).to(device)
     cols = torch.tensor([min(1, L - 1) for L in lens], dtype=torch.int32, device=device)
     r_r, cv_r = rec.cpu().clone(), conv.cpu().clone()
-    o, _, _ = rc.kda_spec_verify(q, k, v, g, beta, cu, rec, idx, initial_cols=cols,
+    o, _ = rc.kda_spec_verify(q, k, v, g, beta, cu, rec, idx, initial_cols=cols,
                                  per_position=True, use_triton=True)
     y = rc.conv_spec_verify(x, weight, cu, conv, idx, initial_cols=cols, per_position=True,
                             use_triton=True)
@@ -114,6 +130,8 @@ def run_interpreter_suite() -> None:
     patch_triton_interpreter()
     check_recover("cpu")
     check_recover("cpu", lens=(1, 2), seed=5)
+    check_recover("cpu", seed=6, gate_in_kernel="softplus")
+    check_recover("cpu", seed=7, gate_in_kernel="lower_bound")
     check_per_position("cpu")
 
 

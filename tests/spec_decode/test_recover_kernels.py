@@ -34,10 +34,23 @@ def test_cpu_dispatch_uses_twins():
     cu = torch.tensor([0, 3], dtype=torch.int32)
     pool = torch.randn(2, H, K, K)
     out = torch.empty(T, H, K)
-    o, u, kh = rc.kda_spec_verify(q, k, v, g, beta, cu, pool, torch.tensor([1]), out=out)
+    pool0 = pool.clone()
+    o, records = rc.kda_spec_verify(q, k, v, g, beta, cu, pool, torch.tensor([1]), out=out)
     assert o is out
-    o_ref, _ = ref.kda_recurrent(q, k, v, g, beta, pool[1])
+    o_ref, s_ref = ref.kda_recurrent(q, k, v, g, beta, pool[1])
     torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    rc.kda_recover_commit(pool, torch.tensor([1]), records, cu, torch.tensor([3]))
+    torch.testing.assert_close(pool[1], s_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(pool[0], pool0[0])
+    # gate activated by the callee: same result from raw gate + beta logits
+    gate = rc.KDAGateParams(torch.randn(H), torch.randn(H * K))
+    g_raw, b_logit = torch.randn(T, H, K), torch.randn(T, H)
+    o2, rec2 = rc.kda_spec_verify(q, k, v, g_raw, b_logit, cu, pool0, torch.tensor([0]),
+                                  gate=gate)
+    g_act = ref.kda_gate(g_raw, gate.A_log, gate.dt_bias)
+    o2_ref, _ = ref.kda_recurrent(q, k, v, g_act, torch.sigmoid(b_logit), pool0[0])
+    torch.testing.assert_close(o2, o2_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rec2.g, g_act)
     with pytest.raises(ValueError, match="state_pool"):
         rc.kda_spec_verify(q, k, v, g, beta, cu, torch.zeros(2, H, K, 5), torch.tensor([1]))
     with pytest.raises(ValueError, match=r"\[N, 1\+K\]"):
@@ -69,6 +82,8 @@ def test_gpu_recover_48b_sizes(dtype):
 
     lens = [9] * 12 + [1, 5, 9, 3]
     chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4)
+    chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4,
+                      gate_in_kernel="softplus")
     chk.check_per_position("cuda", H=32, K=128, D=12288, dtype=dtype, lens=[9, 4, 1, 9],
                            tol=1e-4)
 
@@ -88,8 +103,8 @@ def test_gpu_commit_under_cuda_graph():
     pool0 = pool.clone()
 
     def step():
-        o, u, kh = rc.kda_spec_verify(q, k, v, g, beta, cu, pool, slots)
-        rc.kda_recover_commit(pool, slots, u, kh, g, cu, n)
+        o, records = rc.kda_spec_verify(q, k, v, g, beta, cu, pool, slots)
+        rc.kda_recover_commit(pool, slots, records, cu, n)
         return o
 
     step()                                     # compile outside capture

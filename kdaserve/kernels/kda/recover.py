@@ -6,13 +6,13 @@ cu_seqlens [N+1]; after sampling, num_accepted[i] = accepted drafts + 1 of them 
 (0 <= num_accepted <= T_i; vLLM's num_accepted_tokens).
 
 RecoverSSM (one state slot per request):
-    o, u, k_hat = kda_spec_verify(q, k, v, g, beta, cu, rec_pool, slots)   # pool untouched
+    o, records = kda_spec_verify(q, k, v, g, beta, cu, rec_pool, slots)    # pool untouched
     y = conv_spec_verify(x, w, cu, conv_pool, slots)                        # pool untouched
     ... sample ...
-    kda_recover_commit(rec_pool, slots, u, k_hat, g, cu, num_accepted)
+    kda_recover_commit(rec_pool, slots, records, cu, num_accepted)
     conv_recover_commit(conv_pool, slots, x, cu, num_accepted)
 Per-position (baseline, 1 + K slots per request, state_indices [N, 1+K], column 0 = own slot):
-    o, _, _ = kda_spec_verify(..., idx, per_position=True)   # column t <- state after token t
+    o, _ = kda_spec_verify(..., idx, per_position=True)      # column t <- state after token t
     y = conv_spec_verify(..., idx, per_position=True)
     ... sample ...
     select_per_position([rec_pool, conv_pool], idx, num_accepted)   # column n-1 -> column 0
@@ -55,32 +55,63 @@ def _check_shapes(q, k, v, g, beta, cu_seqlens, state_pool, state_indices, per_p
     return T, H, K, V, N
 
 
+@dataclass
+class KDAGateParams:
+    """The layer's gate parameters, for activating g and beta inside the verify kernel."""
+
+    A_log: torch.Tensor
+    """[H] elements (any shape), fp32."""
+    dt_bias: torch.Tensor
+    """[H * K] fp32."""
+    lower_bound: float | None = None
+
+
+@dataclass
+class KDARecoverRecords:
+    """What each window token would add to the state (RecoverSSM), one KDA layer's step."""
+
+    u: torch.Tensor
+    """[T, H, V] fp32: beta_t (v_t - S'_t^T k_t), the delta-rule correction."""
+    k_hat: torch.Tensor
+    """[T, H, K] fp32: l2-normalised keys."""
+    g: torch.Tensor
+    """[T, H, K] fp32: activated log decay."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.u, self.k_hat, self.g))
+
+
 def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
                     state_indices: torch.Tensor, initial_cols: torch.Tensor | None = None,
                     per_position: bool = False, scale: float | None = None,
-                    use_qk_l2norm: bool = True, out: torch.Tensor | None = None,
-                    use_triton: bool | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                    use_qk_l2norm: bool = True, gate: KDAGateParams | None = None,
+                    out: torch.Tensor | None = None, use_triton: bool | None = None
+                    ) -> tuple[torch.Tensor, KDARecoverRecords | None]:
     """Outputs of every window token from S_0 = state_pool[state_indices[i, initial_cols[i]]].
 
-    q, k: [T, H, K] (not normalised); v: [T, H, V]; g: [T, H, K] fp32 log decay; beta: [T, H];
-    state_pool: [slots, H, K, V] fp32. RecoverSSM (per_position=False, state_indices [N]):
-    returns (o [T, H, V] in v.dtype, u [T, H, V] fp32, k_hat [T, H, K] fp32) and leaves the
-    pool untouched. per_position (state_indices [N, 1+K]): writes the state after token t to
-    column t and returns (o, None, None) on the Triton path (the twin also returns records).
-    out: optional [T, H, V] buffer for o (e.g. a slice of the layer's output).
+    q, k: [T, H, K] (not normalised); v: [T, H, V]; g: [T, H, K] fp32 log decay and beta: [T, H]
+    in (0, 1) -- or, with `gate`, the gate pre-activation and the beta logits, activated in the
+    kernel; state_pool: [slots, H, K, V] fp32.
+    RecoverSSM (per_position=False, state_indices [N]): returns (o [T, H, V] in v.dtype,
+    records) and leaves the pool untouched. per_position (state_indices [N, 1+K]): writes the
+    state after token t to column t, returns (o, None).
+    out: optional [T, H, V] buffer for o (e.g. the spec slice of the layer's output).
     """
     T, H, K, V, N = _check_shapes(q, k, v, g, beta, cu_seqlens, state_pool, state_indices,
                                   per_position)
     if not _use_triton(q, use_triton):
+        if gate is not None:
+            g = ref.kda_gate(g, gate.A_log, gate.dt_bias, gate.lower_bound)
+            beta = torch.sigmoid(beta.float())
         o, u, kh = ref.kda_spec_verify(q, k, v, g, beta, cu_seqlens, state_pool,
                                        state_indices, initial_cols, per_position, scale,
                                        use_qk_l2norm)
         if out is not None:
             out.copy_(o)
             o = out
-        return o, u, kh
+        return o, (None if per_position else KDARecoverRecords(u, kh, g.float()))
     require_triton()
     from kdaserve.kernels.kda.triton_recover import kda_spec_verify_kernel
 
@@ -91,29 +122,37 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             raise ValueError(f"{name} needs a contiguous last dim")
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device) if out is None else out
     record = not per_position
-    u = torch.empty(T, H, V, dtype=torch.float32, device=v.device) if record else o
-    kh = torch.empty(T, H, K, dtype=torch.float32, device=v.device) if record else o
+    f32 = dict(dtype=torch.float32, device=v.device)
+    u = torch.empty(T, H, V, **f32) if record else o
+    kh = torch.empty(T, H, K, **f32) if record else o
+    g_rec = torch.empty(T, H, K, **f32) if record and gate is not None else g
     idx = state_indices if per_position else state_indices.view(N, 1)
-    BK = next_power_of_2(K)
+    a_log = gate.A_log.reshape(-1) if gate is not None else g
+    dt_bias = gate.dt_bias if gate is not None else g
     BV = min(32, next_power_of_2(V))
     if N > 0:
         kda_spec_verify_kernel[(N, H, cdiv(V, BV))](
             q, k, v, g, beta, cu_seqlens, state_pool, idx,
-            initial_cols if initial_cols is not None else idx, o, u, kh,
+            initial_cols if initial_cols is not None else idx, o, u, kh, g_rec, a_log, dt_bias,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
-            u.stride(0), u.stride(1), kh.stride(0), kh.stride(1),
-            state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+            u.stride(0), u.stride(1), kh.stride(0), kh.stride(1), g_rec.stride(0),
+            g_rec.stride(1), state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             state_pool.stride(3), idx.stride(0),
             K ** -0.5 if scale is None else scale,
-            K=K, V=V, BK=BK, BV=BV, L2NORM=use_qk_l2norm, HAS_COLS=initial_cols is not None,
-            RECORD=record, PER_POSITION=per_position, num_warps=4,
+            0.0 if gate is None or gate.lower_bound is None else gate.lower_bound,
+            K=K, V=V, BK=next_power_of_2(K), BV=BV, L2NORM=use_qk_l2norm,
+            HAS_COLS=initial_cols is not None, RECORD=record, PER_POSITION=per_position,
+            GATE_IN_KERNEL=gate is not None,
+            HAS_LOWER_BOUND=gate is not None and gate.lower_bound is not None, num_warps=4,
         )
-    return (o, u, kh) if record else (o, None, None)
+    if not record:
+        return o, None
+    return o, KDARecoverRecords(u, kh, g_rec if gate is not None else g.float())
 
 
-def kda_recover_commit(state_pool: torch.Tensor, state_indices: torch.Tensor, u: torch.Tensor,
-                       k_hat: torch.Tensor, g: torch.Tensor, cu_seqlens: torch.Tensor,
+def kda_recover_commit(state_pool: torch.Tensor, state_indices: torch.Tensor,
+                       records: KDARecoverRecords, cu_seqlens: torch.Tensor,
                        num_accepted: torch.Tensor, use_triton: bool | None = None) -> None:
     """state_pool[state_indices[i]] <- the state after the first num_accepted[i] window tokens
     (S <- S * exp(g_t) + k_t u_t^T for t < n). The Triton path clamps n to [0, T_i]; the twin
@@ -122,6 +161,7 @@ def kda_recover_commit(state_pool: torch.Tensor, state_indices: torch.Tensor, u:
     if state_indices.shape != (N,) or num_accepted.shape != (N,):
         raise ValueError(f"state_indices and num_accepted must be [N={N}], got "
                          f"{tuple(state_indices.shape)} and {tuple(num_accepted.shape)}")
+    u, k_hat, g = records.u, records.k_hat, records.g
     if not _use_triton(state_pool, use_triton):
         ref.kda_recover_commit(state_pool, state_indices, u, k_hat, g, cu_seqlens, num_accepted)
         return

@@ -13,15 +13,17 @@ import triton.language as tl
 @triton.jit
 def kda_spec_verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, state_ptr, idx_ptr, col_ptr,
-    o_ptr, u_ptr, kh_ptr,
+    o_ptr, u_ptr, kh_ptr, gr_ptr, a_log_ptr, dt_bias_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh,
     stride_bt, stride_bh, stride_ot, stride_oh, stride_ut, stride_uh, stride_kht, stride_khh,
-    stride_ss, stride_sh, stride_sk, stride_sv, stride_idx,
-    scale,
+    stride_grt, stride_grh, stride_ss, stride_sh, stride_sk, stride_sv, stride_idx,
+    scale, lower_bound,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_COLS: tl.constexpr, RECORD: tl.constexpr,
-    PER_POSITION: tl.constexpr,
+    PER_POSITION: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
 ):
+    """GATE_IN_KERNEL: g holds the gate pre-activation and beta the logits; the kernel applies
+    kda_gate (dt_bias, A_log, optional lower bound) and sigmoid, and records the activated g."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -39,6 +41,9 @@ def kda_spec_verify_kernel(
     m_tile = mk[:, None] & mv[None, :]
     S = tl.load(state_ptr + slot * stride_ss + tile, mask=m_tile & (slot >= 0), other=0.0)
     S = S.to(tl.float32)                                             # [BK, BV]
+    if GATE_IN_KERNEL:
+        neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+        dt_b = tl.load(dt_bias_ptr + h * K + offs_k, mask=mk, other=0.0).to(tl.float32)
     for t in range(bos, eos):
         kt = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_k, mask=mk, other=0.0)
         qt = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_k, mask=mk, other=0.0)
@@ -49,9 +54,18 @@ def kda_spec_verify_kernel(
             qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
         qt = qt * scale
         gt = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs_k, mask=mk, other=0.0)
+        gt = gt.to(tl.float32)
         bt = tl.load(beta_ptr + t * stride_bt + h * stride_bh).to(tl.float32)
+        if GATE_IN_KERNEL:
+            gt = gt + dt_b
+            if HAS_LOWER_BOUND:
+                gt = lower_bound * tl.sigmoid(-neg_a * gt)
+            else:
+                gt = neg_a * tl.where(gt > 20.0, gt, tl.log(1.0 + tl.exp(gt)))
+            gt = tl.where(mk, gt, 0.0)
+            bt = tl.sigmoid(bt)
         vt = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=mv, other=0.0)
-        S = S * tl.exp(gt.to(tl.float32))[:, None]                   # decay key rows
+        S = S * tl.exp(gt)[:, None]                                  # decay key rows
         ut = (vt.to(tl.float32) - tl.sum(S * kt[:, None], axis=0)) * bt
         S = S + kt[:, None] * ut[None, :]                            # rank-1 write
         ot = tl.sum(S * qt[:, None], axis=0)                         # read after write
@@ -60,6 +74,9 @@ def kda_spec_verify_kernel(
         if RECORD:
             tl.store(u_ptr + t * stride_ut + h * stride_uh + offs_v, ut, mask=mv)
             tl.store(kh_ptr + t * stride_kht + h * stride_khh + offs_k, kt, mask=mk & (vb == 0))
+            if GATE_IN_KERNEL:
+                tl.store(gr_ptr + t * stride_grt + h * stride_grh + offs_k, gt,
+                         mask=mk & (vb == 0))
         if PER_POSITION:
             dst = tl.load(idx_ptr + i * stride_idx + (t - bos)).to(tl.int64)
             tl.store(state_ptr + dst * stride_ss + tile, S, mask=m_tile & (dst >= 0))
