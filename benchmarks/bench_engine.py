@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve import SamplingParams  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kdaserve.bench.roofline import byte_floor, experts_touched, measure_copy_bandwidth  # noqa: E402,E501
 from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
 
 
@@ -37,60 +38,6 @@ def git_commit() -> str:
                                        stderr=subprocess.DEVNULL).strip()
     except Exception:
         return "unknown"
-
-
-def measure_copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second."""
-    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        y.copy_(x)
-        e.record()
-        torch.cuda.synchronize()
-        t.append(s.elapsed_time(e) / 1e3)
-    del x, y
-    return 2 * 2 * 2**30 / statistics.median(t)
-
-
-def touched_expert_ids(engine: LLMEngine, token_ids: list[int]) -> int:
-    """Experts a batch's routed tokens touch in the first MoE layer (dummy weights route every
-    token alike, so this holds for every layer)."""
-    model = engine.model_runner.model
-    layer = next(l for l in model.model.layers if hasattr(l.mlp, "gate"))
-    x = model.model.embed_tokens(torch.tensor(token_ids, device="cuda"))
-    _, ids = layer.mlp.gate(layer.post_attention_layernorm(x))
-    return int(torch.unique(ids).numel())
-
-
-def byte_floor(engine: LLMEngine, batch: int, context: int, experts_touched: int,
-               bandwidth: float) -> dict:
-    """Bytes a decode step must move: every non-expert weight, the experts the batch touches,
-    the MLA latent KV of every request, each KDA state read and written."""
-    model = engine.model_runner.model
-    args = engine.engine_config.model_config.arch
-    dense, expert_bytes = 0, 0
-    for name, p in model.named_parameters():
-        if "embed_tokens" in name:
-            continue
-        if ".experts." in name:
-            expert_bytes += p.numel() * p.element_size()
-            continue
-        dense += p.numel() * p.element_size()
-    moe_layers = sum(t == "sparse" for t in args.mlp_layer_types)
-    per_expert = expert_bytes / (moe_layers * args.num_experts)
-    experts = per_expert * experts_touched * moe_layers
-    kv = batch * context * args.kv_cache_dim * 2 * len(args.mla_layer_ids)
-    state = 2 * batch * state_bytes_per_slot(args, torch.bfloat16)
-    total = dense + experts + kv + state
-    return {"dense_bytes": dense, "expert_bytes": experts, "kv_bytes": kv, "state_bytes": state,
-            "total_bytes": total, "floor_ms": total / bandwidth * 1e3,
-            "experts_touched_per_layer": experts_touched}
 
 
 def run_until_done(engine: LLMEngine) -> list[float]:
@@ -123,7 +70,7 @@ def main() -> None:
     rng = random.Random(0)
     result = {"command": " ".join(sys.argv), "commit": git_commit(),
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    bw = measure_copy_bandwidth()
+    bw = measure_copy_bandwidth(torch.device("cuda"))
     result["copy_bandwidth_TBps"] = bw / 1e12
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(
@@ -167,8 +114,11 @@ def main() -> None:
     result["decode"] = []
     for b in [int(x) for x in args.batches.split(",")]:
         ps = [prompt(rng, args.prompt_len, vocab) for _ in range(b)]
-        touched = touched_expert_ids(engine, [p[-1] for p in ps])
-        floor = byte_floor(engine, b, args.prompt_len, touched, bw)
+        with torch.inference_mode():
+            touched = experts_touched(rn.model, torch.tensor([p[-1] for p in ps], device="cuda"))
+        floor = byte_floor(rn.model, engine.engine_config.model_config.arch, b, args.prompt_len,
+                           touched, bw, state_bytes_per_slot(engine.engine_config.model_config.arch,
+                                                             rn.dtype))
         row = {"batch": b, "context": args.prompt_len, **floor}
         for graphs in (True, False):
             saved = rn.graphs

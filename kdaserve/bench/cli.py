@@ -15,6 +15,8 @@ _BENCH_KINDS = {
     "serve": ("kdaserve.bench.serve",
               "Load-test an OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)."),
     "plot": ("kdaserve.bench.plot_cli", "Plot one or more `bench serve` result JSON files."),
+    "roofline": ("kdaserve.bench.roofline",
+                 "Decode step time vs its byte floor, in-process (W4)."),
 }
 
 

@@ -7,7 +7,7 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,18 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
     # measured on an H200 at N=8000, D=2304, I=1024, E=256, k=8 (bench_layers.py --tune)
     return FusedMoEConfig(MoEGemmConfig(128, 128, 64, 8, 8, 3),
                           MoEGemmConfig(128, 256, 64, 8, 8, 3))
+
+
+def fit_config(cfg: FusedMoEConfig, hidden: int, inter_size: int) -> FusedMoEConfig:
+    """Shrink tiles that exceed the problem (small test models): GEMM 1 is [.., hidden] x
+    [hidden, inter], GEMM 2 is [.., inter] x [inter, hidden]. Never below 16 (tl.dot)."""
+    def cap(n: int) -> int:
+        return max(16, next_power_of_2(n))
+
+    g1, g2 = cfg.gemm1, cfg.gemm2
+    g1 = replace(g1, block_n=min(g1.block_n, cap(inter_size)), block_k=min(g1.block_k, cap(hidden)))
+    g2 = replace(g2, block_n=min(g2.block_n, cap(hidden)), block_k=min(g2.block_k, cap(inter_size)))
+    return FusedMoEConfig(g1, g2)
 
 
 @dataclass
@@ -149,7 +161,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          f"got {tuple(out.shape)}")
     if N == 0:
         return out
-    cfg = config or default_config(N, top_k, E, x.dtype)
+    cfg = config or fit_config(default_config(N, top_k, E, x.dtype), D, inter_size)
     if cfg.gemm1.block_m != cfg.gemm2.block_m:
         raise ValueError(f"gemm1/gemm2 block_m differ: {cfg.gemm1.block_m} != {cfg.gemm2.block_m}")
     topk_ids = topk_ids.contiguous()
