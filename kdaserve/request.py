@@ -19,11 +19,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finish_reason(status: "RequestStatus") -> str | None:
+    def get_finish_reason(status: RequestStatus) -> str | None:
         return _FINISH_REASONS.get(status)
 
 
@@ -143,7 +143,7 @@ class Request:
     def child_req_id(self, index: int) -> str:
         return f"{self.req_id}-{index}"
 
-    def make_child(self, index: int) -> "Request":
+    def make_child(self, index: int) -> Request:
         """Sample `index` of this parent: same prompt, n=1, seed + index when seeded."""
         params = self.sampling_params.clone()
         params.n = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kdaserve.attention import kda_checkpoint
 from kdaserve.attention.metadata import AttentionMetadata
 from kdaserve.kernels import reference as ref
 
@@ -29,6 +30,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
                conv_cache: torch.Tensor) -> torch.Tensor:
     """x: [T, C] projections (q|k|v channels); weight: [C, W]; conv_cache: [slots, C, W-1].
     Returns SiLU(causal depthwise conv) [T, C]; each request's window is updated in its slot."""
+    kda_checkpoint.export_conv_windows(x, md, conv_cache)  # prefix checkpoints (no-op if none)
     if x.is_cuda:
         from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 
@@ -75,9 +77,15 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.T
     o = torch.empty_like(v)
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
+    exports = kda_checkpoint.exports_by_request(md)
     for i, s, e in _spans(md):
         slot = state_ids[i]
         init = rec_cache[slot] if has_init[i] else None
+        if i in exports:
+            o[s:e], state = kda_checkpoint.chunk_exporting(
+                q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init, exports[i], rec_cache)
+            rec_cache[slot].copy_(state)
+            continue
         fn = ref.kda_recurrent if (e - s == 1 and init is not None) else ref.kda_chunk
         o[s:e], state = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
         rec_cache[slot].copy_(state)
@@ -111,7 +119,9 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache):
         slots = md.state_indices[nd:].long()
         init = rec_cache[slots] * md.has_initial_state[nd:, None, None, None]
         cu = (md.query_start_loc[nd:] - md.query_start_loc[nd]).long()
-        op, final = chunk_kda(
+        run = (chunk_kda if md.kda_checkpoints is None
+               else kda_checkpoint.exporting(chunk_kda, md, rec_cache))
+        op, final = run(
             *(x[None, t0:t1].contiguous() for x in (q, k, v, g, beta)),
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
             **in_kernel,

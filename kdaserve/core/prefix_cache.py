@@ -26,7 +26,11 @@ from __future__ import annotations
 from kdaserve.config import CacheConfig
 from kdaserve.core.block_pool import BlockHash
 from kdaserve.core.kv_cache_manager import KVCacheManager, PrefixHit
-from kdaserve.core.sched_output import KDACheckpointExport, KDAStateCopy, SchedulerOutput
+from kdaserve.core.sched_output import (
+    KDACheckpointExport,
+    KDAStateCopy,
+    SchedulerOutput,
+)
 from kdaserve.request import Request, RequestStatus
 
 DEFAULT_NUM_CHECKPOINT_SLOTS = 64

@@ -23,6 +23,7 @@ from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
 from kdaserve.sample.sampler import Sampler, to_logprob_dicts
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker import cache as cache_mod
+from kdaserve.worker import checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class ModelRunner:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         num_slots = cc.num_state_slots or sc.max_num_seqs + 8
         if self.device.type != "cuda":
+            cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
+                cc, None, 0, sc.max_num_seqs)
             return cc.num_gpu_blocks or 512, num_slots
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -93,8 +96,10 @@ class ModelRunner:
         block_bytes = cache_mod.kv_bytes_per_block(self.args, self.block_size, self.dtype)
         if cc.num_state_slots is None:
             num_slots = sc.max_num_seqs
-        num_blocks = cc.num_gpu_blocks or int((budget - (num_slots + 1) * slot_bytes)
-                                              // block_bytes)
+        cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
+            cc, budget - (num_slots + 1) * slot_bytes, slot_bytes, sc.max_num_seqs)
+        num_blocks = cc.num_gpu_blocks or int(
+            (budget - (num_slots + 1 + cc.num_kda_checkpoint_slots) * slot_bytes) // block_bytes)
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, "
@@ -103,14 +108,19 @@ class ModelRunner:
         return num_blocks, num_slots
 
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
-        """One extra slot (the last) is scratch space for CUDA-graph padding rows."""
-        self.num_blocks, self.num_slots = num_blocks, num_slots
+        """KDA rows: num_slots request slots, then the prefix-cache checkpoint slots, then one
+        scratch row (the last, index self.num_slots) for CUDA-graph padding rows."""
+        cc = self.config.cache_config
+        cc.num_kda_checkpoint_slots = num_ckpt = checkpoints.resolve_num_checkpoint_slots(cc)
+        self.first_ckpt_slot, self.num_ckpt_slots = num_slots, num_ckpt
+        self.num_blocks, self.num_slots = num_blocks, num_slots + num_ckpt
         self.caches = cache_mod.allocate_caches(self.args, num_blocks, self.block_size,
-                                                num_slots + 1, self.dtype, self.device)
+                                                self.num_slots + 1, self.dtype, self.device)
         kv_tokens = num_blocks * self.block_size
         max_len = self.config.scheduler_config.max_model_len
-        logger.info("MLA KV cache: %d tokens; KDA state slots: %d; max concurrency at "
-                    "max_model_len: %.2f", kv_tokens, num_slots,
+        logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
+                    kv_tokens, checkpoints.capacity_line(
+                        num_slots, num_ckpt, cache_mod.state_bytes_per_slot(self.args, self.dtype)),
                     min(num_slots, kv_tokens / max_len))
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from kdaserve.worker.cuda_graphs import DecodeGraphs
@@ -194,7 +204,11 @@ class ModelRunner:
             return ModelRunnerOutput()
         batch = self._build_batch(so)
         states = [self.requests[r] for r in batch.req_ids]
-        hidden_rows = self._forward(batch, states)                    # [num_sample_rows, D]
+        exports = checkpoints.plan_step_exports(
+            so, batch.req_ids, batch.num_computed, batch.query_lens,
+            [s.state_slot for s in states], self.first_ckpt_slot, self.num_ckpt_slots)
+        hidden_rows = self._forward(batch, states, exports.internal)  # [num_sample_rows, D]
+        checkpoints.apply_post_copies(self.caches, exports)
         if not batch.sample_rows:
             return ModelRunnerOutput(req_ids=batch.req_ids,
                                      sampled_token_ids=[[] for _ in batch.req_ids],
@@ -209,12 +223,14 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
                                  logprobs=out_lps)
 
-    def _forward(self, batch: StepBatch, states: list[CachedRequestState]) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, states: list[CachedRequestState],
+                 kda_checkpoints=None) -> torch.Tensor:
         """Runs the model; returns the final hidden state of each sampling row."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if kda_checkpoints is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, states)
         md = build_metadata(batch.query_lens, batch.num_computed, [s.block_ids for s in states],
                             [s.state_slot for s in states], self.block_size, self.device)
+        md.kda_checkpoints = kda_checkpoints
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, ids, ForwardContext(md, self.caches))
         last = [md.query_start_loc_cpu[i + 1].item() - 1 for i in batch.sample_rows]

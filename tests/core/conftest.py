@@ -16,7 +16,7 @@ def make_scheduler():
     def make(*, block_size=4, num_gpu_blocks=64, num_state_slots=16, max_num_seqs=8,
              max_num_batched_tokens=64, max_model_len=128, long_prefill_token_threshold=0,
              enable_chunked_prefill=True, enable_prefix_caching=False, spec_tokens=0,
-             spec_method="ngram", adaptive_spec_budget=None):
+             spec_method="ngram", adaptive_spec_budget=None, **cache_kwargs):
         sc = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
@@ -24,7 +24,8 @@ def make_scheduler():
                              enable_chunked_prefill=enable_chunked_prefill)
         if adaptive_spec_budget is not None:
             sc.adaptive_spec_budget = adaptive_spec_budget
-        cc = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+        cc = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                         **cache_kwargs)
         spec = (SpeculativeConfig(method=spec_method, num_speculative_tokens=spec_tokens)
                 if spec_tokens else None)
         sched = Scheduler(sc, cc, num_gpu_blocks=num_gpu_blocks, num_state_slots=num_state_slots,
