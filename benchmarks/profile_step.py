@@ -1,0 +1,92 @@
+"""Where a step's GPU time goes: torch.profiler over eager decode steps and one prefill.
+
+    python benchmarks/profile_step.py MODEL_DIR --batch 1 --context 8000 --out prof.json
+
+Prints the kernels ranked by total CUDA time (eager mode, so each kernel is visible) and the
+kernel count per step, which is what CUDA graphs replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kdaserve.attention.builder import build_metadata  # noqa: E402
+from kdaserve.attention.metadata import ForwardContext  # noqa: E402
+from kdaserve.bench.roofline import run_point  # noqa: E402
+from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig,  # noqa: E402
+                             SchedulerConfig)
+from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
+
+
+def top_kernels(prof, n: int) -> list[dict]:
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t and evt.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"name": evt.key[:90], "calls": evt.count, "cuda_us": t})
+    rows.sort(key=lambda r: -r["cuda_us"])
+    return rows[:n]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=8000)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prefill", type=int, default=8000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    max_len = max(args.context, args.prefill) + args.steps + 16
+    blocks = max(args.batch, 1) * -(-max_len // 16) + 1
+    config = EngineConfig(
+        model_config=ModelConfig(model=args.model, max_model_len=max_len),
+        cache_config=CacheConfig(num_gpu_blocks=blocks, num_state_slots=max(args.batch, 1),
+                                 enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=max(args.batch, 1),
+                                         max_num_batched_tokens=max(8192, args.prefill),
+                                         max_model_len=max_len),
+        load_config=LoadConfig(load_format="dummy"), enforce_eager=True)
+    runner = ModelRunner(config)
+    runner.eos_token_ids = []
+    runner.initialize_cache(blocks, max(args.batch, 1))
+    vocab = config.model_config.arch.vocab_size
+    run_point(runner, args.batch, args.context, 3, vocab, 0)        # warm-up
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run_point(runner, args.batch, args.context, args.steps, vocab, 1)
+    result["decode_top"] = top_kernels(prof, 40)
+    launches = sum(r["calls"] for r in top_kernels(prof, 10**6))
+    result["decode_kernels_per_step"] = launches / (args.steps + 1)
+    if args.prefill:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            md = build_metadata([args.prefill], [0], [list(range(-(-args.prefill // 16)))], [0],
+                                16, runner.device)
+            ids = torch.randint(0, vocab, (args.prefill,), device=runner.device)
+            with torch.inference_mode():
+                runner.model(ids, ids, ForwardContext(md, runner.caches))
+            torch.cuda.synchronize()
+        result["prefill_top"] = top_kernels(prof, 40)
+    for key in ("decode_top", "prefill_top"):
+        if key not in result:
+            continue
+        total = sum(r["cuda_us"] for r in top_kernels(prof, 10**6)) if key == "prefill_top" \
+            else None
+        print(f"== {key} ==" + (f" (total {total / 1e3:.1f} ms)" if total else ""))
+        for r in result[key][:25]:
+            print(f"{r['cuda_us'] / 1e3:9.3f} ms  {r['calls']:6d}  {r['name']}")
+    print("decode kernels per step:", result["decode_kernels_per_step"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
