@@ -27,25 +27,27 @@ def _spans(md: AttentionMetadata):
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
-               conv_cache: torch.Tensor) -> torch.Tensor:
-    """x: [T, C] projections (q|k|v channels); weight: [C, W]; conv_cache: [slots, C, W-1].
-    Returns SiLU(causal depthwise conv) [T, C]; each request's window is updated in its slot."""
-    kda_checkpoint.export_conv_windows(x, md, conv_cache)  # prefix checkpoints (no-op if none)
+               conv_cache: torch.Tensor, num_heads: int, head_dim: int):
+    """x: [T, 3P] projections (q|k|v channels); weight: [3P, W]; conv_cache: [slots, 3P, W-1].
+    Returns SiLU(causal depthwise conv) as q, k, v [T, H, K] views; each request's window is
+    updated in its slot. On CUDA the kernels write three contiguous planes, so q, k, v feed the
+    KDA kernels without copies."""
+    T = x.shape[0]
     if x.is_cuda:
         from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 
         nd = md.num_decodes
-        out = torch.empty_like(x)
+        out = x.new_empty(3, T, x.shape[1] // 3)                     # [3, T, P]
         if nd:
-            out[:nd] = causal_conv1d_update(x[:nd], weight, conv_cache, md.state_indices[:nd])
+            causal_conv1d_update(x[:nd], weight, conv_cache, md.state_indices[:nd],
+                                 out=out[:, :nd])
         if md.num_prefills:
             qsl = md.query_start_loc[nd:] - md.query_start_loc[nd]
             t0 = int(md.query_start_loc_cpu[nd])
             t1 = md.num_actual_tokens
-            out[t0:t1] = causal_conv1d_varlen(
-                x[t0:t1], weight, qsl, conv_cache, md.state_indices[nd:],
-                md.has_initial_state[nd:])
-        return out
+            causal_conv1d_varlen(x[t0:t1], weight, qsl, conv_cache, md.state_indices[nd:],
+                                 md.has_initial_state[nd:], out=out[:, t0:t1])
+        return tuple(plane.view(T, num_heads, head_dim) for plane in out)
     out = torch.empty_like(x)
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
@@ -54,7 +56,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
         init = conv_cache[slot] if has_init[i] else None
         out[s:e], new_state = ref.causal_conv1d(x[s:e], weight, init)
         conv_cache[slot].copy_(new_state)
-    return out
+    return out.view(T, 3, num_heads, head_dim).unbind(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,13 +108,12 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache):
     o = torch.empty_like(v)
     if nd:
         # [1, nd, H, *]: one token per sequence; the kernel reads and writes the pool in place.
-        od, _ = fused_recurrent_kda_fwd(
-            *(x[None, :nd].contiguous() for x in (q, k, v, g, beta)),
+        fused_recurrent_kda_fwd(
+            *(x[None, :nd].contiguous() for x in (q, k, v, g, beta)), out=o[None, :nd],
             initial_state=rec_cache, inplace_final_state=True,
             cu_seqlens=md.query_start_loc[:nd + 1].long(),
             ssm_state_indices=md.state_indices[:nd].long(),
             use_qk_l2norm_in_kernel=True, **in_kernel)
-        o[:nd] = od[0]
     if md.num_prefills:
         t0 = int(md.query_start_loc_cpu[nd])
         t1 = md.num_actual_tokens

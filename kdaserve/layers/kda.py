@@ -68,9 +68,8 @@ class KimiDeltaAttention(nn.Module):
         qkv = F.linear(x, self.qkv_weight)                           # [T, 3P]
         small = F.linear(x, self.small_weight)                       # [T, 2d + H]
         f_a, g_a, b = small.split([d, d, h], dim=-1)
-        qkv = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
-                                     caches.kda_conv[self.kda_index])
-        q, k, v = qkv.view(T, 3, h, d).unbind(1)                     # each [T, H, K]
+        q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
+                                         caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
         g_raw = self.forget_gate.f_b_proj(f_a).view(T, h, d)         # gate pre-activation
         o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]

@@ -24,14 +24,16 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(args.num_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k])."""
+    def forward(self, x: torch.Tensor, extra_expert: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
+        only) a (1.0, extra_expert) column is appended to every row."""
         logits = F.linear(x.float(), self.weight)                  # [N, E] fp32
         if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
             return moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
-                                    self.renormalize, self.scaling)
+                                    self.renormalize, self.scaling, extra_expert=extra_expert)
         return ref.moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
                                     self.renormalize, self.scaling)
 
@@ -83,12 +85,10 @@ class SparseMoE(nn.Module):
         self.w13_all, self.w2_all = w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
         if self.w13_all is not None:
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
-            n = x.shape[0]
-            ids = torch.cat([topk_ids, topk_ids.new_full((n, 1), self.num_experts)], dim=1)
-            w = torch.cat([topk_weights, topk_weights.new_ones(n, 1)], dim=1)
+            w, ids = self.gate(x, extra_expert=self.num_experts)      # [N, k + 1]
             return fused_moe(x, self.w13_all, self.w2_all, w, ids)
+        topk_weights, topk_ids = self.gate(x)
         return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)

@@ -28,6 +28,25 @@ def _check_weight_states(x, weight, conv_states, activation):
     return D, W
 
 
+def _out_layout(out: torch.Tensor | None, x: torch.Tensor):
+    """out: None, [T, D] with a contiguous last dim, or split planes [S, T, D // S] with a
+    contiguous last dim (plane s holds channels [s * D/S, (s+1) * D/S)). Returns (out, row
+    stride, plane stride, plane width or 0)."""
+    T, D = x.shape
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.dim() == 3:
+        S = out.shape[0]
+        if S * out.shape[2] != D or out.shape[1] != T or out.stride(2) != 1:
+            raise ValueError(f"split out must be [S, T={T}, D/S] with S * D/S = {D} and a "
+                             f"contiguous last dim, got {tuple(out.shape)}")
+        return out, out.stride(1), out.stride(0), out.shape[2]
+    if out.shape != x.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(x.shape)} with a contiguous last dim, or split "
+                         f"planes [S, T, D/S]; got {tuple(out.shape)}")
+    return out, out.stride(0), 0, 0
+
+
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                          conv_states: torch.Tensor, state_indices: torch.Tensor,
                          has_initial_state: torch.Tensor, activation: str | None = "silu",
@@ -55,10 +74,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     for t in (x, weight, cu_seqlens, conv_states, state_indices, has_initial_state):
         check_kernel_device(t)
     T = x.shape[0]
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    elif out.shape != x.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(x.shape)} with a contiguous last dim")
+    out, stride_yt, stride_ysplit, split = _out_layout(out, x)
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.uint8)
     if T > 0:
@@ -66,10 +82,10 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
         conv_varlen_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
             x, weight, out, cu_seqlens, conv_states, state_indices, has_initial_state,
             T, D, B,
-            x.stride(0), out.stride(0), weight.stride(0), weight.stride(1),
-            conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+            x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
+            conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
             W=W, SEARCH_STEPS=max(1, (B - 1).bit_length()), SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, num_warps=4,
         )
     block_d = min(512, next_power_of_2(D))
     conv_varlen_state_kernel[(B, cdiv(D, block_d))](
@@ -99,18 +115,15 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
         raise ValueError(f"state_indices must be [B={B}], got {tuple(state_indices.shape)}")
     for t in (x, weight, conv_states, state_indices):
         check_kernel_device(t)
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    elif out.shape != x.shape or out.stride(-1) != 1:
-        raise ValueError(f"out must be {tuple(x.shape)} with a contiguous last dim")
+    out, stride_yt, stride_ysplit, split = _out_layout(out, x)
     if B == 0:
         return out
     block_d = min(256, next_power_of_2(D))
     conv_update_kernel[(B, cdiv(D, block_d))](
         x, weight, out, conv_states, state_indices, D,
-        x.stride(0), out.stride(0), weight.stride(0), weight.stride(1),
-        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
+        x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
+        conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
         W=W, BLOCK_W=next_power_of_2(W - 1), SILU=activation == "silu", BLOCK_D=block_d,
-        num_warps=4,
+        SPLIT=split, num_warps=4,
     )
     return out

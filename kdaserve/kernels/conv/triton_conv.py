@@ -15,12 +15,21 @@ def _silu(x):
 
 
 @triton.jit
+def _out_col(offs_d, stride_ysplit, SPLIT: tl.constexpr):
+    """Output column offset of channel d: plain, or split into SPLIT-wide planes (y[d // SPLIT]
+    is its own contiguous [T, SPLIT] tensor: q, k, v come out ready for the KDA kernels)."""
+    if SPLIT > 0:
+        return (offs_d // SPLIT).to(tl.int64) * stride_ysplit + offs_d % SPLIT
+    return offs_d
+
+
+@triton.jit
 def conv_varlen_kernel(
     x_ptr, w_ptr, y_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr,
     num_tokens, dim, num_seqs,
-    stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj,
+    stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
     W: tl.constexpr, SEARCH_STEPS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -54,7 +63,8 @@ def conv_varlen_kernel(
     if SILU:
         acc = _silu(acc)
     acc = tl.where(mask_t[:, None], acc, 0.0)
-    y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + offs_d[None, :]
+    y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + _out_col(offs_d, stride_ysplit,
+                                                                         SPLIT)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
              mask=(offs_t < num_tokens)[:, None] & mask_d[None, :])
 
@@ -95,8 +105,9 @@ def conv_varlen_state_kernel(
 @triton.jit
 def conv_update_kernel(
     x_ptr, w_ptr, y_ptr, states_ptr, state_idx_ptr, dim,
-    stride_xb, stride_yb, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj,
+    stride_xb, stride_yb, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
     W: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr = 0,
 ):
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -116,8 +127,8 @@ def conv_update_kernel(
     acc = tl.sum(win * w_win, axis=1) + xv.to(tl.float32) * w_last
     if SILU:
         acc = _silu(acc)
-    tl.store(y_ptr + b.to(tl.int64) * stride_yb + offs_d, acc.to(y_ptr.dtype.element_ty),
-             mask=mask_d)
+    tl.store(y_ptr + b.to(tl.int64) * stride_yb + _out_col(offs_d, stride_ysplit, SPLIT),
+             acc.to(y_ptr.dtype.element_ty), mask=mask_d)
     # shift the window left by one (in registers: no re-read of columns being rewritten), append x
     shift = j[None, :] == (j + 1)[:, None]                                # [new col, old col]
     new = tl.sum(tl.where(shift[None, :, :], win[:, None, :], 0.0), axis=2)

@@ -13,10 +13,13 @@ from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, r
 
 def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                      top_k: int, renormalize: bool, scaling: float,
-                     ids_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+                     ids_dtype: torch.dtype = torch.int32,
+                     extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [N, E] (any float dtype); correction_bias: [E] or None (selection only).
 
-    Returns (weights fp32 [N, top_k], ids [N, top_k] of ids_dtype).
+    Returns (weights fp32 [N, top_k], ids [N, top_k] of ids_dtype). With extra_expert set, one
+    more column follows every row: id extra_expert with weight 1 (a shared expert run by the
+    same fused MoE call).
     """
     require_triton()
     from kdaserve.kernels.moe.triton_router import topk_sigmoid_kernel
@@ -30,8 +33,9 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     if correction_bias is not None and correction_bias.shape != (E,):
         raise ValueError(f"correction_bias must be [E={E}], got {tuple(correction_bias.shape)}")
     check_kernel_device(router_logits)
-    weights = torch.empty(N, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(N, top_k, dtype=ids_dtype, device=router_logits.device)
+    width = top_k + (extra_expert is not None)
+    weights = torch.empty(N, width, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(N, width, dtype=ids_dtype, device=router_logits.device)
     if N == 0:
         return weights, ids
     block_e = next_power_of_2(E)
@@ -40,6 +44,7 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
         router_logits, correction_bias if correction_bias is not None else router_logits,
         weights, ids, N, E, router_logits.stride(0), float(scaling),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(top_k), num_warps=4,
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(width),
+        EXTRA_ID=-1 if extra_expert is None else int(extra_expert), num_warps=4,
     )
     return weights, ids

@@ -9,7 +9,9 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, 
                         stride_lt, scaling,
                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, EXTRA_ID: tl.constexpr = -1):
+    """Rows of TOP_K (weight, id) pairs; with EXTRA_ID >= 0 one more column (weight 1, id
+    EXTRA_ID) follows: the shared expert folded into the routed ones."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < num_tokens
     offs_e = tl.arange(0, BLOCK_E)
@@ -33,7 +35,13 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_tokens, 
         select = tl.where(hit, float("-inf"), select)
     if RENORMALIZE:
         w_tile = w_tile / (tl.sum(w_tile, axis=1)[:, None] + 1e-20)
-    out_mask = mask_t[:, None] & (offs_k < TOP_K)[None, :]
-    out_offs = offs_t.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
-    tl.store(weights_ptr + out_offs, w_tile * scaling, mask=out_mask)
+    w_tile = w_tile * scaling
+    OUT_K: tl.constexpr = TOP_K + 1 if EXTRA_ID >= 0 else TOP_K
+    if EXTRA_ID >= 0:
+        extra = offs_k[None, :] == TOP_K
+        w_tile = tl.where(extra, 1.0, w_tile)
+        id_tile = tl.where(extra, EXTRA_ID, id_tile)
+    out_mask = mask_t[:, None] & (offs_k < OUT_K)[None, :]
+    out_offs = offs_t.to(tl.int64)[:, None] * OUT_K + offs_k[None, :]
+    tl.store(weights_ptr + out_offs, w_tile, mask=out_mask)
     tl.store(ids_ptr + out_offs, id_tile.to(ids_ptr.dtype.element_ty), mask=out_mask)

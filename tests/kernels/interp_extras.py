@@ -1,0 +1,51 @@
+"""Interpreter checks (fp32) of the split-plane conv output and the router's shared-expert
+column; run by test_interp_extras.py in a subprocess with TRITON_INTERPRET=1."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernel_checks  # noqa: E402
+
+kernel_checks.patch_triton_interpreter()
+
+from kdaserve.kernels import reference as ref  # noqa: E402
+from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402,E501
+from kdaserve.kernels.moe.router import moe_topk_sigmoid  # noqa: E402
+
+
+def check_conv_split() -> None:
+    torch.manual_seed(0)
+    T, D, W, S = 40, 48, 4, 5
+    x, w = torch.randn(T, D), torch.randn(D, W)
+    cu = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
+    st0 = torch.randn(S, D, W - 1)
+    idx, has = torch.tensor([3, 0, 2], dtype=torch.int32), torch.tensor([True, False, True])
+    st_a, st_b = st0.clone(), st0.clone()
+    ya = causal_conv1d_varlen(x, w, cu, st_a, idx, has)
+    planes = torch.full((3, T + 5, D // 3), float("nan"))[:, 2:T + 2]     # strided planes
+    causal_conv1d_varlen(x, w, cu, st_b, idx, has, out=planes)
+    assert torch.equal(ya, planes.permute(1, 0, 2).reshape(T, D)) and torch.equal(st_a, st_b)
+    xb = torch.randn(3, D)
+    ua = causal_conv1d_update(xb, w, st_a, idx)
+    ub = causal_conv1d_update(xb, w, st_b, idx, out=torch.empty(3, 3, D // 3))
+    assert torch.equal(ua, ub.permute(1, 0, 2).reshape(3, D)) and torch.equal(st_a, st_b)
+
+
+def check_router_extra() -> None:
+    torch.manual_seed(1)
+    for E, k in [(8, 2), (256, 8)]:
+        lg, b = torch.randn(37, E), torch.randn(E) * 0.1
+        w1, i1 = moe_topk_sigmoid(lg, b, k, True, 2.446, extra_expert=E)
+        wr, ir = ref.moe_topk_sigmoid(lg, b, k, True, 2.446)
+        assert bool((w1[:, k] == 1).all()) and bool((i1[:, k] == E).all())
+        assert torch.equal(i1[:, :k].long().sort(1)[0], ir.sort(1)[0])
+        assert (w1[:, :k].sort(1)[0] - wr.sort(1)[0]).abs().max() < 1e-6
+
+
+if __name__ == "__main__":
+    check_conv_split()
+    check_router_extra()
+    print("ok")
