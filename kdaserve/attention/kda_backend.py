@@ -32,6 +32,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
     Returns SiLU(causal depthwise conv) as q, k, v [T, H, K] views; each request's window is
     updated in its slot. On CUDA the kernels write three contiguous planes, so q, k, v feed the
     KDA kernels without copies."""
+    kda_checkpoint.export_conv_windows(x, md, conv_cache)  # prefix checkpoints (no-op if none)
     T = x.shape[0]
     if x.is_cuda:
         from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
