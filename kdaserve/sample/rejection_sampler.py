@@ -21,6 +21,7 @@ from their own generator (a loop over seeded requests only, as the Sampler does)
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +29,13 @@ import torch
 from torch import nn
 
 from kdaserve.sample.metadata import SamplingMetadata, is_greedy_temperature
-from kdaserve.sample.sampler import (SamplerOutput, apply_min_p, apply_top_k_top_p,
-                                     gather_logprobs, to_logprob_dicts)
+from kdaserve.sample.sampler import (
+    SamplerOutput,
+    apply_min_p,
+    apply_top_k_top_p,
+    gather_logprobs,
+    to_logprob_dicts,
+)
 
 PLACEHOLDER_TOKEN_ID = -1
 """Fills output positions past a request's emitted tokens."""
@@ -69,7 +75,7 @@ class SpecDecodeMetadata:
 
     @classmethod
     def make(cls, draft_token_ids: list[list[int]], device: torch.device | str = "cpu",
-             banned: list[tuple[int, int]] | None = None) -> "SpecDecodeMetadata":
+             banned: list[tuple[int, int]] | None = None) -> SpecDecodeMetadata:
         """draft_token_ids[i]: request i's drafts ([] for a request without drafts).
         banned: (target row, token) pairs, e.g. from `spec_banned_ids`."""
         if len(draft_token_ids) == 0:
@@ -138,7 +144,7 @@ class RejectionSampler(nn.Module):
             if not synthetic_rates:
                 raise ValueError("synthetic rejection sampling needs synthetic_rates")
             if any(not 0.0 <= r <= 1.0 for r in synthetic_rates) or any(
-                    b > a for a, b in zip(synthetic_rates, synthetic_rates[1:])):
+                    b > a for a, b in itertools.pairwise(synthetic_rates)):
                 raise ValueError(f"synthetic_rates must be non-increasing values in [0, 1], "
                                  f"got {synthetic_rates}")
         self.method = method

@@ -89,7 +89,7 @@ class DraftModelProposer:
 
     @classmethod
     def from_pretrained(cls, path: str, target_args: KimiLinearArgs, **kwargs
-                        ) -> "DraftModelProposer":
+                        ) -> DraftModelProposer:
         """Load the draft from an HF-style folder (speculative_config.model); kwargs as
         __init__ (without model / args). The vocabularies must match."""
         import json

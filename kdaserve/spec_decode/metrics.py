@@ -46,7 +46,7 @@ class SpecDecodingStats:
         for d, a in zip(num_draft_tokens, num_accepted, strict=True):
             self.observe(d, a)
 
-    def merge(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+    def merge(self, other: SpecDecodingStats) -> SpecDecodingStats:
         """Add other's counts into self (same K); returns self."""
         if other.num_spec_tokens != self.num_spec_tokens:
             raise ValueError(f"cannot merge stats for K={other.num_spec_tokens} into "

@@ -22,6 +22,7 @@ accepts draft j iff u <= rates[j] (a prefix, as the rates do not increase).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 SYNTHETIC_LABEL = "synthetic acceptance: for benchmarks with random weights only"
@@ -34,7 +35,7 @@ def rates_from_length(length: float, num_speculative_tokens: int) -> list[float]
         raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}] for "
                          f"num_speculative_tokens={k}, got {length}")
     a = length - 1.0
-    full = min(int(math.floor(a + 1e-12)), k)
+    full = min(math.floor(a + 1e-12), k)
     rates = [1.0] * full
     if full < k:
         rates.append(a - full)
@@ -50,7 +51,7 @@ def check_rates(rates: list[float], num_speculative_tokens: int) -> list[float]:
     for r in rates:
         if not 0.0 <= r <= 1.0:
             raise ValueError(f"synthetic_acceptance_rates entries must be in [0, 1], got {r}")
-    for a, b in zip(rates, rates[1:]):
+    for a, b in itertools.pairwise(rates):
         if b > a:
             raise ValueError(f"synthetic_acceptance_rates must be non-increasing "
                              f"(unconditional rates), got {rates}")

@@ -73,7 +73,7 @@ def test_recover_verify_commit_equals_sequential(seed):
 
 def test_commit_then_next_step_continues_the_plain_run():
     """Two spec steps with rejections == one plain run over the accepted tokens."""
-    q, k, v, g, beta, x, cu = _inputs([9], 5)
+    q, k, v, g, beta, x, _ = _inputs([9], 5)
     rec, conv = _pools(2, 6)
     weight = torch.randn(12, W)
     slot = torch.tensor([1], dtype=torch.int32)
@@ -129,8 +129,8 @@ def test_per_position_then_select(vllm_pointer):
 
 
 def test_commit_rejects_bad_counts():
-    q, k, v, g, beta, x, cu = _inputs([2], 0)
-    rec, conv = _pools(1)
+    q, k, v, g, beta, _, cu = _inputs([2], 0)
+    rec, _ = _pools(1)
     slot = torch.tensor([0])
     _, u, kh = ref.kda_spec_verify(q, k, v, g, beta, cu, rec, slot)
     with pytest.raises(ValueError, match="num_accepted"):

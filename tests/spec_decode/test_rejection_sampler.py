@@ -2,9 +2,13 @@ import pytest
 import torch
 
 from kdaserve.sample.metadata import SamplingMetadata
-from kdaserve.sample.rejection_sampler import (PLACEHOLDER_TOKEN_ID, RejectionSampler,
-                                               SpecDecodeMetadata, spec_banned_ids,
-                                               spec_logprob_dicts)
+from kdaserve.sample.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    RejectionSampler,
+    SpecDecodeMetadata,
+    spec_banned_ids,
+    spec_logprob_dicts,
+)
 from kdaserve.sample.sampler import Sampler
 from kdaserve.sampling_params import SamplingParams as SP
 from kdaserve.spec_decode.synthetic import rates_from_length
@@ -27,7 +31,7 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def _run(logits_per_pos, drafts, params, draft_probs=None, method="standard", rates=None,
          generators=None):
     """logits_per_pos: [K+1, V] shared by every request; drafts: [N, K]."""
-    N, K = drafts.shape
+    N = drafts.shape[0]
     spec = SpecDecodeMetadata.make(drafts.tolist())
     logits = logits_per_pos.repeat(N, 1)
     md = SamplingMetadata.build(params * N if len(params) == 1 else params, generators)

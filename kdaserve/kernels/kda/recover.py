@@ -29,7 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.kernels import reference as ref
-from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
+from kdaserve.kernels.utils import (
+    cdiv,
+    check_kernel_device,
+    next_power_of_2,
+    require_triton,
+)
 
 
 def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
@@ -122,7 +127,7 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             raise ValueError(f"{name} needs a contiguous last dim")
     o = torch.empty(T, H, V, dtype=v.dtype, device=v.device) if out is None else out
     record = not per_position
-    f32 = dict(dtype=torch.float32, device=v.device)
+    f32 = {"dtype": torch.float32, "device": v.device}
     u = torch.empty(T, H, V, **f32) if record else o
     kh = torch.empty(T, H, K, **f32) if record else o
     g_rec = torch.empty(T, H, K, **f32) if record and gate is not None else g
@@ -200,7 +205,7 @@ def conv_spec_verify(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Te
         return ref.conv_spec_verify(x, weight, cu_seqlens, conv_pool, state_indices,
                                     initial_cols, per_position, activation)
     require_triton()
-    from kdaserve.kernels.conv.triton_conv import conv_varlen_kernel
+    from kdaserve.kernels.kda.triton_recover import conv_spec_verify_kernel
 
     for t in (x, weight, cu_seqlens, conv_pool, state_indices):
         check_kernel_device(t)
@@ -209,18 +214,16 @@ def conv_spec_verify(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Te
     T, D = x.shape
     W = weight.shape[-1]
     idx = state_indices.view(N, -1)
-    src = idx[:, 0] if initial_cols is None else idx.gather(
-        1, initial_cols.long().view(N, 1)).view(N)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T > 0 and N > 0:
-        block_t, block_d = 32, min(256, next_power_of_2(D))
-        has_init = torch.ones(N, dtype=torch.uint8, device=x.device)
-        conv_varlen_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
-            x, weight, y, cu_seqlens, conv_pool, src.contiguous(), has_init, T, D, N,
+        block_d = min(256, next_power_of_2(D))
+        conv_spec_verify_kernel[(N, cdiv(D, block_d))](
+            x, weight, y, conv_pool, idx, initial_cols if initial_cols is not None else idx,
+            cu_seqlens, D,
             x.stride(0), y.stride(0), weight.stride(0), weight.stride(1),
-            conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
-            W=W, SEARCH_STEPS=max(1, (N - 1).bit_length()), SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), idx.stride(0),
+            W=W, BW=next_power_of_2(W - 1), BD=block_d, HAS_COLS=initial_cols is not None,
+            SILU=activation == "silu", num_warps=4,
         )
         if per_position:
             _conv_window(conv_pool, idx, initial_cols, x, cu_seqlens, None)

@@ -156,3 +156,41 @@ def conv_spec_window_kernel(
             val = tl.where(s < W1, from_old, from_x)
             tl.store(pool_ptr + dst * stride_ps + offs_d * stride_pd + j * stride_pj,
                      val.to(pool_ptr.dtype.element_ty), mask=md & (dst >= 0))
+
+
+@triton.jit
+def conv_spec_verify_kernel(
+    x_ptr, w_ptr, y_ptr, pool_ptr, idx_ptr, col_ptr, cu_ptr, dim,
+    stride_xt, stride_yt, stride_wd, stride_wj, stride_ps, stride_pd, stride_pj, stride_idx,
+    W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, HAS_COLS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """y_t = sum_j w_j * z[t + j], z = cat(window, x^T) of the request; the window (read from
+    idx[i, col[i]]) is never written."""
+    i = tl.program_id(0)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = offs_d < dim
+    bos = tl.load(cu_ptr + i).to(tl.int64)
+    T = tl.load(cu_ptr + i + 1).to(tl.int64) - bos
+    col = 0
+    if HAS_COLS:
+        col = tl.load(col_ptr + i).to(tl.int64)
+    src = tl.load(idx_ptr + i * stride_idx + col).to(tl.int64)
+    jj = tl.arange(0, BW)
+    old = tl.load(pool_ptr + src * stride_ps + offs_d[:, None] * stride_pd
+                  + jj[None, :] * stride_pj,
+                  mask=md[:, None] & (jj < W - 1)[None, :] & (src >= 0), other=0.0)
+    old = old.to(tl.float32)                                           # [BD, BW]
+    for t in range(T):
+        acc = tl.zeros([BD], dtype=tl.float32)
+        for j in tl.static_range(W):
+            s = t + j
+            w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=md, other=0.0)
+            from_old = tl.sum(tl.where(jj[None, :] == s, old, 0.0), axis=1)
+            from_x = tl.load(x_ptr + (bos + s - (W - 1)) * stride_xt + offs_d,
+                             mask=md & (s >= W - 1), other=0.0).to(tl.float32)
+            acc += w_j.to(tl.float32) * tl.where(s < W - 1, from_old, from_x)
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + (bos + t) * stride_yt + offs_d, acc.to(y_ptr.dtype.element_ty),
+                 mask=md)
