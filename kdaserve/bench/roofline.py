@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 
+from kdaserve.engine.floor import measure_copy_bandwidth, sync, weight_bytes
+
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HF-style model folder (config.json; weights unless dummy)")
@@ -30,54 +32,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth in bytes/s (default: measured in this run)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
-
-
-def measure_copy_bandwidth(device) -> float:
-    """Device-to-device copy of 2 x 1 GiB, counting bytes read + written; median of 10."""
-    import torch
-
-    n = 2**30 if device.type == "cuda" else 2**26
-    x = torch.empty(n, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    times = []
-    for i in range(13):
-        _sync(device)
-        t = time.perf_counter()
-        y.copy_(x)
-        _sync(device)
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    return 2 * n / statistics.median(times)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def weight_bytes(model) -> tuple[int, int, int]:
-    """(non-expert weight bytes read per step, routed-expert bytes per expert per MoE layer,
-    number of MoE layers). The embedding is excluded (one row per token is read)."""
-    dense, experts, moe_layers, num_experts = 0, 0, 0, 0
-    seen = set()
-    for name, p in model.named_parameters():
-        key = (p.data_ptr(), p.numel())
-        if "embed_tokens" in name or key in seen:
-            continue
-        seen.add(key)
-        size = p.numel() * p.element_size()
-        if name.endswith("experts.gate_up_proj"):
-            moe_layers += 1
-            num_experts = p.shape[0]
-            experts += size
-        elif name.endswith("experts.down_proj"):
-            experts += size
-        else:
-            dense += size
-    per_expert = experts // max(1, moe_layers * num_experts)
-    return dense, per_expert, moe_layers
 
 
 def byte_floor(model, args, batch: int, context: int, experts_touched: int,
@@ -133,10 +87,10 @@ def run_point(runner, batch: int, context: int, steps: int, vocab: int, seed: in
                          total_num_scheduled_tokens=batch)
     times = []
     for step in range(steps + 1):
-        _sync(runner.device)
+        sync(runner.device)
         t = time.perf_counter()
         runner.execute_model(so)
-        _sync(runner.device)
+        sync(runner.device)
         times.append(time.perf_counter() - t)
         computed = context + step + 1
         so = SchedulerOutput(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+
+import torch
 from dataclasses import dataclass, fields
 
 from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig,
@@ -15,10 +17,12 @@ from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig,
 from kdaserve.core.engine_output import EngineCoreOutput
 from kdaserve.core.scheduler import Scheduler
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.floor import StepFloor, measure_copy_bandwidth
 from kdaserve.engine.stats import EngineStats
 from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kdaserve.request import Request, RequestStatus
 from kdaserve.sampling_params import SamplingParams
+from kdaserve.worker.cache import state_bytes_per_slot
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,8 @@ class LLMEngine:
         self.vocab_size = mc.arch.vocab_size
         self.model_runner = ModelRunner(config)
         self.model_runner.eos_token_ids = self.eos_token_ids
+        self.step_floor = self._make_step_floor()
+        self.step_floor_ratio: float | None = None
         num_blocks, num_slots = self.model_runner.determine_num_blocks_and_slots()
         self.model_runner.initialize_cache(num_blocks, num_slots)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
@@ -160,9 +166,34 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self.scheduler.has_unfinished_requests()
 
+    def _make_step_floor(self) -> StepFloor:
+        runner = self.model_runner
+        args = self.engine_config.model_config.arch
+        elt = torch.empty((), dtype=runner.dtype).element_size()
+        return StepFloor.for_model(runner.model, args, elt,
+                                   state_bytes_per_slot(args, runner.dtype),
+                                   measure_copy_bandwidth(runner.device))
+
+    def _decode_context(self, so) -> int | None:
+        """Total context of a decode-only step (None if any request computes more than one
+        token: the floor gauge tracks decode steps only)."""
+        if so.scheduled_new_reqs or not so.num_scheduled_tokens:
+            return None
+        total = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            if n != 1:
+                return None
+            total += self.scheduler.requests[rid].num_computed_tokens + 1
+        return total
+
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
-        ro = self.model_runner.execute_model(so)
+        context = self._decode_context(so)
+        t0 = time.perf_counter()
+        ro = self.model_runner.execute_model(so)      # returns after the sampled ids are read
+        if context is not None:
+            floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
+            self.step_floor_ratio = (time.perf_counter() - t0) / floor
         core_outputs = self.scheduler.update_from_output(so, ro)
         now = time.time()
         touched: dict[str, _EngineRequest] = {}
@@ -220,4 +251,5 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             prefix_cache_queries=getattr(s, "prefix_cache_queries", 0),
             prefix_cache_hits=getattr(s, "prefix_cache_hits", 0),
-            num_preemptions_total=s.num_preemptions)
+            num_preemptions_total=s.num_preemptions,
+            step_floor_ratio=self.step_floor_ratio)

@@ -153,3 +153,15 @@ def test_stop_strings_and_logprobs(make_llm):
                                                stop=[stop]), use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == text[:text.index(stop)]
+
+
+def test_step_floor_ratio_gauge(make_llm):
+    llm = make_llm()
+    engine = llm.llm_engine
+    assert engine.get_stats().step_floor_ratio is None
+    llm.generate(prompts(2, seed=8), GREEDY, use_tqdm=False)
+    ratio = engine.get_stats().step_floor_ratio
+    floor = engine.step_floor
+    assert ratio is not None and ratio > 0
+    # the floor grows with batch and context: every term is accounted
+    assert floor.seconds(4, 400) > floor.seconds(1, 100) > floor.seconds(1, 0) > 0
