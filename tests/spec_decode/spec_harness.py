@@ -233,16 +233,24 @@ class SpecHarness:
             out.index_copy_(0, g.tok_non, non_part)
         return out
 
-    def short_conv(self, orig, x, weight, md, conv_cache):
+    def short_conv(self, orig, x, weight, md, conv_cache, *head_shape):
+        """head_shape: (num_heads, head_dim) when the backend returns q, k, v views."""
         g = self.groups
         if g is None:
-            return orig(x, weight, md, conv_cache)
+            return orig(x, weight, md, conv_cache, *head_shape)
         xs, xn = self._split(x)
         pp = self.mode == "per_position"
         ys = rc.conv_spec_verify(xs, weight, g.cu_spec, conv_cache, g.idx_spec, per_position=pp)
         g.conv_x[id(conv_cache)] = xs
-        yn = orig(xn, weight, g.md_non, conv_cache) if xn is not None else None
-        return self._merge(torch.empty_like(x), ys, yn)
+        yn = None
+        if xn is not None:
+            yn = orig(xn, weight, g.md_non, conv_cache, *head_shape)
+            if head_shape:
+                yn = torch.cat([t.reshape(xn.shape[0], -1) for t in yn], dim=-1)
+        y = self._merge(torch.empty_like(x), ys, yn)
+        if head_shape:
+            return y.view(x.shape[0], 3, *head_shape).unbind(1)
+        return y
 
     def delta_rule(self, orig, q, k, v, g_raw, beta_logits, gate, md, rec_cache):
         g = self.groups
