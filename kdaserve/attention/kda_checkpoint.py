@@ -116,7 +116,10 @@ def _write_gpu_exports(inputs, kwargs: dict, h: torch.Tensor, md: AttentionMetad
             raise RuntimeError(f"internal KDA checkpoint on decode row {i}")
         for offset, dst in exports:
             n, rem = divmod(offset, chunk)
-            state = h[0, first_chunk[r] + n].float()           # [H, K, V]
+            if n == 0 and kwargs.get("initial_state") is not None:
+                state = kwargs["initial_state"][r]             # exact fp32 (h[.., 0] rounds it)
+            else:
+                state = h[0, first_chunk[r] + n].float()       # [H, K, V]
             if rem:
                 a = cu[r] + n * chunk
                 _, final = fused_recurrent_kda(
