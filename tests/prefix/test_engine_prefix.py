@@ -19,7 +19,10 @@ CACHE = {"kda_checkpoint_interval": 64, "block_size": 16}
 def _prompts(seed: int = 0):
     rng = random.Random(seed)
     base = [rng.randrange(3, 128) for _ in range(260)]
-    tail = lambda: [rng.randrange(3, 128) for _ in range(rng.randint(1, 25))]  # noqa: E731
+
+    def tail():
+        return [rng.randrange(3, 128) for _ in range(rng.randint(1, 25))]
+
     first = [base[:L] + tail() for L in (129, 260)]
     second = [base[:L] + tail() for L in (37, 64, 100, 128, 200, 260)] + [list(base)]
     return first, second

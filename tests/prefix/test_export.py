@@ -75,8 +75,7 @@ def test_backend_exports_conv_and_recurrent_like_split():
     exports = [(0, 2, 4), (0, 64, 5), (0, 101, 6), (1, 1, 7), (1, 70, 3)]
     md = _batch_metadata([150, 90], [0, 33], [0, 1], exports)
     conv, rec = conv0.clone(), rec0.clone()
-    y = kda_backend.short_conv(x, weight, md, conv)
-    q, k, v = y.view(-1, 3, H, K).unbind(1)
+    q, k, v = kda_backend.short_conv(x, weight, md, conv, H, K)
     g_raw = torch.randn(240, H, K, generator=gen)
     b = torch.randn(240, H, generator=gen)
     kda_backend.delta_rule(q, k, v, g_raw, b, _gate("cpu"), md, rec)
