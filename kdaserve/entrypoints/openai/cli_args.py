@@ -99,6 +99,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-state-slots", type=positive_int, default=None,
                    help="Exact number of KDA state slots.")
     g.add_argument("--device", default=None, choices=["auto", "cuda", "cpu"])
+    g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="Most tokens one prefill may take per step (0 = only the budget).")
+    g.add_argument("--dummy-routing", default=None, choices=["vllm", "spread"],
+                   help="With --load-format dummy: vllm = every weight uniform in +-1e-3 "
+                        "(all tokens pick the same experts, as vLLM); spread = router weights "
+                        "drawn so tokens pick different experts.")
+    a = p.add_argument_group("optimisation switches (off = the plain baseline, for ablation)")
+    a.add_argument("--kda-checkpoint-mode", default=None, choices=["internal", "split"],
+                   help="KDA prefix checkpoints exported inside one prefill pass (internal) or "
+                        "by splitting the prefill at the boundary (split).")
+    a.add_argument("--kda-checkpoint-interval", type=positive_int, default=None,
+                   help="Tokens between KDA prefix checkpoints (a multiple of --block-size).")
+    a.add_argument("--num-kda-checkpoint-slots", type=positive_int, default=None,
+                   help="KDA checkpoint slots (default: sized from memory).")
+    a.add_argument("--kda-checkpoint-turn-end", action=argparse.BooleanOptionalAction,
+                   default=None, help="Also checkpoint at the end of each prompt and request.")
+    a.add_argument("--adaptive-spec-budget", action=argparse.BooleanOptionalAction,
+                   default=None, help="Reserve draft slots only for scheduled requests "
+                                      "(--no-... = the static rule).")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; no remote code is ever run.")
 
@@ -112,6 +131,12 @@ _ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "speculative_config": "speculative_config", "num_gpu_blocks_override": "num_gpu_blocks",
     "num_state_slots": "num_state_slots", "device": "device",
+    "kda_checkpoint_mode": "kda_checkpoint_mode",
+    "kda_checkpoint_interval": "kda_checkpoint_interval",
+    "num_kda_checkpoint_slots": "num_kda_checkpoint_slots",
+    "kda_checkpoint_turn_end": "kda_checkpoint_turn_end",
+    "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
+    "long_prefill_token_threshold": "long_prefill_token_threshold",
 }
 
 

@@ -1,0 +1,28 @@
+"""The ablation switches and engine flags of `kdaserve serve` reach the engine config."""
+
+from __future__ import annotations
+
+from kdaserve.engine.llm_engine import _config_from_kwargs
+from kdaserve.entrypoints.cli import build_parser
+from kdaserve.entrypoints.openai.cli_args import engine_kwargs_from_args
+
+
+def test_switches_reach_engine_config(tmp_path):
+    from kdaserve.models.make_model import make_model
+
+    model = make_model(str(tmp_path / "tiny"), preset="tiny")
+    args = build_parser("serve").parse_args([
+        "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
+        "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
+        "--no-adaptive-spec-budget", "--dummy-routing", "spread",
+        "--long-prefill-token-threshold", "64", "--max-model-len", "1k"])
+    config = _config_from_kwargs(engine_kwargs_from_args(args, model))
+    cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
+    assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
+            cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
+    assert sc.adaptive_spec_budget is False and sc.long_prefill_token_threshold == 64
+    assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
+    defaults = _config_from_kwargs(engine_kwargs_from_args(
+        build_parser("serve").parse_args(["serve", model]), model))
+    assert defaults.cache_config.kda_checkpoint_mode == "internal"
+    assert defaults.scheduler_config.adaptive_spec_budget is True
