@@ -55,6 +55,10 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         k, v = expand(latent)
         qi = q[s:e].transpose(0, 1)                                          # [H, q_len, dk]
         q_len, kv_len = e - s, k.shape[0]
+        v_dim = v.shape[-1]
+        if q.is_cuda and v_dim != k.shape[-1]:
+            # flash attention wants one head dim for q, k and v: pad v with zeros, slice after
+            v = F.pad(v, (0, k.shape[-1] - v_dim))
         if q_len == kv_len:   # no cached prefix: plain causal (fused kernels, no mask tensor)
             o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, scale=scale)
@@ -64,5 +68,5 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
                 kv_len - q_len)
             o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1),
                                                attn_mask=mask, scale=scale)
-        outs.append(o.transpose(0, 1))
+        outs.append(o.transpose(0, 1)[..., :v_dim])
     return torch.cat(outs, dim=0)
