@@ -130,6 +130,9 @@ class ParallelConfig:
                 "(only 1)")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
 @dataclass
 class SpeculativeConfig:
     method: str | None = None
@@ -141,6 +144,43 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     synthetic_acceptance_length: float | None = None
     synthetic_acceptance_rates: list[float] | None = None
+    kda_state_mode: str = "recover"
+    """recover: one KDA state slot per request, verify from it read-only and fold the accepted
+    tokens in after sampling (RecoverSSM); per_position: the baseline that writes the state after
+    every window token into 1 + K slots per request and keeps the accepted one."""
+    batch_layout: str = "contiguous"
+    """contiguous: spec rows last, each KDA group a slice of the batch (no copies); gather: the
+    baseline that keeps the plain request order and index_selects / index_copy_s each group."""
+    synthetic_rates: list[float] | None = field(default=None, init=False)
+    """Resolved unconditional per-position rates (rejection_sample_method="synthetic")."""
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got "
+                             f"{self.method!r}")
+        if self.num_speculative_tokens < 0 or (self.method is not None
+                                               and self.num_speculative_tokens < 1):
+            raise ValueError(f"num_speculative_tokens must be >= 1 with method="
+                             f"{self.method!r}, got {self.num_speculative_tokens}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs model (the draft model "
+                             "folder)")
+        for name, allowed in (("draft_sample_method", ("greedy", "probabilistic")),
+                              ("rejection_sample_method", ("standard", "synthetic")),
+                              ("kda_state_mode", ("recover", "per_position")),
+                              ("batch_layout", ("contiguous", "gather"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.rejection_sample_method == "synthetic" and self.enabled:
+            from kdaserve.spec_decode.synthetic import resolve_synthetic_rates
+
+            self.synthetic_rates = resolve_synthetic_rates(
+                self.num_speculative_tokens, self.synthetic_acceptance_rates,
+                self.synthetic_acceptance_length)
 
     @property
     def enabled(self) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.attention.metadata import AttentionMetadata
+from kdaserve.attention.metadata import AttentionMetadata, KDACheckpointRequest, SpecStep
 
 
 def build_metadata(query_lens: list[int], num_computed: list[int], block_ids: list[list[int]],
@@ -51,3 +51,80 @@ def build_metadata(query_lens: list[int], num_computed: list[int], block_ids: li
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
+
+
+def build_spec_step(md: AttentionMetadata, is_spec: list[bool], idx_spec: torch.Tensor,
+                    layout: str, per_position: bool) -> SpecStep:
+    """Split a step's metadata into its spec rows (is_spec[i]: request i verifies drafts) and
+    the rest. contiguous: the spec rows must be the last ones; the non-spec metadata is then
+    made of slices. gather: any order; the non-spec metadata is gathered. md.kda_checkpoints
+    must name non-spec rows only (they are re-indexed for md_non)."""
+    spec_rows = [i for i, s in enumerate(is_spec) if s]
+    non_rows = [i for i, s in enumerate(is_spec) if not s]
+    if not spec_rows:
+        raise ValueError("build_spec_step needs at least one spec row")
+    if md.kda_checkpoints is not None and set(md.kda_checkpoints.req_index) & set(spec_rows):
+        raise ValueError("KDA checkpoint exports inside spec rows go through the commit, not "
+                         "the forward")
+    qsl = md.query_start_loc_cpu.tolist()
+    lens = [qsl[i + 1] - qsl[i] for i in spec_rows]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    device = md.query_start_loc.device
+    cu_spec = torch.tensor(cu, dtype=torch.int32, device=device)
+    if layout == "contiguous":
+        n_non = len(non_rows)
+        if spec_rows != list(range(n_non, md.num_reqs)):
+            raise ValueError(f"contiguous spec layout needs the spec rows last, got rows "
+                             f"{spec_rows} of {md.num_reqs}")
+        return SpecStep(layout, per_position, qsl[n_non], cu_spec, idx_spec,
+                        _slice_metadata(md, n_non) if n_non else None)
+    if layout != "gather":
+        raise ValueError(f"batch_layout must be contiguous or gather, got {layout!r}")
+    tok_spec = [t for i in spec_rows for t in range(qsl[i], qsl[i + 1])]
+    tok_non = [t for i in non_rows for t in range(qsl[i], qsl[i + 1])]
+    return SpecStep(layout, per_position, len(tok_spec), cu_spec, idx_spec,
+                    _gather_metadata(md, non_rows, tok_non) if non_rows else None,
+                    tok_spec=torch.tensor(tok_spec, dtype=torch.long, device=device),
+                    tok_non=torch.tensor(tok_non, dtype=torch.long, device=device))
+
+
+def _slice_metadata(md: AttentionMetadata, n: int) -> AttentionMetadata:
+    """The first n requests of md, as views."""
+    qsl = md.query_start_loc_cpu[:n + 1]
+    t = int(qsl[-1])
+    return AttentionMetadata(
+        num_reqs=n, num_decodes=min(md.num_decodes, n), num_actual_tokens=t,
+        query_start_loc=md.query_start_loc[:n + 1], query_start_loc_cpu=qsl,
+        seq_lens=md.seq_lens[:n], seq_lens_cpu=md.seq_lens_cpu[:n],
+        num_computed_tokens_cpu=md.num_computed_tokens_cpu[:n],
+        slot_mapping=md.slot_mapping[:t], block_table=md.block_table[:n],
+        state_indices=md.state_indices[:n], has_initial_state=md.has_initial_state[:n],
+        max_query_len=int((qsl[1:] - qsl[:-1]).max()), max_seq_len=int(md.seq_lens_cpu[:n].max()),
+        kda_checkpoints=md.kda_checkpoints)
+
+
+def _gather_metadata(md: AttentionMetadata, rows: list[int], tok: list[int]) -> AttentionMetadata:
+    """Requests `rows` of md (in order; the decodes among them must lead) as a new batch."""
+    device = md.query_start_loc.device
+    r_cpu = torch.tensor(rows, dtype=torch.long)
+    r_dev = r_cpu.to(device)
+    q_cpu = md.query_start_loc_cpu[r_cpu + 1] - md.query_start_loc_cpu[r_cpu]
+    qsl_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    qsl_cpu[1:] = torch.cumsum(q_cpu, 0)
+    seq_cpu = md.seq_lens_cpu[r_cpu]
+    ckpt = md.kda_checkpoints
+    if ckpt is not None:
+        where = {r: j for j, r in enumerate(rows)}
+        ckpt = KDACheckpointRequest([where[i] for i in ckpt.req_index], list(ckpt.offsets),
+                                    list(ckpt.dst_slots))
+    return AttentionMetadata(
+        num_reqs=len(rows), num_decodes=sum(1 for r in rows if r < md.num_decodes),
+        num_actual_tokens=len(tok), query_start_loc=qsl_cpu.to(device),
+        query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(device), seq_lens_cpu=seq_cpu,
+        num_computed_tokens_cpu=md.num_computed_tokens_cpu[r_cpu],
+        slot_mapping=md.slot_mapping[torch.tensor(tok, dtype=torch.long, device=device)],
+        block_table=md.block_table[r_dev], state_indices=md.state_indices[r_dev],
+        has_initial_state=md.has_initial_state[r_dev], max_query_len=int(q_cpu.max()),
+        max_seq_len=int(seq_cpu.max()), kda_checkpoints=ckpt)

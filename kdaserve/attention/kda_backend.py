@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.attention import kda_checkpoint
+from kdaserve.attention import kda_checkpoint, kda_spec
 from kdaserve.attention.metadata import AttentionMetadata
 from kdaserve.kernels import reference as ref
 
@@ -31,14 +31,26 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
     """x: [T, 3P] projections (q|k|v channels); weight: [3P, W]; conv_cache: [slots, 3P, W-1].
     Returns SiLU(causal depthwise conv) as q, k, v [T, H, K] views; each request's window is
     updated in its slot. On CUDA the kernels write three contiguous planes, so q, k, v feed the
-    KDA kernels without copies."""
-    kda_checkpoint.export_conv_windows(x, md, conv_cache)  # prefix checkpoints (no-op if none)
+    KDA kernels without copies. With md.spec, the spec rows are verified (kda_spec)."""
     T = x.shape[0]
+    out = x.new_empty(3, T, x.shape[1] // 3) if x.is_cuda else torch.empty_like(x)
+    if md.spec is not None:
+        kda_spec.short_conv(x, weight, md.spec, conv_cache, out, _short_conv_into)
+    else:
+        _short_conv_into(x, weight, md, conv_cache, out)
+    if x.is_cuda:
+        return tuple(plane.view(T, num_heads, head_dim) for plane in out)
+    return out.view(T, 3, num_heads, head_dim).unbind(1)
+
+
+def _short_conv_into(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
+                     conv_cache: torch.Tensor, out: torch.Tensor) -> None:
+    """out: [3, T, P] planes on CUDA, [T, 3P] on the CPU."""
+    kda_checkpoint.export_conv_windows(x, md, conv_cache)  # prefix checkpoints (no-op if none)
     if x.is_cuda:
         from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 
         nd = md.num_decodes
-        out = x.new_empty(3, T, x.shape[1] // 3)                     # [3, T, P]
         if nd:
             causal_conv1d_update(x[:nd], weight, conv_cache, md.state_indices[:nd],
                                  out=out[:, :nd])
@@ -48,8 +60,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
             t1 = md.num_actual_tokens
             causal_conv1d_varlen(x[t0:t1], weight, qsl, conv_cache, md.state_indices[nd:],
                                  md.has_initial_state[nd:], out=out[:, t0:t1])
-        return tuple(plane.view(T, num_heads, head_dim) for plane in out)
-    out = torch.empty_like(x)
+        return
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
     for i, s, e in _spans(md):
@@ -57,7 +68,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
         init = conv_cache[slot] if has_init[i] else None
         out[s:e], new_state = ref.causal_conv1d(x[s:e], weight, init)
         conv_cache[slot].copy_(new_state)
-    return out.view(T, 3, num_heads, head_dim).unbind(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,12 +82,24 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.T
     beta_logits: [T, H]; gate: the layer's ForgetGate (A_log, dt_bias, lower_bound, activate());
     rec_cache: [slots, H, K, V] fp32. Returns o [T, H, V]; final states go to the slots.
 
-    The CUDA path activates gate and beta inside the fla kernels (one pass fewer over [T, H, K])."""
+    The CUDA path activates gate and beta inside the fla kernels (one pass fewer over [T, H, K]).
+    With md.spec, the spec rows are verified (kda_spec)."""
+    o = torch.empty_like(v)
+    if md.spec is not None:
+        kda_spec.delta_rule(q, k, v, g_raw, beta_logits, gate, md.spec, rec_cache, o,
+                            _delta_rule_into)
+    else:
+        _delta_rule_into(q, k, v, g_raw, beta_logits, gate, md, rec_cache, o)
+    return o
+
+
+def _delta_rule_into(q, k, v, g_raw, beta_logits, gate, md: AttentionMetadata, rec_cache,
+                     o: torch.Tensor) -> None:
     if q.is_cuda:
-        return _delta_rule_cuda(q, k, v, g_raw, beta_logits, gate, md, rec_cache)
+        _delta_rule_cuda(q, k, v, g_raw, beta_logits, gate, md, rec_cache, o)
+        return
     g = gate.activate(g_raw)                                          # [T, H, K] fp32
     beta = torch.sigmoid(beta_logits.float())                         # [T, H]
-    o = torch.empty_like(v)
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
     exports = kda_checkpoint.exports_by_request(md)
@@ -92,10 +114,9 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_raw: torch.T
         fn = ref.kda_recurrent if (e - s == 1 and init is not None) else ref.kda_chunk
         o[s:e], state = fn(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], init)
         rec_cache[slot].copy_(state)
-    return o
 
 
-def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache):
+def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o):
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -106,7 +127,6 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache):
         g, beta = gate.activate(g), torch.sigmoid(beta.float())
         in_kernel = {}
     nd = md.num_decodes
-    o = torch.empty_like(v)
     if nd:
         # [1, nd, H, *]: one token per sequence; the kernel reads and writes the pool in place.
         fused_recurrent_kda_fwd(
@@ -131,4 +151,3 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache):
                                            - md.query_start_loc_cpu[nd]).long())
         o[t0:t1] = op[0]
         rec_cache.index_copy_(0, slots, final)
-    return o

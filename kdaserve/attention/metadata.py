@@ -8,7 +8,7 @@ follow. Each layer kind reads only what it needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     kda_checkpoints: "KDACheckpointRequest | None" = None
+    spec: "SpecStep | None" = None
+    """Speculative verification rows of this step (KDA layers only; None = none)."""
 
     @property
     def num_decode_tokens(self) -> int:
@@ -51,6 +53,42 @@ class KDACheckpointRequest:
     req_index: list[int]
     offsets: list[int]
     dst_slots: list[int]
+
+
+@dataclass
+class SpecStep:
+    """The speculative-verification group of one step's batch, for the KDA layers.
+
+    A spec row is a request verifying drafts: its query is [last token] + K_i drafts. MLA needs
+    nothing from here (it treats spec rows as multi-token rows over their cached context). KDA
+    runs the non-spec rows through the plain path with `md_non` and the spec rows through the
+    verify kernels (kernels.kda.recover); after sampling the runner commits the accepted tokens
+    from `records` / `conv_inputs` (recover) or selects the accepted column (per_position).
+
+    Layouts: "contiguous": the spec rows are the batch's last rows, tokens [t_spec, T), and the
+    non-spec rows its first, tokens [0, t_spec); each group is a slice. "gather": rows keep
+    their plain order and each group is index_selected (tok_spec / tok_non) and index_copy_'d
+    back (the baseline)."""
+
+    layout: str
+    per_position: bool
+    t_spec: int
+    """contiguous: first token of the spec group; gather: its token count."""
+    cu_spec: torch.Tensor             # [N_spec + 1] int32: spec-group query_start_loc
+    idx_spec: torch.Tensor            # [N_spec] int32 state slots, per_position [N_spec, 1 + K]
+    md_non: AttentionMetadata | None
+    """Metadata of the non-spec rows alone (None when every row is a spec row)."""
+    tok_spec: torch.Tensor | None = None   # gather: [T_spec] int64 token indices
+    tok_non: torch.Tensor | None = None    # gather: [T_non] int64
+    conv_inputs: dict = field(default_factory=dict)
+    """Per KDA layer, keyed by its conv cache's data_ptr(): the spec rows' pre-conv inputs
+    [T_spec, 3P] (the conv commit replays the accepted ones)."""
+    records: dict = field(default_factory=dict)
+    """Per KDA layer, keyed by its recurrent cache's data_ptr(): KDARecoverRecords (recover)."""
+
+    @property
+    def num_spec_reqs(self) -> int:
+        return self.cu_spec.shape[0] - 1
 
 
 @dataclass

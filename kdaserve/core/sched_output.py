@@ -101,3 +101,6 @@ class ModelRunnerOutput:
     one token for plain decode; up to 1 + drafts with speculative decoding)."""
     logprobs: list[list[dict[int, float]] | None] = field(default_factory=list)
     """Per request, per sampled token: {token_id: logprob} for the top-k plus the sampled one."""
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: req_id -> drafts to verify next step (for the scheduler's
+    update_draft_token_ids; requests that finished meanwhile are ignored)."""

@@ -195,6 +195,8 @@ class LLMEngine:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = (time.perf_counter() - t0) / floor
         core_outputs = self.scheduler.update_from_output(so, ro)
+        if ro.draft_token_ids:
+            self.scheduler.update_draft_token_ids(ro.draft_token_ids)
         now = time.time()
         touched: dict[str, _EngineRequest] = {}
         for out in core_outputs:
@@ -242,6 +244,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()
+        spec = self.spec_decoding_stats
         return EngineStats(
             num_running=s.num_running_reqs, num_waiting=s.num_waiting_reqs,
             kv_cache_usage=s.kv_cache_usage, num_free_blocks=s.num_free_blocks,
@@ -252,4 +255,12 @@ class LLMEngine:
             prefix_cache_queries=getattr(s, "prefix_cache_queries", 0),
             prefix_cache_hits=getattr(s, "prefix_cache_hits", 0),
             num_preemptions_total=s.num_preemptions,
+            spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             step_floor_ratio=self.step_floor_ratio)
+
+    @property
+    def spec_decoding_stats(self):
+        """SpecDecodingStats since start-up (None without speculative decoding)."""
+        runner_spec = self.model_runner.spec
+        return runner_spec.stats if runner_spec is not None else None

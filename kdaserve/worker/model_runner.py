@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from kdaserve.sample.sampler import Sampler, to_logprob_dicts
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker import cache as cache_mod
 from kdaserve.worker import checkpoints
+from kdaserve.worker.spec_decode import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ class StepBatch:
     num_computed: list[int]
     sample_rows: list[int]
     """Indices (into req_ids) of requests that sample a token this step."""
+    drafts: list[list[int]] = field(default_factory=list)
+    """Per request, the draft tokens it verifies ([] for non-spec rows)."""
+
+    @property
+    def has_spec(self) -> bool:
+        return any(self.drafts)
 
 
 class ModelRunner:
@@ -71,6 +78,9 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.caches: ModelCaches | None = None
         self.graphs = None
+        self.spec: SpecDecoder | None = None
+        if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
+            self.spec = SpecDecoder(config, self.args, self.device, self.dtype)
 
     # -----------------------------------------------------------------------------------------
     # Cache sizing and allocation
@@ -96,6 +106,7 @@ class ModelRunner:
         block_bytes = cache_mod.kv_bytes_per_block(self.args, self.block_size, self.dtype)
         if cc.num_state_slots is None:
             num_slots = sc.max_num_seqs
+        budget -= num_slots * self._spec_rows_per_slot() * slot_bytes
         cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
             cc, budget - (num_slots + 1) * slot_bytes, slot_bytes, sc.max_num_seqs)
         num_blocks = cc.num_gpu_blocks or int(
@@ -109,24 +120,34 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
         """KDA rows: num_slots request slots, then the prefix-cache checkpoint slots, then one
-        scratch row (the last, index self.num_slots) for CUDA-graph padding rows."""
+        scratch row (index self.num_slots) for CUDA-graph padding rows, then (per-position spec
+        decoding) K scratch rows per request slot."""
         cc = self.config.cache_config
         cc.num_kda_checkpoint_slots = num_ckpt = checkpoints.resolve_num_checkpoint_slots(cc)
         self.first_ckpt_slot, self.num_ckpt_slots = num_slots, num_ckpt
         self.num_blocks, self.num_slots = num_blocks, num_slots + num_ckpt
+        extra_rows = num_slots * self._spec_rows_per_slot()
         self.caches = cache_mod.allocate_caches(self.args, num_blocks, self.block_size,
-                                                self.num_slots + 1, self.dtype, self.device)
+                                                self.num_slots + 1 + extra_rows, self.dtype,
+                                                self.device)
+        if self.spec is not None:
+            self.spec.scratch_base = self.num_slots + 1
         kv_tokens = num_blocks * self.block_size
         max_len = self.config.scheduler_config.max_model_len
         logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
                     kv_tokens, checkpoints.capacity_line(
                         num_slots, num_ckpt, cache_mod.state_bytes_per_slot(self.args, self.dtype)),
                     min(num_slots, kv_tokens / max_len))
+        if self.spec is not None:
+            logger.info("%s", self.spec.memory_line(self.dtype))
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from kdaserve.worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
             self.graphs.capture()
+
+    def _spec_rows_per_slot(self) -> int:
+        return self.spec.extra_rows_per_slot if self.spec is not None else 0
 
     def _profile_run(self) -> None:
         """A forward over max_num_batched_tokens prefill tokens on throwaway caches."""
@@ -153,6 +174,9 @@ class ModelRunner:
             self.generators.pop(req_id, None)
         for req_id in so.preempted_req_ids:
             self.requests.pop(req_id, None)   # the generator survives: sampling resumes
+        if self.spec is not None:
+            for req_id in so.finished_req_ids | so.preempted_req_ids:
+                self.spec.free(req_id)
         for new in so.scheduled_new_reqs:
             self._add_request(new)
         cached = so.scheduled_cached_reqs
@@ -179,16 +203,27 @@ class ModelRunner:
             self.generators[new.req_id] = gen
 
     def _build_batch(self, so: SchedulerOutput) -> StepBatch:
-        order = sorted(so.num_scheduled_tokens, key=lambda r: not self._is_decode(r, so))
+        """Order: decodes, then prefill chunks, then spec rows (the contiguous spec layout; the
+        gather layout leaves spec rows among the prefill chunks in scheduler order)."""
+        specs = so.scheduled_spec_decode_tokens
+        last = 2 if self.spec is not None and self.spec.layout == "contiguous" else 1
+        order = sorted(so.num_scheduled_tokens,
+                       key=lambda r: 0 if self._is_decode(r, so) else last if specs.get(r) else 1)
         batch = StepBatch([], [], [], [], [])
         for i, req_id in enumerate(order):
             state = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
+            drafts = list(specs.get(req_id, ()))
+            ids = state.token_ids[start:start + n] + drafts
+            if len(ids) != n:
+                raise RuntimeError(f"request {req_id!r}: {n} tokens scheduled but {len(ids)} "
+                                   f"known from {start} (drafts {drafts})")
             batch.req_ids.append(req_id)
-            batch.input_ids.extend(state.token_ids[start:start + n])
+            batch.input_ids.extend(ids)
             batch.query_lens.append(n)
             batch.num_computed.append(start)
+            batch.drafts.append(drafts)
             if start + n >= len(state.token_ids):
                 batch.sample_rows.append(i)
         return batch
@@ -207,34 +242,64 @@ class ModelRunner:
         exports = checkpoints.plan_step_exports(
             so, batch.req_ids, batch.num_computed, batch.query_lens,
             [s.state_slot for s in states], self.first_ckpt_slot, self.num_ckpt_slots)
-        hidden_rows = self._forward(batch, states, exports.internal)  # [num_sample_rows, D]
+        internal, spec_exports = exports.internal, []
+        if batch.has_spec:
+            internal, spec_exports = self.spec.split_exports(
+                internal, [bool(d) for d in batch.drafts])
+        hidden_rows = self._forward(batch, states, internal, spec_exports)  # [logit rows, D]
         checkpoints.apply_post_copies(self.caches, exports)
         if not batch.sample_rows:
             return ModelRunnerOutput(req_ids=batch.req_ids,
                                      sampled_token_ids=[[] for _ in batch.req_ids],
                                      logprobs=[None] * len(batch.req_ids))
-        sampled, logprobs = self._sample(hidden_rows, [states[i] for i in batch.sample_rows])
+        sample_states = [states[i] for i in batch.sample_rows]
+        if batch.has_spec:
+            emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states)
+        else:
+            sampled, lps = self._sample(hidden_rows, sample_states)
+            emitted = [[t] for t in sampled]
+            logprobs = [None if lp is None else [lp] for lp in lps]
         out_tokens: list[list[int]] = [[] for _ in batch.req_ids]
         out_lps: list = [None] * len(batch.req_ids)
         for j, i in enumerate(batch.sample_rows):
-            out_tokens[i] = [sampled[j]]
-            states[i].token_ids.append(sampled[j])
-            out_lps[i] = None if logprobs[j] is None else [logprobs[j]]
+            out_tokens[i] = emitted[j]
+            states[i].token_ids.extend(emitted[j])
+            out_lps[i] = logprobs[j]
+            if batch.drafts[i]:   # mirror the scheduler's rollback of the rejected drafts
+                states[i].num_computed_tokens = batch.num_computed[i] + len(emitted[j])
+        drafts = self.spec.propose(sample_states) if self.spec is not None else {}
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
-                                 logprobs=out_lps)
+                                 logprobs=out_lps, draft_token_ids=drafts)
+
+    def _sample_spec(self, hidden: torch.Tensor, batch: StepBatch,
+                     states: list[CachedRequestState]):
+        """Rejection sampling over every sampling row, then the KDA state commit."""
+        drafts = [batch.drafts[i] for i in batch.sample_rows]
+        eos = self.args.eos_token_id
+        eos = {eos} if isinstance(eos, int) else set(eos or ())
+        emitted, logprobs = self.spec.sample(self.model.compute_logits(hidden), states, drafts,
+                                             self.generators, eos)
+        self.spec.commit(self.caches, [len(e) for e, d in zip(emitted, drafts) if d])
+        return emitted, logprobs
 
     def _forward(self, batch: StepBatch, states: list[CachedRequestState],
-                 kda_checkpoints=None) -> torch.Tensor:
-        """Runs the model; returns the final hidden state of each sampling row."""
+                 kda_checkpoints=None, spec_exports=()) -> torch.Tensor:
+        """Runs the model; returns the final hidden state of each sampling row (every position
+        of a spec row). Steps with spec rows run eager (the decode graphs take one-token rows)."""
         if kda_checkpoints is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, states)
         md = build_metadata(batch.query_lens, batch.num_computed, [s.block_ids for s in states],
                             [s.state_slot for s in states], self.block_size, self.device)
         md.kda_checkpoints = kda_checkpoints
+        if batch.has_spec:
+            self.spec.build_step(md, [bool(d) for d in batch.drafts],
+                                 [s.state_slot for s in states], list(spec_exports))
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, ids, ForwardContext(md, self.caches))
-        last = [md.query_start_loc_cpu[i + 1].item() - 1 for i in batch.sample_rows]
-        return hidden[torch.tensor(last, dtype=torch.long, device=self.device)]
+        qsl = md.query_start_loc_cpu.tolist()
+        rows = [t for i in batch.sample_rows
+                for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]
+        return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
     def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]):
         logits = self.model.compute_logits(hidden)                    # [R, V] fp32

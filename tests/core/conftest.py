@@ -26,7 +26,8 @@ def make_scheduler():
             sc.adaptive_spec_budget = adaptive_spec_budget
         cc = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                          **cache_kwargs)
-        spec = (SpeculativeConfig(method=spec_method, num_speculative_tokens=spec_tokens)
+        spec = (SpeculativeConfig(method=spec_method, num_speculative_tokens=spec_tokens,
+                                  model="draft" if spec_method == "draft_model" else None)
                 if spec_tokens else None)
         sched = Scheduler(sc, cc, num_gpu_blocks=num_gpu_blocks, num_state_slots=num_state_slots,
                           speculative_config=spec, max_model_len=max_model_len)

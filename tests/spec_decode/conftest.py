@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from tests.engine.conftest import hf_model, make_llm, tiny_model_dir  # noqa: F401
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():

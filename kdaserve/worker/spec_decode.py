@@ -1,0 +1,247 @@
+"""The model runner's speculative-decoding half: spec metadata, verification sampling, the KDA
+state commit, and the next step's drafts.
+
+One step with spec rows (requests the scheduler gave drafts, query = [last token] + drafts):
+  1. `build_step`: AttentionMetadata.spec (kda_spec runs the spec rows through the verify
+     kernels); checkpoint exports that fall inside a spec row are kept for the commit;
+  2. `sample`: RejectionSampler over every sampling row (K_i = 0 rows sample as usual), logits
+     at every position of the spec rows and the last of the others;
+  3. `commit`, before the next forward: recover mode folds the accepted tokens into each spec
+     row's slot; per_position copies the accepted column into it. MLA KV needs nothing (the
+     scheduler rolls num_computed_tokens back; rejected positions are overwritten later);
+  4. `propose`: drafts for the requests that sampled, returned to the engine, which hands them
+     to the scheduler for the next step.
+
+Per-position scratch rows: request slot s owns KDA cache rows [base + s*K, base + (s+1)*K),
+base = the row after the CUDA-graph scratch row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kdaserve.attention import kda_spec
+from kdaserve.attention.builder import build_spec_step
+from kdaserve.attention.metadata import (
+    AttentionMetadata,
+    KDACheckpointRequest,
+    ModelCaches,
+    SpecStep,
+)
+from kdaserve.config import EngineConfig
+from kdaserve.kernels.kda.recover import spec_state_memory
+from kdaserve.outputs import Logprob
+from kdaserve.sample.metadata import SamplingMetadata
+from kdaserve.sample.rejection_sampler import (
+    RejectionSampler,
+    SpecDecodeMetadata,
+    spec_banned_ids,
+    spec_logprob_dicts,
+)
+from kdaserve.spec_decode.metrics import SpecDecodingStats
+from kdaserve.spec_decode.ngram import NgramProposer
+
+
+@dataclass
+class _PendingCommit:
+    step: SpecStep
+    own_slots: list[int]
+    """Host copy of each spec row's own state slot."""
+    exports: list[tuple[int, int]] = field(default_factory=list)
+    """(spec row, checkpoint slot): the row's state after its first window token (the last
+    known token: always accepted), for prefix caching."""
+
+
+class SpecDecoder:
+    def __init__(self, config: EngineConfig, target_args, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        sc = config.speculative_config
+        self.k = sc.num_speculative_tokens
+        self.method = sc.method
+        self.per_position = sc.kda_state_mode == "per_position"
+        self.layout = sc.batch_layout
+        self.device = device
+        self.args = target_args
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates)
+        self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
+        self.probabilistic = sc.method == "draft_model" and \
+            sc.draft_sample_method == "probabilistic"
+        if sc.method == "ngram":
+            self.proposer = NgramProposer(self.k, sc.prompt_lookup_min, sc.prompt_lookup_max)
+        else:
+            from kdaserve.spec_decode.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer.from_pretrained(
+                sc.model, target_args, num_speculative_tokens=self.k,
+                max_num_seqs=config.scheduler_config.max_num_seqs,
+                max_model_len=self.max_model_len, block_size=config.cache_config.block_size,
+                device=device, dtype=dtype, draft_sample_method=sc.draft_sample_method)
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        """req_id -> [K_i, V] distributions its pending drafts were sampled from."""
+        self.scratch_base: int | None = None
+        self._pending: _PendingCommit | None = None
+
+    # -----------------------------------------------------------------------------------------
+    # Sizing
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def extra_rows_per_slot(self) -> int:
+        """KDA cache rows each request slot needs beyond its own (per_position: K)."""
+        return self.k if self.per_position else 0
+
+    def memory_line(self, dtype: torch.dtype) -> str:
+        a = self.args
+        h, d, w = a.linear_num_heads, a.linear_head_dim, a.linear_conv_kernel_dim
+        mode = "per_position" if self.per_position else "recover"
+        mem = spec_state_memory(mode, len(a.kda_layer_ids), h, d, d, 3 * h * d, w, self.k,
+                                torch.empty((), dtype=dtype).element_size())
+        return (f"spec decode ({self.method}, K={self.k}, KDA state {mode}): "
+                f"{mem.state_bytes / 2**20:.2f} MiB state + {mem.record_bytes / 2**20:.2f} MiB "
+                f"verify records per request")
+
+    # -----------------------------------------------------------------------------------------
+    # Forward
+    # -----------------------------------------------------------------------------------------
+
+    def split_exports(self, internal: KDACheckpointRequest | None, is_spec: list[bool]
+                      ) -> tuple[KDACheckpointRequest | None, list[tuple[int, int]]]:
+        """Internal checkpoint exports -> (those of non-spec rows, [(batch row, dst slot)] of
+        spec rows). A spec row's only known-token position is its first window token."""
+        if internal is None:
+            return None, []
+        keep, spec = KDACheckpointRequest([], [], []), []
+        for i, offset, dst in zip(internal.req_index, internal.offsets, internal.dst_slots):
+            if not is_spec[i]:
+                keep.req_index.append(i)
+                keep.offsets.append(offset)
+                keep.dst_slots.append(dst)
+            elif offset == 1:
+                spec.append((i, dst))
+            else:
+                raise RuntimeError(f"KDA checkpoint at offset {offset} of a spec row (only "
+                                   "the first window token is a known token)")
+        return (keep if keep.req_index else None), spec
+
+    def build_step(self, md: AttentionMetadata, is_spec: list[bool], slots: list[int],
+                   spec_exports: list[tuple[int, int]]) -> SpecStep:
+        """Attach md.spec for this step's forward; the commit needs it after sampling."""
+        own = [s for s, f in zip(slots, is_spec) if f]
+        if self.per_position:
+            base = self.scratch_base
+            rows = [[s] + list(range(base + s * self.k, base + (s + 1) * self.k)) for s in own]
+        else:
+            rows = own
+        idx = torch.tensor(rows, dtype=torch.int32, device=self.device)
+        md.spec = build_spec_step(md, is_spec, idx, self.layout, self.per_position)
+        row_of = {b: j for j, b in enumerate(i for i, f in enumerate(is_spec) if f)}
+        self._pending = _PendingCommit(md.spec, own,
+                                       [(row_of[i], dst) for i, dst in spec_exports])
+        return md.spec
+
+    # -----------------------------------------------------------------------------------------
+    # Sampling and commit
+    # -----------------------------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, states, drafts: list[list[int]],
+               generators: dict[str, torch.Generator], eos_ids: set[int]):
+        """logits: [sum(1 + K_i), V] for the sampling rows (states, in batch order).
+        Returns (emitted tokens per row, logprobs per row: list of {token: Logprob} or None)."""
+        params = [s.sampling_params for s in states]
+        gens = {j: generators[s.req_id] for j, s in enumerate(states)
+                if s.req_id in generators}
+        stops = [p.all_stop_token_ids if p.ignore_eos else eos_ids | p.all_stop_token_ids
+                 for p in params]
+        banned = spec_banned_ids([p.min_tokens for p in params],
+                                 [len(s.token_ids) - s.num_prompt_tokens for s in states],
+                                 stops, [len(d) for d in drafts])
+        spec_md = SpecDecodeMetadata.make(drafts, self.device, banned)
+        md = SamplingMetadata.build(params, gens, None, self.device)
+        out = self.sampler(logits, spec_md, md, self._draft_probs(states, drafts, logits))
+        emitted = out.parse_output()
+        self.stats.observe_batch([len(d) for d in drafts], [len(e) - 1 for e in emitted])
+        lps = spec_logprob_dicts(out, spec_md, [p.logprobs for p in params])
+        logprobs = [None if per_tok is None else
+                    [{t: Logprob(v, rk[t]) for t, v in lp.items()} for lp, rk in per_tok]
+                    for per_tok in lps]
+        return emitted, logprobs
+
+    def _draft_probs(self, states, drafts, logits) -> torch.Tensor | None:
+        if not self.probabilistic:
+            return None
+        rows = []
+        for s, d in zip(states, drafts):
+            if not d:
+                continue
+            q = self.draft_probs.get(s.req_id)
+            if q is None or q.shape[0] < len(d):   # not from the drafter: one-hot
+                q = torch.nn.functional.one_hot(
+                    torch.tensor(d, device=logits.device), logits.shape[1]).float()
+            rows.append(q[:len(d)])
+        return torch.cat(rows) if rows else None
+
+    def commit(self, caches: ModelCaches, num_accepted: list[int]) -> None:
+        """num_accepted: per spec row, tokens emitted (= accepted drafts + 1)."""
+        p, self._pending = self._pending, None
+        n = torch.tensor(num_accepted, dtype=torch.int64, device=self.device)
+        if p.exports:
+            self._export_first_token(caches, p)
+        kda_spec.commit(p.step, caches.kda_recurrent, caches.kda_conv, n)
+
+    def _export_first_token(self, caches: ModelCaches, p: _PendingCommit) -> None:
+        """Checkpoint slots <- the state after the row's first window token."""
+        if self.per_position:   # the own slot (column 0) holds exactly that state now
+            for j, dst in p.exports:
+                caches.copy_state(p.own_slots[j], dst)
+            return
+        slots = list(p.own_slots)
+        n = [0] * len(slots)    # n = 0 rewrites a row's own state unchanged
+        for j, dst in p.exports:
+            caches.copy_state(p.own_slots[j], dst)
+            slots[j], n[j] = dst, 1
+        kda_spec.commit(p.step, caches.kda_recurrent, caches.kda_conv,
+                        torch.tensor(n, dtype=torch.int64, device=self.device),
+                        torch.tensor(slots, dtype=torch.int32, device=self.device))
+
+    # -----------------------------------------------------------------------------------------
+    # Drafts
+    # -----------------------------------------------------------------------------------------
+
+    def propose(self, states) -> dict[str, list[int]]:
+        """Drafts for requests that just sampled (they decode next), capped so that verifying
+        them cannot pass max_tokens or max_model_len."""
+        reqs, caps = [], []
+        for s in states:
+            cap = min(self.k, self.max_model_len - len(s.token_ids) - 1)
+            max_tokens = s.sampling_params.max_tokens
+            if max_tokens is not None:
+                cap = min(cap, max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1)
+            self.draft_probs.pop(s.req_id, None)
+            if cap > 0:
+                reqs.append(s)
+                caps.append(cap)
+        if not reqs:
+            return {}
+        tokens = [s.token_ids for s in reqs]
+        if isinstance(self.proposer, NgramProposer):
+            drafts = self.proposer.propose(tokens, caps)
+        else:
+            temps = [0.0 if s.sampling_params.greedy else s.sampling_params.temperature
+                     for s in reqs]
+            prop = self.proposer.propose([s.req_id for s in reqs], tokens, temps, caps)
+            drafts = prop.draft_token_ids
+            if prop.draft_probs is not None:
+                start = 0
+                for s, d in zip(reqs, drafts):
+                    self.draft_probs[s.req_id] = prop.draft_probs[start:start + len(d)]
+                    start += len(d)
+        return {s.req_id: d for s, d in zip(reqs, drafts) if d}
+
+    def free(self, req_id: str) -> None:
+        """A request finished, was aborted or preempted."""
+        self.draft_probs.pop(req_id, None)
+        if not isinstance(self.proposer, NgramProposer):
+            self.proposer.free(req_id)
