@@ -18,9 +18,10 @@ def _silu(x):
 def _out_col(offs_d, stride_ysplit, SPLIT: tl.constexpr):
     """Output column offset of channel d: plain, or split into SPLIT-wide planes (y[d // SPLIT]
     is its own contiguous [T, SPLIT] tensor: q, k, v come out ready for the KDA kernels)."""
+    col = offs_d.to(tl.int64)
     if SPLIT > 0:
-        return (offs_d // SPLIT).to(tl.int64) * stride_ysplit + offs_d % SPLIT
-    return offs_d
+        col = (offs_d // SPLIT).to(tl.int64) * stride_ysplit + offs_d % SPLIT
+    return col
 
 
 @triton.jit
