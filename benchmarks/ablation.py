@@ -83,11 +83,12 @@ class Switch:
     spec_on: str | None = None
     spec_off: str | None = None
 
-    def setting(self, on: bool) -> dict:
-        """How this switch is passed in a run, as recorded in the run JSON."""
+    def setting(self, on: bool, has_spec: bool) -> dict:
+        """How this switch is passed in a run, as recorded in the run JSON (a spec-key value is
+        None when the run has no speculative config to carry it)."""
         if self.spec_key is not None:
-            return {"on": on, "spec_key": self.spec_key,
-                    "value": self.spec_on if on else self.spec_off}
+            value = (self.spec_on if on else self.spec_off) if has_spec else None
+            return {"on": on, "spec_key": self.spec_key, "value": value}
         return {"on": on, "server_flags": list(self.flag_on if on else self.flag_off)}
 
 
@@ -400,7 +401,7 @@ def run_one(args: argparse.Namespace, run: Run, deadline: float,
         "workload": args.workload, "command": command_line(), "git_commit": git_commit(),
         "gpu": gpu_name(), "model": args.model,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "switches": {n: {**by_name[n].setting(on),
+        "switches": {n: {**by_name[n].setting(on, spec is not None),
                          "exercised": exercised(by_name[n], args.spec, args.prefix_caching,
                                                 args.shared_prefix_len)}
                      for n, on in run.switches.items()},
