@@ -196,7 +196,8 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, prompt: str | None = None,
-                       delta: bool = False) -> AsyncIterator[RequestOutput]:
+                       delta: bool = False,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs, one per engine step (merged if the consumer lags).
 
         delta=False: each output is cumulative (all text / tokens so far), as LLMEngine.step.
@@ -211,7 +212,7 @@ class AsyncEngine:
         self.collectors[request_id] = collector
         self._send(AddRequest(request_id, collector.prompt_token_ids,
                               sampling_params_to_dict(sampling_params),
-                              collector.metrics.arrival_time, prompt))
+                              collector.metrics.arrival_time, prompt, cache_salt))
         finished = False
         try:
             while not finished:

@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     sampling_params: dict[str, Any]
     arrival_time: float
     prompt: str | None = None
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -177,7 +178,8 @@ class EngineCoreProc:
             try:
                 params = SamplingParams(**msg.sampling_params)
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, params,
-                                        arrival_time=msg.arrival_time, prompt=msg.prompt)
+                                        arrival_time=msg.arrival_time, prompt=msg.prompt,
+                                        cache_salt=msg.cache_salt)
             except ValueError as e:
                 self.send(RequestFailed(msg.request_id, str(e), bad_request=True))
                 return

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
-def measure_copy_bandwidth(device) -> float:
-    """Device-to-device copy of 2 x 256 MiB, counting bytes read + written; median of 10."""
+def measure_copy_bandwidth(device, nbytes: int | None = None) -> float:
+    """Device-to-device copy of `nbytes` (default 1 GiB on CUDA: smaller copies read low),
+    counting bytes read + written; median of 10."""
     import torch
 
-    n = 2**28 if device.type == "cuda" else 2**26
+    n = nbytes or (2**30 if device.type == "cuda" else 2**26)
     x = torch.empty(n, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     times = []

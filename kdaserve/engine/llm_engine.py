@@ -122,9 +122,14 @@ class LLMEngine:
 
     # -----------------------------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block and KDA checkpoint not held by a running request;
+        returns what was dropped (vLLM's reset_prefix_cache)."""
+        return self.scheduler.reset_prefix_cache()
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, arrival_time: float | None = None,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, cache_salt: str | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
@@ -141,7 +146,8 @@ class LLMEngine:
             raise ValueError(f"logprobs={sampling_params.logprobs} exceeds max_logprobs="
                              f"{self.engine_config.max_logprobs}")
         request = Request(request_id, prompt_token_ids, sampling_params,
-                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time)
+                          eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                          cache_salt=cache_salt)
         self.scheduler.add_request(request)
         samples = [_Sample(CompletionOutput(index=i, logprobs=[] if sampling_params.logprobs
                                             is not None else None),
@@ -252,8 +258,10 @@ class LLMEngine:
             num_total_state_slots=s.num_total_state_slots,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            prefix_cache_queries=getattr(s, "prefix_cache_queries", 0),
-            prefix_cache_hits=getattr(s, "prefix_cache_hits", 0),
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_kda_checkpoints=s.num_kda_checkpoints,
+            num_total_kda_checkpoint_slots=s.num_total_kda_checkpoint_slots,
+            num_kda_checkpoint_exports=s.num_kda_checkpoint_exports,
             num_preemptions_total=s.num_preemptions,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,

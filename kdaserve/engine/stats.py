@@ -18,6 +18,9 @@ class EngineStats:
     generation_tokens_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_kda_checkpoints: int = 0
+    num_total_kda_checkpoint_slots: int = 0
+    num_kda_checkpoint_exports: int = 0
     num_preemptions_total: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

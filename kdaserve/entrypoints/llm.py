@@ -27,6 +27,9 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        return self.llm_engine.reset_prefix_cache()
+
     def _to_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.llm_engine.tokenizer.encode(prompt, add_special_tokens=False)

@@ -157,3 +157,27 @@ def test_prefix_caching_off_exports_nothing(make_llm):
     stats = llm.llm_engine.scheduler.get_stats()
     assert stats.num_total_kda_checkpoint_slots == 0 and stats.num_kda_checkpoint_exports == 0
     assert llm.llm_engine.model_runner.num_ckpt_slots == 0
+
+
+def test_cache_salt_isolates_prefix_hits(make_llm):
+    llm = make_llm(**CACHE)
+    engine = llm.llm_engine
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 128) for _ in range(150)]
+
+    def run(rid, salt):
+        engine.add_request(rid, prompt, GREEDY, cache_salt=salt)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        return outs[rid]
+
+    first = run("a", "tenant-1")
+    assert first.num_cached_tokens == 0
+    other = run("b", "tenant-2")                 # same tokens, other salt: no hit
+    assert other.num_cached_tokens == 0
+    same = run("c", "tenant-1")
+    assert same.num_cached_tokens == 128
+    assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids
+    assert engine.reset_prefix_cache() > 0
+    assert run("d", "tenant-1").num_cached_tokens == 0

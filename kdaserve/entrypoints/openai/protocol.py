@@ -106,6 +106,9 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """vLLM extension: prefix-cache entries are shared only between requests with the same
+    salt."""
     """vLLM extension: put prompt_token_ids and token_ids into the response."""
     user: str | None = None
 

@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
                                       skip_special_tokens=req.skip_special_tokens and not parsing)
         request_id = random_id("chatcmpl")
         gen = self.engine.generate(prompt_ids, params, request_id, prompt=prompt_text,
-                                   delta=req.stream)
+                                   delta=req.stream, cache_salt=req.cache_salt)
         first = await self.first_output(gen)
 
         def new_state() -> ChatOutputState:

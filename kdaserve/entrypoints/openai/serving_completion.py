@@ -50,7 +50,8 @@ class OpenAIServingCompletion(OpenAIServing):
         base_id = random_id("cmpl")
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
                                        req.skip_special_tokens) for _, ids in prompts]
-        gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream)
+        gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream,
+                                     cache_salt=req.cache_salt)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         try:
             firsts = await asyncio.gather(*(self.first_output(g) for g in gens))
