@@ -49,11 +49,11 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH_DIR))
 sys.path.insert(0, BENCH_DIR)
 
-from seed_table import SPEC_CONFIG, bench_args  # noqa: E402
+from seed_table import SPEC_CONFIG, bench_args
 
-from kdaserve.bench.launch import ServerProcess  # noqa: E402
-from kdaserve.bench.report import git_commit, gpu_name  # noqa: E402
-from kdaserve.bench.serve import run_benchmark  # noqa: E402
+from kdaserve.bench.launch import ServerProcess
+from kdaserve.bench.report import git_commit, gpu_name
+from kdaserve.bench.serve import run_benchmark
 
 RESULTS_DIR = os.path.join(BENCH_DIR, "results", "ablation")
 RESULT_FORMAT_VERSION = 1
@@ -93,7 +93,7 @@ class Switch:
 
 
 SWITCHES: tuple[Switch, ...] = (
-    Switch("kda-checkpoint-mode", workload="W3",  needs="prefix",
+    Switch("kda-checkpoint-mode", workload="W3", needs="prefix",
            baseline="split: a prefill crossing a KDA checkpoint ends its chunk there (one more "
                     "forward pass) instead of exporting the state from inside the same pass",
            flag_on=("--kda-checkpoint-mode", "internal"),
