@@ -26,3 +26,19 @@ def test_switches_reach_engine_config(tmp_path):
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
+
+
+def test_metrics_export_checkpoint_gauges():
+    from prometheus_client import generate_latest
+
+    from kdaserve.engine.stats import EngineStats
+    from kdaserve.entrypoints.openai.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    m.engine_stats.stats = EngineStats(num_kda_checkpoints=3, num_total_kda_checkpoint_slots=8,
+                                       num_kda_checkpoint_exports=5, step_floor_ratio=2.5)
+    text = generate_latest(m.registry).decode()
+    assert 'kdaserve:num_kda_checkpoints{model_name="m"} 3.0' in text
+    assert 'kdaserve:num_total_kda_checkpoint_slots{model_name="m"} 8.0' in text
+    assert 'kdaserve:kda_checkpoint_exports_total{model_name="m"} 5.0' in text
+    assert 'kdaserve:step_floor_ratio{model_name="m"} 2.5' in text

@@ -27,6 +27,9 @@ _GAUGES = [
     ("num_total_kv_blocks", "All MLA KV blocks.", "num_total_blocks"),
     ("num_free_state_slots", "Free KDA state slots.", "num_free_state_slots"),
     ("num_total_state_slots", "All KDA state slots.", "num_total_state_slots"),
+    ("num_kda_checkpoints", "Ready KDA prefix checkpoints.", "num_kda_checkpoints"),
+    ("num_total_kda_checkpoint_slots", "All KDA checkpoint slots.",
+     "num_total_kda_checkpoint_slots"),
 ]
 _COUNTERS = [
     ("prompt_tokens", "Prompt tokens admitted.", "prompt_tokens_total"),
@@ -35,6 +38,7 @@ _COUNTERS = [
      "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("num_preemptions", "Preemptions.", "num_preemptions_total"),
+    ("kda_checkpoint_exports", "KDA prefix checkpoints written.", "num_kda_checkpoint_exports"),
     ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
 ]
