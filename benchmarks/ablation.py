@@ -230,7 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec-method", default=None, choices=["draft_model", "ngram", "none"],
                    help="Default: the workload's (W1: draft_model with --draft-model, else "
                         "ngram; W3: none).")
-    p.add_argument("--draft-model", default=None, help="Draft model folder (spec \"model\").")
+    p.add_argument("--draft-model", default=None,
+                   help="Draft model folder (spec \"model\"); one without config.json is "
+                        "made first (make_draft_model: `small` preset, the target's "
+                        "vocabulary).")
     p.add_argument("--spec-config", default=None,
                    help="Speculative config JSON (without the switch keys). Default: "
                         f"{json.dumps({k: v for k, v in SPEC_CONFIG.items() if k != 'method'})} "
@@ -295,6 +298,29 @@ def resolve_args(args: argparse.Namespace) -> None:
     args.run_list = run_matrix(names)
     args.out_dir = args.out_dir or os.path.join(
         RESULTS_DIR, datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S"))
+
+
+def make_draft_model(target: str, out_dir: str, seed: int = 0) -> str:
+    """Write a draft folder for `target`: the `small` preset's architecture with the target's
+    vocabulary (vocab_size and special token ids), random bf16 weights. Returns `out_dir`."""
+    from safetensors.torch import save_file
+
+    from kdaserve.models.hf_config import KimiLinearArgs
+    from kdaserve.models.make_model import make_model, random_weights
+
+    with open(os.path.join(target, "config.json")) as f:
+        target_cfg = json.load(f)
+    make_model(out_dir, "small", seed)
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.update({k: target_cfg[k] for k in ("vocab_size", "bos_token_id", "eos_token_id",
+                                           "pad_token_id") if k in target_cfg})
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_file(random_weights(KimiLinearArgs.from_hf_config(cfg), seed),
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
 
 
 def build_spec(args: argparse.Namespace, w: Workload) -> dict | None:
@@ -535,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     t_begin = time.monotonic()
+    if args.draft_model and not os.path.isfile(os.path.join(args.draft_model, "config.json")):
+        print(f"making the draft model {args.draft_model} for {args.model}", file=sys.stderr)
+        make_draft_model(args.model, args.draft_model)
     deadline = t_begin + args.time_budget - SAFETY_S
 
     def logger(run: str) -> Callable[[str], None]:

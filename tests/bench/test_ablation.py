@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from kdaserve.config import SpeculativeConfig
 from kdaserve.entrypoints.openai import cli_args
@@ -206,3 +207,23 @@ def test_w3_shaped_cpu_checkpoint_switch(ablation, tiny_model, tmp_path):
     assert "--enable-prefix-caching" in rec["server_flags"]
     counters = rec["levels"][0]["server_counters"]
     assert counters["prefix_cache_hits"] > 0
+
+
+def test_make_draft_model_takes_the_target_vocabulary(ablation, tiny_model, tmp_path):
+    import shutil
+
+    from kdaserve.models.hf_config import KimiLinearArgs
+    from kdaserve.spec_decode.draft_model import DraftModelProposer
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_model, target)
+    cfg = json.loads((target / "config.json").read_text())
+    cfg["vocab_size"] = 4096  # unlike the small preset's
+    (target / "config.json").write_text(json.dumps(cfg))
+    draft = ablation.make_draft_model(str(target), str(tmp_path / "draft"))
+    dcfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert dcfg["vocab_size"] == 4096 and dcfg["hidden_size"] != cfg["hidden_size"]
+    proposer = DraftModelProposer.from_pretrained(
+        draft, KimiLinearArgs.from_hf_config(cfg), num_speculative_tokens=2, max_num_seqs=1,
+        max_model_len=64, block_size=16, dtype=torch.float32, device="cpu")
+    assert proposer.args.vocab_size == 4096
