@@ -26,7 +26,7 @@ exercises; `--runs all` every one-off run; or a comma list (all-on,all-off,no-ba
 request count and duration cap shrink to fit; prompt and output lengths never do.
 
     kdaserve make-model /tmp/k48 --preset kimi-linear-48b-a3b
-    kdaserve make-model /tmp/k48-draft --preset small
+    # /tmp/k48-draft is made on first use (small preset, the target's vocabulary)
     python benchmarks/ablation.py /tmp/k48 --workload W1 --draft-model /tmp/k48-draft
     python benchmarks/ablation.py /tmp/k48 --workload W3
 """
