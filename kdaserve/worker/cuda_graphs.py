@@ -11,6 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kdaserve.attention.metadata import AttentionMetadata, ForwardContext
@@ -46,6 +47,9 @@ class DecodeGraphs:
         self.h_slot = torch.full((bs,), -1, dtype=torch.int64).pin_memory()
         self.h_table = torch.zeros(bs, max_blocks, dtype=torch.int32).pin_memory()
         self.h_state = torch.zeros(bs, dtype=torch.int32).pin_memory()
+        self.n_ids, self.n_seq, self.n_slot = (self.h_ids.numpy(), self.h_seq.numpy(),
+                                               self.h_slot.numpy())
+        self.n_state, self.n_table = self.h_state.numpy(), self.h_table.numpy()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.max_seq_len = runner.config.scheduler_config.max_model_len
@@ -86,24 +90,37 @@ class DecodeGraphs:
         return (n <= self.max_bs and all(q == 1 for q in batch.query_lens)
                 and all(c > 0 for c in batch.num_computed))
 
-    def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
+    def fill_host_inputs(self, batch: "StepBatch", states: list["CachedRequestState"]
+                         ) -> tuple[int, int]:
+        """Write one decode step into the pinned host buffers (numpy views: no per-element
+        torch calls). Padding rows up to the capture size read one token of block 0 with the
+        scratch KDA slot and write no KV. Returns (capture size, block-table width)."""
         n = len(batch.req_ids)
         bs = next(s for s in self.sizes if s >= n)
         bsz = self.runner.block_size
-        self.h_ids[:n] = torch.tensor(batch.input_ids)
-        self.h_ids[n:bs] = 0
-        self.h_seq[:bs] = 1
-        self.h_slot[:bs] = -1
-        self.h_state[:bs] = self.runner.num_slots
-        width = 0
-        for i, (s, c) in enumerate(zip(states, batch.num_computed)):
-            self.h_seq[i] = c + 1
-            self.h_slot[i] = s.block_ids[c // bsz] * bsz + c % bsz
-            self.h_state[i] = s.state_slot
+        computed = np.asarray(batch.num_computed, dtype=np.int64)
+        ids, seq, slot = self.n_ids, self.n_seq, self.n_slot
+        state, table = self.n_state, self.n_table
+        ids[:n] = batch.input_ids
+        ids[n:bs] = 0
+        seq[:n] = computed + 1
+        seq[n:bs] = 1
+        last_block = np.fromiter((s.block_np[c // bsz] for s, c in zip(states, batch.num_computed)),
+                                 dtype=np.int64, count=n)
+        slot[:n] = last_block * bsz + computed % bsz
+        slot[n:bs] = -1
+        state[:n] = [s.state_slot for s in states]
+        state[n:bs] = self.runner.num_slots
+        width = 1
+        for i, s in enumerate(states):
             nb = len(s.block_ids)
-            self.h_table[i, :nb] = torch.tensor(s.block_ids, dtype=torch.int32)
+            table[i, :nb] = s.block_np[:nb]
             width = max(width, nb)
-        self.h_table[n:bs, :1] = 0
+        table[n:bs, 0] = 0
+        return bs, width
+
+    def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
+        bs, width = self.fill_host_inputs(batch, states)
         self.input_ids[:bs].copy_(self.h_ids[:bs], non_blocking=True)
         self.seq_lens[:bs].copy_(self.h_seq[:bs], non_blocking=True)
         self.slot_mapping[:bs].copy_(self.h_slot[:bs], non_blocking=True)

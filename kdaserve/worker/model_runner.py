@@ -10,6 +10,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kdaserve.attention.builder import build_metadata
@@ -39,6 +40,21 @@ class CachedRequestState:
     block_ids: list[int]
     state_slot: int
     num_computed_tokens: int
+    block_np: np.ndarray = field(default=None, repr=False)
+    """block_ids as int32 with spare capacity: rows of the graph block table copy from it."""
+
+    def __post_init__(self) -> None:
+        self.block_np = np.empty(max(16, 2 * len(self.block_ids)), dtype=np.int32)
+        self.block_np[:len(self.block_ids)] = self.block_ids
+
+    def add_blocks(self, new_blocks: list[int]) -> None:
+        n = len(self.block_ids)
+        self.block_ids.extend(new_blocks)
+        if len(self.block_ids) > len(self.block_np):
+            grown = np.empty(2 * len(self.block_ids), dtype=np.int32)
+            grown[:n] = self.block_np[:n]
+            self.block_np = grown
+        self.block_np[n:len(self.block_ids)] = new_blocks
 
 
 @dataclass
@@ -183,7 +199,7 @@ class ModelRunner:
         for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                     cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
+            state.add_blocks(new_blocks)
             state.num_computed_tokens = num_computed
         for src, dst in so.block_copies:
             self.caches.copy_block(src, dst)

@@ -1,0 +1,50 @@
+"""Host-side inputs of a decode CUDA-graph replay (numpy path), checked on the CPU."""
+
+from __future__ import annotations
+
+import random
+import types
+
+import numpy as np
+
+from kdaserve.sampling_params import SamplingParams
+from kdaserve.worker.cuda_graphs import DecodeGraphs
+from kdaserve.worker.model_runner import CachedRequestState, StepBatch
+
+
+def make_graphs(max_bs: int, max_blocks: int, block_size: int, num_slots: int) -> DecodeGraphs:
+    g = DecodeGraphs.__new__(DecodeGraphs)        # no CUDA buffers: only the host side
+    g.runner = types.SimpleNamespace(block_size=block_size, num_slots=num_slots)
+    g.sizes = [1, 2, 4, 8, 16]
+    g.n_ids = np.full(max_bs, -7, np.int64)
+    g.n_seq = np.full(max_bs, -7, np.int32)
+    g.n_slot = np.full(max_bs, -7, np.int64)
+    g.n_state = np.full(max_bs, -7, np.int32)
+    g.n_table = np.full((max_bs, max_blocks), -7, np.int32)
+    return g
+
+
+def test_fill_host_inputs_matches_the_definition():
+    rng = random.Random(0)
+    bs_tok, g = 16, make_graphs(16, 64, 16, 40)
+    states, computed = [], []
+    for i in range(11):
+        c = rng.randrange(1, 900)
+        blocks = rng.sample(range(5000), (c + 1 + 15) // 16)
+        st = CachedRequestState(f"r{i}", [1] * (c + 1), c, SamplingParams(), blocks[:1], i + 3, c)
+        st.add_blocks(blocks[1:])                   # grows the numpy mirror past its capacity
+        states.append(st)
+        computed.append(c)
+    batch = StepBatch([s.req_id for s in states], [rng.randrange(100) for _ in states],
+                      [1] * len(states), computed, list(range(len(states))))
+    size, width = g.fill_host_inputs(batch, states)
+    assert size == 16 and width == max(len(s.block_ids) for s in states)
+    for i, (s, c) in enumerate(zip(states, computed)):
+        assert g.n_ids[i] == batch.input_ids[i] and g.n_seq[i] == c + 1
+        assert g.n_slot[i] == s.block_ids[c // bs_tok] * bs_tok + c % bs_tok
+        assert g.n_state[i] == s.state_slot
+        assert list(g.n_table[i, :len(s.block_ids)]) == s.block_ids
+    pad = slice(len(states), size)                  # padding rows: scratch slot, no KV write
+    assert (g.n_ids[pad] == 0).all() and (g.n_seq[pad] == 1).all()
+    assert (g.n_slot[pad] == -1).all() and (g.n_state[pad] == 40).all()
+    assert (g.n_table[pad, 0] == 0).all()
