@@ -375,8 +375,9 @@ def plan_requests(planned: int, concurrency: int, duration: float,
     return max(1, min(planned, rounds * concurrency))
 
 
-def command_line() -> str:
-    return shlex.join([sys.executable, *sys.argv])
+def command_line(args: argparse.Namespace) -> str:
+    """The ablation invocation itself (also when main() is called with an argv list)."""
+    return shlex.join([sys.executable, os.path.abspath(__file__), *args.argv])
 
 
 def run_levels(args: argparse.Namespace, server: ServerProcess, record: dict, deadline: float,
@@ -398,7 +399,7 @@ def run_levels(args: argparse.Namespace, server: ServerProcess, record: dict, de
         ns = bench_args(args, server, conc, duration, min(deadline - time.monotonic(),
                                                           1.5 * share), record["run"])
         ns.num_requests, ns.shared_prefix_len = n, args.shared_prefix_len
-        ns.command_line = command_line()
+        ns.command_line = command_line(args)
         try:
             result = asyncio.run(run_benchmark(ns, log=log))
         except Exception as e:  # noqa: BLE001 - recorded; the other runs still go
@@ -424,7 +425,7 @@ def run_one(args: argparse.Namespace, run: Run, deadline: float,
     by_name = {s.name: s for s in SWITCHES}
     record = {
         "format_version": RESULT_FORMAT_VERSION, "run": run.name, "status": "ok",
-        "workload": args.workload, "command": command_line(), "git_commit": git_commit(),
+        "workload": args.workload, "command": command_line(args), "git_commit": git_commit(),
         "gpu": gpu_name(), "model": args.model,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "switches": {n: {**by_name[n].setting(on, spec is not None),
@@ -543,7 +544,7 @@ def write_summary(args: argparse.Namespace, wall_s: float) -> tuple[str, str]:
     summary = {
         "format_version": RESULT_FORMAT_VERSION, "workload": args.workload,
         "model": args.model, "gpu": gpu_name(), "git_commit": git_commit(),
-        "command": command_line(), "wall_s": wall_s,
+        "command": command_line(args), "wall_s": wall_s,
         "switches": [dataclasses.asdict(s) for s in SWITCHES],
         "runs": {r["run"]: {"status": r["status"], "file": f"{r['run']}.json",
                             "switches": {n: s["on"] for n, s in r["switches"].items()}}
@@ -559,6 +560,7 @@ def write_summary(args: argparse.Namespace, wall_s: float) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     os.makedirs(args.out_dir, exist_ok=True)
     t_begin = time.monotonic()
     if args.draft_model and not os.path.isfile(os.path.join(args.draft_model, "config.json")):
