@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from kdaserve.attention.metadata import AttentionMetadata, KDACheckpointRequest, SpecStep
 
 
-def build_metadata(query_lens: list[int], num_computed: list[int], block_ids: list[list[int]],
-                   state_slots: list[int], block_size: int, device: torch.device | str,
+def build_metadata(query_lens: list[int], num_computed: list[int],
+                   block_ids: Sequence[Sequence[int] | np.ndarray], state_slots: list[int],
+                   block_size: int, device: torch.device | str,
                    num_decodes: int | None = None) -> AttentionMetadata:
     """Requests must already be ordered decodes first (one new token on a non-empty context).
 
-    block_ids[i] covers at least num_computed[i] + query_lens[i] tokens.
+    block_ids[i] (a list or an int array) covers at least num_computed[i] + query_lens[i]
+    tokens. Vectorised with numpy: the slot mapping of an 8000-token prefill costs no Python
+    loop over tokens.
     """
     n = len(query_lens)
     if num_decodes is None:
@@ -20,36 +26,36 @@ def build_metadata(query_lens: list[int], num_computed: list[int], block_ids: li
         while (num_decodes < n and query_lens[num_decodes] == 1
                and num_computed[num_decodes] > 0):
             num_decodes += 1
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
-    slots = []
-    for q, c, blocks in zip(query_lens, num_computed, block_ids):
-        for pos in range(c, c + q):
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    q = np.asarray(query_lens, dtype=np.int64)
+    c = np.asarray(num_computed, dtype=np.int64)
+    qsl = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(q, out=qsl[1:])
+    seq_lens = (c + q).astype(np.int32)
     max_blocks = max((len(b) for b in block_ids), default=1) or 1
-    table = torch.zeros(n, max_blocks, dtype=torch.int32)
+    table = np.zeros((n, max_blocks), dtype=np.int32)
     for i, b in enumerate(block_ids):
-        table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
-    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-    seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+        table[i, :len(b)] = b
+    total = int(qsl[-1])
+    req = np.repeat(np.arange(n), q)                                  # [T] request of each token
+    pos = np.arange(total, dtype=np.int64) - qsl[:-1].astype(np.int64)[req] + c[req]
+    slots = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    qsl_cpu = torch.from_numpy(qsl)
+    seq_cpu = torch.from_numpy(seq_lens)
     return AttentionMetadata(
         num_reqs=n,
         num_decodes=num_decodes,
-        num_actual_tokens=qsl[-1],
+        num_actual_tokens=total,
         query_start_loc=qsl_cpu.to(device),
         query_start_loc_cpu=qsl_cpu,
         seq_lens=seq_cpu.to(device),
         seq_lens_cpu=seq_cpu,
-        num_computed_tokens_cpu=torch.tensor(num_computed, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_table=table.to(device),
+        num_computed_tokens_cpu=torch.from_numpy(c.astype(np.int32)),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_table=torch.from_numpy(table).to(device),
         state_indices=torch.tensor(state_slots, dtype=torch.int32, device=device),
-        has_initial_state=torch.tensor([c > 0 for c in num_computed], dtype=torch.bool,
-                                       device=device),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
+        has_initial_state=torch.from_numpy(c > 0).to(device),
+        max_query_len=int(q.max()) if n else 0,
+        max_seq_len=int(seq_lens.max()) if n else 0,
     )
 
 

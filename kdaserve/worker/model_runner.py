@@ -304,7 +304,8 @@ class ModelRunner:
         of a spec row). Steps with spec rows run eager (the decode graphs take one-token rows)."""
         if kda_checkpoints is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, states)
-        md = build_metadata(batch.query_lens, batch.num_computed, [s.block_ids for s in states],
+        md = build_metadata(batch.query_lens, batch.num_computed,
+                            [s.block_np[:len(s.block_ids)] for s in states],
                             [s.state_slot for s in states], self.block_size, self.device)
         md.kda_checkpoints = kda_checkpoints
         if batch.has_spec:
