@@ -54,6 +54,7 @@ from seed_table import SPEC_CONFIG, bench_args
 from kdaserve.bench.launch import ServerProcess
 from kdaserve.bench.report import git_commit, gpu_name
 from kdaserve.bench.serve import run_benchmark
+from kdaserve.models.make_model import make_draft_model
 
 RESULTS_DIR = os.path.join(BENCH_DIR, "results", "ablation")
 RESULT_FORMAT_VERSION = 1
@@ -298,29 +299,6 @@ def resolve_args(args: argparse.Namespace) -> None:
     args.run_list = run_matrix(names)
     args.out_dir = args.out_dir or os.path.join(
         RESULTS_DIR, datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S"))
-
-
-def make_draft_model(target: str, out_dir: str, seed: int = 0) -> str:
-    """Write a draft folder for `target`: the `small` preset's architecture with the target's
-    vocabulary (vocab_size and special token ids), random bf16 weights. Returns `out_dir`."""
-    from safetensors.torch import save_file
-
-    from kdaserve.models.hf_config import KimiLinearArgs
-    from kdaserve.models.make_model import make_model, random_weights
-
-    with open(os.path.join(target, "config.json")) as f:
-        target_cfg = json.load(f)
-    make_model(out_dir, "small", seed)
-    cfg_path = os.path.join(out_dir, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg.update({k: target_cfg[k] for k in ("vocab_size", "bos_token_id", "eos_token_id",
-                                           "pad_token_id") if k in target_cfg})
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    save_file(random_weights(KimiLinearArgs.from_hf_config(cfg), seed),
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
 
 
 def build_spec(args: argparse.Namespace, w: Workload) -> dict | None:

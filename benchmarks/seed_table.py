@@ -101,6 +101,10 @@ def server_args_for(args: argparse.Namespace, config: str) -> list[str]:
     if config == "W1":
         spec = json.loads(args.spec_config)
         if args.draft_model:
+            if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
+                from kdaserve.models.make_model import make_draft_model
+
+                make_draft_model(args.model, args.draft_model)
             spec["model"] = args.draft_model
         flags += ["--speculative-config", json.dumps(spec)]
     return flags

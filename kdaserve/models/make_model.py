@@ -216,6 +216,27 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     return out_dir
 
 
+def make_draft_model(target: str, out_dir: str, seed: int = 0) -> str:
+    """A draft-model folder for speculative decoding against `target`: the `small` preset's
+    architecture with the target's vocabulary (vocab_size and special token ids) and random bf16
+    weights. Returns `out_dir`."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target, "config.json"), encoding="utf-8") as f:
+        target_cfg = json.load(f)
+    make_model(out_dir, "small", seed)
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg.update({k: target_cfg[k] for k in ("vocab_size", "bos_token_id", "eos_token_id",
+                                           "pad_token_id") if k in target_cfg})
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    save_file(random_weights(KimiLinearArgs.from_hf_config(cfg), seed),
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
@@ -228,11 +249,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (created if missing)")
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--draft-for", default=None, metavar="TARGET",
+                   help="write a draft model for speculative decoding against the TARGET "
+                        "folder instead (small architecture, TARGET's vocabulary)")
     p.set_defaults(func=_run)
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.draft_for:
+        path = make_draft_model(args.draft_for, args.out, seed=args.seed)
+        print(f"wrote a draft model for {args.draft_for} to {path}")
+        return 0
     path = make_model(args.out, preset=args.preset, seed=args.seed)
     what = "config + tokenizer" if args.preset not in _PRESET_ARCH else "config, tokenizer, weights"
     print(f"wrote {args.preset} model ({what}) to {path}")

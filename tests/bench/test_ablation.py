@@ -220,7 +220,9 @@ def test_make_draft_model_takes_the_target_vocabulary(ablation, tiny_model, tmp_
     cfg = json.loads((target / "config.json").read_text())
     cfg["vocab_size"] = 4096  # unlike the small preset's
     (target / "config.json").write_text(json.dumps(cfg))
-    draft = ablation.make_draft_model(str(target), str(tmp_path / "draft"))
+    from kdaserve.models.make_model import make_draft_model
+
+    draft = make_draft_model(str(target), str(tmp_path / "draft"))
     dcfg = json.loads((tmp_path / "draft" / "config.json").read_text())
     assert dcfg["vocab_size"] == 4096 and dcfg["hidden_size"] != cfg["hidden_size"]
     proposer = DraftModelProposer.from_pretrained(
