@@ -128,4 +128,7 @@ class DecodeGraphs:
         self.block_table[:bs, :width].copy_(self.h_table[:bs, :width], non_blocking=True)
         graph, hidden = self.graphs[bs]
         graph.replay()
+        n = len(batch.req_ids)
+        if len(batch.sample_rows) == n:            # every decode row samples: a view, no copy
+            return hidden[:n]
         return hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)]
