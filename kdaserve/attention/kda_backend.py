@@ -132,8 +132,10 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o
         fused_recurrent_kda_fwd(
             *(x[None, :nd].contiguous() for x in (q, k, v, g, beta)), out=o[None, :nd],
             initial_state=rec_cache, inplace_final_state=True,
-            cu_seqlens=md.query_start_loc[:nd + 1].long(),
-            ssm_state_indices=md.state_indices[:nd].long(),
+            # int32 as they are: the kernel widens each loaded index itself (two launches
+            # fewer per layer than .long())
+            cu_seqlens=md.query_start_loc[:nd + 1],
+            ssm_state_indices=md.state_indices[:nd],
             use_qk_l2norm_in_kernel=True, **in_kernel)
     if md.num_prefills:
         t0 = int(md.query_start_loc_cpu[nd])
