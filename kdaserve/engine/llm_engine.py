@@ -48,6 +48,14 @@ class _EngineRequest:
         return all(s.output.finish_reason is not None for s in self.samples)
 
 
+def default_max_num_batched_tokens(device: str) -> int:
+    """vLLM's rule: 16384 on GPUs with >= 160 GiB of memory, else 8192."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        if torch.cuda.get_device_properties(0).total_memory >= 160 * 2**30:
+            return 16384
+    return 8192
+
+
 def _config_from_kwargs(kwargs: dict) -> EngineConfig:
     """vLLM-style flat kwargs (model=, max_num_seqs=, ...) -> EngineConfig."""
     kwargs = dict(kwargs)
@@ -70,6 +78,9 @@ def _config_from_kwargs(kwargs: dict) -> EngineConfig:
     load.setdefault("seed", model_config.seed)
     sched = groups[SchedulerConfig]
     sched["max_model_len"] = model_config.max_model_len
+    if sched.get("max_num_batched_tokens") is None:
+        sched["max_num_batched_tokens"] = default_max_num_batched_tokens(
+            engine_kwargs.get("device", "auto"))
     return EngineConfig(
         model_config=model_config, cache_config=CacheConfig(**groups[CacheConfig]),
         scheduler_config=SchedulerConfig(**sched),

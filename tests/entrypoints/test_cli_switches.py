@@ -42,3 +42,18 @@ def test_metrics_export_checkpoint_gauges():
     assert 'kdaserve:num_total_kda_checkpoint_slots{model_name="m"} 8.0' in text
     assert 'kdaserve:kda_checkpoint_exports_total{model_name="m"} 5.0' in text
     assert 'kdaserve:step_floor_ratio{model_name="m"} 2.5' in text
+
+
+def test_default_token_budget_follows_gpu_memory(monkeypatch):
+    import types
+
+    import torch
+
+    from kdaserve.engine import llm_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gib, want in ((141, 8192), (180, 16384)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i, gib=gib: types.SimpleNamespace(total_memory=gib * 2**30))
+        assert llm_engine.default_max_num_batched_tokens("auto") == want
+    assert llm_engine.default_max_num_batched_tokens("cpu") == 8192
