@@ -35,3 +35,25 @@ def test_min_tokens_ban_inside_draft_window(make_llm, tiny_model_dir):
     assert spec_llm.llm_engine.get_stats().spec_num_draft_tokens > 0
     assert stop_tok not in plain.token_ids[:6]       # the ban held without speculation
     assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+
+
+def test_abort_mid_spec_frees_draft_model_state(make_llm, tiny_model_dir):
+    llm = make_llm(speculative_config=_self_draft(tiny_model_dir), max_num_batched_tokens=32)
+    engine = llm.llm_engine
+    drafter = engine.model_runner.spec.proposer
+    blocks0, slots0 = len(drafter._blocks.free), len(drafter._slots.free)
+    prompts = [[(7 * i + j) % 120 + 3 for j in range(20 + 9 * i)] for i in range(4)]
+    for step_at in (1, 3, 6):
+        ids = [f"a{step_at}-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, SamplingParams(n=1 + len(rid) % 2, temperature=0.0,
+                                                      max_tokens=30, ignore_eos=True))
+        for _ in range(step_at):
+            engine.step()
+        if step_at == 6:
+            assert drafter.requests             # the drafter holds state for running samples
+        engine.abort_request(ids)
+        engine.step()                      # the worker hears of the aborts
+        assert not engine.has_unfinished_requests()
+        assert not drafter.requests
+        assert (len(drafter._blocks.free), len(drafter._slots.free)) == (blocks0, slots0)
