@@ -51,7 +51,7 @@ sys.path.insert(0, BENCH_DIR)
 
 from seed_table import SPEC_CONFIG, bench_args
 
-from kdaserve.bench.launch import ServerProcess
+from kdaserve.bench.launch import ServerProcess, start_recorded
 from kdaserve.bench.report import git_commit, gpu_name
 from kdaserve.bench.serve import run_benchmark
 from kdaserve.models.make_model import make_draft_model
@@ -422,16 +422,9 @@ def run_one(args: argparse.Namespace, run: Run, deadline: float,
     }
     log(f"starting: {server.command_line}")
     with server:
-        try:
-            record["server_startup_s"] = server.start(
-                max(min(args.startup_timeout, deadline - time.monotonic() - 30.0), 1.0))
-        except (RuntimeError, TimeoutError) as e:
-            record["status"] = "refused" if server.refused else "startup_timeout"
-            record["error"] = str(e)
-            record["server_log_tail"] = server.log_tail()
-            log(f"{record['status']}: {e}\n{record['server_log_tail']}")
+        if not start_recorded(server, min(args.startup_timeout,
+                                          deadline - time.monotonic() - 30.0), record, log):
             return record
-        log(f"up after {record['server_startup_s']:.0f} s")
         run_levels(args, server, record, deadline, estimates, log)
     record["server_returncode"] = server.proc.returncode if server.proc else None
     return record

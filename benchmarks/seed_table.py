@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kdaserve.bench.launch import ServerProcess
+from kdaserve.bench.launch import ServerProcess, start_recorded
 from kdaserve.bench.report import git_commit, gpu_name
 from kdaserve.bench.serve import add_cli_args, run_benchmark
 
@@ -136,16 +136,9 @@ def run_config(args: argparse.Namespace, config: str, deadline: float, log) -> d
               "server_command": server.command_line, "server_log": log_path, "levels": []}
     log(f"[{config}] starting: {server.command_line}")
     with server:
-        try:
-            startup_timeout = min(args.startup_timeout, deadline - time.monotonic() - 30.0)
-            record["server_startup_s"] = server.start(max(startup_timeout, 1.0))
-        except (RuntimeError, TimeoutError) as e:
-            record["status"] = "refused" if server.refused else "startup_timeout"
-            record["error"] = str(e)
-            record["server_log_tail"] = server.log_tail()
-            log(f"[{config}] {record['status']}: {e}\n{record['server_log_tail']}")
+        if not start_recorded(server, min(args.startup_timeout, deadline - time.monotonic() - 30.0),
+                              record, lambda msg: log(f"[{config}] {msg}")):
             return record
-        log(f"[{config}] up after {record['server_startup_s']:.0f} s")
         est_request_s = 0.0  # mean E2E latency of the previous level: the drain reserve
         for i, conc in enumerate(levels):
             share = (deadline - time.monotonic()) / (len(levels) - i)

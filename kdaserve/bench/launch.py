@@ -86,3 +86,18 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+
+
+def start_recorded(server: ServerProcess, timeout: float, record: dict, log) -> bool:
+    """Start `server` (at least 1 s of timeout) and note the outcome in `record`: the start-up
+    time, or status "refused" / "startup_timeout" with the error and the log tail. True if up."""
+    try:
+        record["server_startup_s"] = server.start(max(timeout, 1.0))
+    except (RuntimeError, TimeoutError) as e:
+        record["status"] = "refused" if server.refused else "startup_timeout"
+        record["error"] = str(e)
+        record["server_log_tail"] = server.log_tail()
+        log(f"{record['status']}: {e}\n{record['server_log_tail']}")
+        return False
+    log(f"up after {record['server_startup_s']:.0f} s")
+    return True
