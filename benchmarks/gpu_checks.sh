@@ -29,6 +29,11 @@ if [[ $STAGES == *roofline* ]]; then
   timeout ${ROOFLINE_TIMEOUT:-300} python3 -m kdaserve.entrypoints.cli bench roofline /tmp/k48 \
     --out "$OUT/roofline.json" ${ROOFLINE_ARGS:-} 2>&1 | grep -v Warning | tail -20
 fi
+if [[ $STAGES == *profile* ]]; then
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_step.py /tmp/k48 --out "$OUT/profile.json" \
+    ${PROFILE_ARGS:-} 2>&1 | grep -v Warning | tail -60 | tee "$OUT/profile.log"
+fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"
 fi
