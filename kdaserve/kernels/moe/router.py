@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
+from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, require_triton
 
 
 def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
@@ -39,12 +39,12 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     if N == 0:
         return weights, ids
     block_e = next_power_of_2(E)
-    block_t = max(1, min(16, 4096 // block_e))
-    topk_sigmoid_kernel[(cdiv(N, block_t),)](
+    topk_sigmoid_kernel[(N,)](
         router_logits, correction_bias if correction_bias is not None else router_logits,
-        weights, ids, N, E, router_logits.stride(0), float(scaling),
+        weights, ids, E, router_logits.stride(0), float(scaling),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_power_of_2(width),
-        EXTRA_ID=-1 if extra_expert is None else int(extra_expert), num_warps=4,
+        BLOCK_E=block_e, BLOCK_K=next_power_of_2(width),
+        EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
+        num_warps=max(1, min(4, block_e // 128)),
     )
     return weights, ids
