@@ -166,28 +166,38 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"gemm1/gemm2 block_m differ: {cfg.gemm1.block_m} != {cfg.gemm2.block_m}")
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
-    align = moe_align_block_size(topk_ids, E, cfg.gemm1.block_m)
+    # One token: its entries have distinct experts, so each entry is its own row block and the
+    # alignment pass (one launch per layer at decode) is skipped.
+    direct = N == 1
+    if direct:
+        blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
+            top_k, topk_ids, topk_ids, topk_ids, topk_ids, topk_ids
+    else:
+        align = moe_align_block_size(topk_ids, E, cfg.gemm1.block_m)
+        blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
+            align.max_blocks, align.sorted_ids, align.expert_ids, align.expert_start, \
+            align.counts, align.num_rows
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
 
     inter = torch.empty(N * top_k, inter_size, dtype=x.dtype, device=x.device)  # [N*k, I]
     c1 = cfg.gemm1
-    moe_gemm1_kernel[(align.max_blocks * cdiv(inter_size, c1.block_n),)](
-        x, w13, inter,
-        align.sorted_ids, align.expert_ids, align.expert_start, align.counts, align.num_rows,
-        inter_size, D, top_k, align.max_blocks,
+    moe_gemm1_kernel[(blocks * cdiv(inter_size, c1.block_n),)](
+        x, w13, inter, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        inter_size, D, top_k, blocks, E,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, GROUP_M=c1.group_m,
-        DOT_PRECISION=precision, num_warps=c1.num_warps, num_stages=c1.num_stages,
+        DOT_PRECISION=precision, DIRECT=direct, num_warps=c1.num_warps,
+        num_stages=c1.num_stages,
     )
     buf = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)             # [N*k, D]
     c2 = cfg.gemm2
-    moe_gemm2_kernel[(align.max_blocks * cdiv(D, c2.block_n),)](
-        inter, w2, buf, topk_weights,
-        align.sorted_ids, align.expert_ids, align.expert_start, align.counts, align.num_rows,
-        D, inter_size, align.max_blocks,
+    moe_gemm2_kernel[(blocks * cdiv(D, c2.block_n),)](
+        inter, w2, buf, topk_weights, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        D, inter_size, blocks, E,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), buf.stride(0),
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, GROUP_M=c2.group_m,
-        DOT_PRECISION=precision, num_warps=c2.num_warps, num_stages=c2.num_stages,
+        DOT_PRECISION=precision, DIRECT=direct, num_warps=c2.num_warps,
+        num_stages=c2.num_stages,
     )
     block_d = min(1024, next_power_of_2(D))
     moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,

@@ -93,8 +93,17 @@ def moe_scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, numel, num_expe
 
 @triton.jit
 def _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr,
-                BLOCK_M: tl.constexpr):
-    """(expert, entry ids [BLOCK_M], valid mask [BLOCK_M]) of one padded row block."""
+                num_experts, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """(expert, entry ids [BLOCK_M], valid mask [BLOCK_M]) of one padded row block.
+
+    DIRECT (one token, so every entry has its own expert): block i is entry i alone, its expert
+    read straight from topk_ids (passed as expert_ids_ptr); no alignment pass is needed."""
+    if DIRECT:
+        e = tl.load(expert_ids_ptr + pid_m)
+        offs = tl.arange(0, BLOCK_M)
+        valid = (offs == 0) & (e >= 0) & (e < num_experts)
+        rows = tl.zeros([BLOCK_M], dtype=tl.int64) + pid_m
+        return tl.maximum(e, 0).to(tl.int64), rows, valid
     e = tl.load(expert_ids_ptr + pid_m)
     e_safe = tl.maximum(e, 0)
     start = tl.load(expert_start_ptr + e_safe)
@@ -121,17 +130,18 @@ def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def moe_gemm1_kernel(
     x_ptr, w13_ptr, inter_ptr,
     sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
-    inter_size, hidden, top_k, max_blocks,
+    inter_size, hidden, top_k, max_blocks, num_experts,
     stride_xm, stride_we, stride_wn, stride_wk, stride_im,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
                                 GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
     e, rows, valid = _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr,
-                                 counts_ptr, BLOCK_M)
+                                 counts_ptr, num_experts, BLOCK_M, DIRECT)
     tok = rows // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter_size
@@ -161,16 +171,17 @@ def moe_gemm1_kernel(
 def moe_gemm2_kernel(
     inter_ptr, w2_ptr, buf_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
-    hidden, inter_size, max_blocks,
+    hidden, inter_size, max_blocks, num_experts,
     stride_im, stride_we, stride_wn, stride_wk, stride_bm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
     e, rows, valid = _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr,
-                                 counts_ptr, BLOCK_M)
+                                 counts_ptr, num_experts, BLOCK_M, DIRECT)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
