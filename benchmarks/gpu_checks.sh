@@ -15,14 +15,20 @@ if ls .tcache/triton.tar.xz.* >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 STAGES=${STAGES:-tests,engine,layers}
-if [[ $STAGES == *tests* ]]; then
+run_tests() {
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" | tail -60 | tee "$OUT/gpu_tests.log"
-fi
+}
+[[ $STAGES == tests* ]] && run_tests
 if [[ $STAGES == *engine* ]]; then
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${ENGINE_TIMEOUT:-400} python3 benchmarks/bench_engine.py /tmp/k48 --out "$OUT/engine.json" ${ENGINE_ARGS:-} 2>&1 \
     | grep -v Warning | tail -30 | tee "$OUT/engine.log"
+fi
+if [[ $STAGES == *prefix* ]]; then
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${PREFIX_TIMEOUT:-300} python3 benchmarks/bench_prefix.py /tmp/k48 --out "$OUT/prefix.json" \
+    ${PREFIX_ARGS:-} 2>&1 | grep -v Warning | tail -30 | tee "$OUT/prefix.log"
 fi
 if [[ $STAGES == *roofline* ]]; then
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
@@ -37,6 +43,7 @@ fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"
 fi
+[[ $STAGES == *tests* && $STAGES != tests* ]] && run_tests   # "tests" not first: run last
 if [ -d ~/.triton/cache ]; then
   tar -cJf - -C ~/.triton cache | split -b 15M - "$OUT/triton.tar.xz." && ls -la "$OUT"/triton.tar.xz.*
 fi
