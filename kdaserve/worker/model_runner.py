@@ -115,6 +115,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         self._profile_run()
         peak = torch.cuda.max_memory_allocated()
+        # hand the profile run's freed segments back: the pools are a few multi-GiB tensors
+        # that fragmented reserved memory cannot hold (an OOM with ~27 GiB reserved-unused)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used_elsewhere = total - free - torch.cuda.memory_reserved()
         budget = total * cc.gpu_memory_utilization - peak - used_elsewhere

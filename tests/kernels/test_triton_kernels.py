@@ -74,7 +74,8 @@ def test_mla_decode_gpu(dtype, page):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (128, 8), (32, 4)])
+# (128 rows, 8 warps) needs 340 KB of shared memory, over the H200's 227 KB: not a config
+@pytest.mark.parametrize("block_n,num_warps", [(64, 4), (64, 8), (32, 4)])
 def test_mla_decode_transposed_gpu(block_n, num_warps):
     from kdaserve.kernels.mla.decode import MLADecodeConfig
 
