@@ -75,6 +75,23 @@ class StepBatch:
         return any(self.drafts)
 
 
+def _use_expandable_segments() -> None:
+    """Expandable allocator segments unless the user configured the allocator: loading folds
+    and merges weights (new tensors, old ones freed), which otherwise leaves tens of GiB of
+    reserved fragments that the multi-GiB cache pools cannot use."""
+    import os
+
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:   # torch < 2.13
+        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    try:
+        setter("expandable_segments:True")
+    except (TypeError, RuntimeError) as exc:   # no setter, or refused: keep the default
+        logger.info("expandable segments not set: %s", exc)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -83,6 +100,8 @@ class ModelRunner:
         self.args = mc.arch
         self.dtype = mc.torch_dtype(self.device.type)
         self.block_size = config.cache_config.block_size
+        if self.device.type == "cuda":
+            _use_expandable_segments()
         t0 = time.perf_counter()
         cls = resolve_architecture(mc.hf_config)
         self.model = build_model(self.args, self.dtype, self.device, cls)
@@ -115,12 +134,14 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         self._profile_run()
         peak = torch.cuda.max_memory_allocated()
-        # hand the profile run's freed segments back: the pools are a few multi-GiB tensors
-        # that fragmented reserved memory cannot hold (an OOM with ~27 GiB reserved-unused)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         used_elsewhere = total - free - torch.cuda.memory_reserved()
         budget = total * cc.gpu_memory_utilization - peak - used_elsewhere
+        # The pools are new multi-GiB tensors: only memory the driver reports free can hold
+        # them (reserved-but-unused fragments cannot), less room for the activation peak.
+        activations = peak - torch.cuda.memory_allocated()
+        budget = min(budget, free - activations - (256 << 20))
         slot_bytes = cache_mod.state_bytes_per_slot(self.args, self.dtype)
         block_bytes = cache_mod.kv_bytes_per_block(self.args, self.block_size, self.dtype)
         if cc.num_state_slots is None:
