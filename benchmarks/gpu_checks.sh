@@ -2,6 +2,9 @@
 # One device call: GPU tests + layer and engine benchmarks on the H200. Run from the repo root
 # with .whl carried (see ../shared/tools/gpu-wheels.sh); results land in $OUT.
 #
+# Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
+# unless ROOFLINE_ARGS narrows it), profile, seed, layers; each has a *_TIMEOUT.
+#
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and
 # writes the cache back as $OUT/triton.tar.xz.* (16 MiB parts; fetch them into .tcache/).
@@ -39,6 +42,11 @@ if [[ $STAGES == *profile* ]]; then
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/profile_step.py /tmp/k48 --out "$OUT/profile.json" \
     ${PROFILE_ARGS:-} 2>&1 | grep -v Warning | tail -60 | tee "$OUT/profile.log"
+fi
+if [[ $STAGES == *seed* ]]; then   # W1-nospec and W1 tables (issue 5), needs opentelemetry-api in .whl
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${SEED_TIMEOUT:-600} python3 benchmarks/seed_table.py /tmp/k48 --draft-model /tmp/k48-draft \
+    --out-dir "$OUT/seed" ${SEED_ARGS:-} 2>&1 | grep -v Warning | tail -25 | tee "$OUT/seed.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"
