@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests + layer and engine benchmarks on the H200. Run from the repo root
-# with .whl carried (see ../shared/tools/gpu-wheels.sh); results land in $OUT.
+# with .whl carried; results land in $OUT. Wheels for the offline GPU image:
+#   bash ../shared/tools/gpu-wheels.sh .whl opentelemetry-api annotated-doc
+# (fastapi >= 0.165 imports opentelemetry; without it the server cannot start there).
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
 # unless ROOFLINE_ARGS narrows it), profile, seed, layers; each has a *_TIMEOUT.
