@@ -60,6 +60,10 @@ class KimiDeltaAttention(nn.Module):
         self.qkv_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         self.small_weight = merge_rows(self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
                                        self.b_proj.weight)
+        # f_b_proj and g_b_proj (both [P, d]) read the two low-rank outputs: one batched GEMM.
+        p, d = self.g_b_proj.weight.shape
+        self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
+                                      self.g_b_proj.weight).view(2, p, d)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
@@ -67,12 +71,14 @@ class KimiDeltaAttention(nn.Module):
         T, h, d = x.shape[0], self.num_heads, self.head_dim
         qkv = F.linear(x, self.qkv_weight)                           # [T, 3P]
         small = F.linear(x, self.small_weight)                       # [T, 2d + H]
-        f_a, g_a, b = small.split([d, d, h], dim=-1)
+        b = small[:, 2 * d:]                                         # [T, H] beta logits
         q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
                                          caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
-        g_raw = self.forget_gate.f_b_proj(f_a).view(T, h, d)         # gate pre-activation
+        f_g = torch.bmm(small[:, :2 * d].view(T, 2, d).transpose(0, 1),
+                        self.fg_b_weight.transpose(1, 2))            # [2, T, P]: f_b | g_b
+        g_raw = f_g[0].view(T, h, d)                                 # gate pre-activation
         o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
-        gate = self.g_b_proj(g_a)                                    # [T, P]
+        gate = f_g[1]                                                # [T, P]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
         return self.o_proj(o)
