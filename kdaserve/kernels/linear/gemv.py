@@ -1,0 +1,139 @@
+"""Decode-size linear layer y = x @ weight.T for M = 1..4 rows, on Triton (CUDA cores, fp32 acc).
+
+Twin: `gemv_reference` below (F.linear in fp32, cast to the output dtype). No split-K and no
+atomics: the grid covers N only, so results are deterministic and the launch is CUDA-graph safe
+(the grid depends on shapes only). x and weight may differ in dtype (bf16 x with the MoE router's
+fp32 weight is read as is: no conversion launch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
+                                    require_triton)
+
+MAX_M = 4
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int        # output columns (weight rows) per program
+    block_k: int        # K elements per loop step
+    num_warps: int
+    num_stages: int     # software pipelining depth of the K loop
+
+
+def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
+                   device: torch.device | None = None) -> GemvConfig:
+    """An UNMEASURED guess (no GPU run yet; benchmarks/bench_gemv.py --tune measures it).
+
+    block_n: the largest power of two <= 64 that still gives >= 2 waves of programs on the
+    device's SMs (132 without a device); block_k: the largest of 512/256/128 that divides K (no
+    K mask), else min(256, next_power_of_2(K)); num_warps: about two 16-byte loads per thread per
+    step, 1..8. M does not enter the guess yet.
+    """
+    sms = num_sms(device) if device is not None else 132
+    block_n = 64
+    while block_n > 1 and cdiv(N, block_n) < 2 * sms:
+        block_n //= 2
+    block_k = next((b for b in (512, 256, 128) if K % b == 0 and K >= b),
+                   min(256, next_power_of_2(K)))
+    vec = 16 // torch.empty((), dtype=weight_dtype).element_size()   # elements per 16 B load
+    loads = max(1, block_n * block_k // (32 * vec * 2))              # warps for 2 loads/thread
+    num_warps = min(8, 1 << (loads.bit_length() - 1))                # a power of two <= loads
+    return GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x.float(), weight.float()) cast to out_dtype (default x.dtype): [M, N].
+
+    fp64 inputs stay fp64 (the checks use that to keep TF32 out of the reference)."""
+    acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
+    y = torch.nn.functional.linear(x.to(acc), weight.to(acc))     # [M, N]
+    return y.to(out_dtype or x.dtype)
+
+
+def _check_pow2(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value}")
+
+
+def check_config(config: GemvConfig) -> None:
+    _check_pow2("block_n", config.block_n, 1, 1024)
+    _check_pow2("block_k", config.block_k, 1, 8192)
+    _check_pow2("num_warps", config.num_warps, 1, 32)
+    if config.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {config.num_stages}")
+
+
+def _check_last_dim(name: str, t: torch.Tensor) -> None:
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
+    """Validate everything before any launch; returns the output dtype."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"gemv takes 1 <= M <= {MAX_M} rows, got M={M} (use F.linear)")
+    if weight.shape[1] != K:
+        raise ValueError(f"x K={K} != weight K={weight.shape[1]}")
+    _check_last_dim("x", x)
+    _check_last_dim("weight", weight)
+    for name, t in (("x", x), ("weight", weight)):
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} not in {DTYPES}")
+    dtype = out_dtype or x.dtype
+    if out is not None:
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise ValueError(f"out dtype {out.dtype} != out_dtype {out_dtype}")
+        if out.dim() != 2 or tuple(out.shape) != (M, N):
+            raise ValueError(f"out must be [M={M}, N={N}], got {tuple(out.shape)}")
+        _check_last_dim("out", out)
+        dtype = out.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"out dtype {dtype} not in {DTYPES}")
+    for name, t in (("weight", weight), ("out", out)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    check_kernel_device(x)
+    return dtype
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """y = x @ weight.T with fp32 accumulation.
+
+    x: [M, K], 1 <= M <= 4, bf16/fp16/fp32, last dim contiguous (rows may be strided).
+    weight: [N, K], bf16/fp16/fp32, last dim contiguous. out: [M, N] (last dim contiguous, may
+    be a row-strided view) or None; its dtype is out.dtype, else out_dtype, else x.dtype.
+    Returns out ([M, N]).
+    """
+    if config is not None:
+        check_config(config)
+    dtype = _check_inputs(x, weight, out, out_dtype)
+    M, K = x.shape
+    N = weight.shape[0]
+    if out is None:
+        out = torch.empty(M, N, dtype=dtype, device=x.device)
+    if N == 0:
+        return out
+    require_triton()
+    from kdaserve.kernels.linear.triton_gemv import gemv_kernel
+
+    cfg = config or default_config(M, N, K, weight.dtype, x.device)
+    gemv_kernel[(cdiv(N, cfg.block_n),)](
+        x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
