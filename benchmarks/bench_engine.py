@@ -15,7 +15,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -24,20 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve import SamplingParams  # noqa: E402
+from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
 from kdaserve.bench.roofline import byte_floor, experts_touched, measure_copy_bandwidth  # noqa: E402,E501
 from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
 
-
-def git_commit() -> str:
-    """KDASERVE_COMMIT (set by the caller where .git does not travel), else git."""
-    if os.environ.get("KDASERVE_COMMIT"):
-        return os.environ["KDASERVE_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def run_until_done(engine: LLMEngine) -> list[float]:
@@ -65,6 +55,10 @@ def main() -> None:
     ap.add_argument("--throughput-requests", type=int, default=16)
     ap.add_argument("--throughput-output", type=int, default=1000)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--decode-gemv", action="store_true",
+                    help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
+    ap.add_argument("--moe-single-token", action="store_true",
+                    help="KernelConfig.moe_single_token: two-GEMV MoE at batch 1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
@@ -76,7 +70,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9)
+        gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv,
+        moe_single_token=args.moe_single_token)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner
     result["kv_cache_tokens"] = rn.num_blocks * rn.block_size

@@ -5,7 +5,9 @@
 # (fastapi >= 0.165 imports opentelemetry; without it the server cannot start there).
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
-# unless ROOFLINE_ARGS narrows it), profile, seed, layers; each has a *_TIMEOUT.
+# unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv + bench_moe_single),
+# layers; each has a *_TIMEOUT. ENGINE_ARGS="--decode-gemv --moe-single-token" times the candidates
+# end to end.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and
@@ -49,6 +51,10 @@ if [[ $STAGES == *seed* ]]; then   # W1-nospec and W1 tables (issue 5), needs op
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${SEED_TIMEOUT:-600} python3 benchmarks/seed_table.py /tmp/k48 --draft-model /tmp/k48-draft \
     --out-dir "$OUT/seed" ${SEED_ARGS:-} 2>&1 | grep -v Warning | tail -25 | tee "$OUT/seed.log"
+fi
+if [[ $STAGES == *kbench* ]]; then   # the decode-kernel candidates vs cuBLAS / fused MoE
+  timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 | tail -30 | tee "$OUT/gemv.log"
+  timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_moe_single.py --out "$OUT/moe_single.json" ${MOE_SINGLE_ARGS:-} 2>&1 | tail -20 | tee "$OUT/moe_single.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

@@ -206,6 +206,18 @@ class LoadConfig:
 
 
 @dataclass
+class KernelConfig:
+    """Decode-size kernel choices on CUDA (no effect on the CPU reference path). Off = the
+    baseline: cuBLAS projections and the tensor-core fused MoE."""
+    decode_gemv: bool = False
+    """Projections of 1-4 token rows (decode batches <= 4) through the Triton GEMV
+    (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
+    moe_single_token: bool = False
+    """One-token MoE layers (batch-1 decode) through the two-GEMV path with the top-k sum fused
+    (kernels/moe/single_token.py) instead of the fused MoE's tensor-core tiles."""
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -213,6 +225,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
     device: str = "auto"
     """auto | cuda | cpu."""
     enforce_eager: bool = False

@@ -12,8 +12,8 @@ import time
 import torch
 from dataclasses import dataclass, fields
 
-from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig)
+from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from kdaserve.core.engine_output import EngineCoreOutput
 from kdaserve.core.scheduler import Scheduler
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
@@ -60,7 +60,8 @@ def _config_from_kwargs(kwargs: dict) -> EngineConfig:
     """vLLM-style flat kwargs (model=, max_num_seqs=, ...) -> EngineConfig."""
     kwargs = dict(kwargs)
     groups = {}
-    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoadConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoadConfig,
+                KernelConfig):
         names = {f.name for f in fields(cls)}
         groups[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names
                        and (cls is not SchedulerConfig or k != "max_model_len")}
@@ -69,7 +70,7 @@ def _config_from_kwargs(kwargs: dict) -> EngineConfig:
         raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
     engine_keys = {f.name for f in fields(EngineConfig)} - {
         "model_config", "cache_config", "scheduler_config", "parallel_config",
-        "speculative_config", "load_config"}
+        "speculative_config", "load_config", "kernel_config"}
     engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
     if kwargs:
         raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")
@@ -86,7 +87,7 @@ def _config_from_kwargs(kwargs: dict) -> EngineConfig:
         scheduler_config=SchedulerConfig(**sched),
         parallel_config=ParallelConfig(**groups[ParallelConfig]),
         speculative_config=SpeculativeConfig(**spec), load_config=LoadConfig(**load),
-        **engine_kwargs)
+        kernel_config=KernelConfig(**groups[KernelConfig]), **engine_kwargs)
 
 
 def _eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.attention import kda_backend
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.kernels import reference as ref
 from kdaserve.layers.fuse import merge_rows
+from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNormGated
 from kdaserve.models.hf_config import KimiLinearArgs
 
@@ -36,6 +36,9 @@ class ForgetGate(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    decode_gemv = False
+    """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+
     def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
         super().__init__()
         self.kda_index = kda_index
@@ -69,8 +72,8 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, D] -> [T, D]."""
         md, caches = ctx.attn, ctx.caches
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight)                           # [T, 3P]
-        small = F.linear(x, self.small_weight)                       # [T, 2d + H]
+        qkv = linear(x, self.qkv_weight, self.decode_gemv)           # [T, 3P]
+        small = linear(x, self.small_weight, self.decode_gemv)       # [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
         q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
                                          caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
@@ -81,4 +84,4 @@ class KimiDeltaAttention(nn.Module):
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         gate = f_g[1]                                                # [T, P]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
-        return self.o_proj(o)
+        return linear(o, self.o_proj.weight, self.decode_gemv)

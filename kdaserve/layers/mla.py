@@ -8,11 +8,15 @@ from torch import nn
 from kdaserve.attention import mla_backend
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.layers.fuse import merge_rows
+from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
 class MLAttention(nn.Module):
+    decode_gemv = False
+    """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+
     def __init__(self, args: KimiLinearArgs, mla_index: int) -> None:
         super().__init__()
         self.mla_index = mla_index
@@ -52,7 +56,7 @@ class MLAttention(nn.Module):
         md = ctx.attn
         kv_cache = ctx.caches.mla_kv[self.mla_index]
         T, h = x.shape[0], self.num_heads
-        q_ckv = torch.nn.functional.linear(x, self.q_kva_weight)   # [T, H*qk + rank + rope]
+        q_ckv = linear(x, self.q_kva_weight, self.decode_gemv)     # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
         latent = torch.cat([self.kv_a_layernorm(ckv[:, :self.kv_lora_rank]),
@@ -74,4 +78,4 @@ class MLAttention(nn.Module):
                                                        self.scale)
         if t1 < T:
             out[t1:] = 0
-        return self.o_proj(out.view(T, h * self.v_dim))
+        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv)

@@ -4,15 +4,18 @@ shared expert. Parameter names follow transformers' KimiLinearMoE."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.kernels import reference as ref
+from kdaserve.layers.linear import linear
 from kdaserve.layers.mlp import MLP
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
 class TopkRouter(nn.Module):
+    decode_gemv = False
+    """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
         self.top_k = args.num_experts_per_token
@@ -28,7 +31,7 @@ class TopkRouter(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
         only) a (1.0, extra_expert) column is appended to every row."""
-        logits = F.linear(x.float(), self.weight)                  # [N, E] fp32
+        logits = linear(x, self.weight, self.decode_gemv, torch.float32)   # [N, E] fp32
         if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
@@ -57,6 +60,9 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """On CUDA with one shared expert, the shared expert is folded into the fused MoE as expert
     E with weight 1 for every token: one grouped kernel pass computes routed + shared."""
+
+    single_token = False
+    """KernelConfig.moe_single_token (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -89,6 +95,10 @@ class SparseMoE(nn.Module):
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
             w, ids = self.gate(x, extra_expert=self.num_experts)      # [N, k + 1]
+            if self.single_token and x.shape[0] == 1:
+                from kdaserve.kernels.moe.single_token import fused_moe_single_token
+
+                return fused_moe_single_token(x, self.w13_all, self.w2_all, w, ids)
             return fused_moe(x, self.w13_all, self.w2_all, w, ids)
         topk_weights, topk_ids = self.gate(x)
         return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)

@@ -77,6 +77,14 @@ class KimiLinearForCausalLM(nn.Module):
         """hidden: [N, D] -> fp32 logits [N, vocab]."""
         return self.lm_head(hidden).float()
 
+    def configure_kernels(self, kernel_config) -> None:
+        """Apply a KernelConfig to the layers that have a decode-size kernel choice."""
+        for module in self.modules():
+            if hasattr(module, "decode_gemv"):
+                module.decode_gemv = kernel_config.decode_gemv
+            if hasattr(module, "single_token"):
+                module.single_token = kernel_config.moe_single_token
+
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections
         that share an input. Required before the first forward."""

@@ -106,6 +106,7 @@ class ModelRunner:
         cls = resolve_architecture(mc.hf_config)
         self.model = build_model(self.args, self.dtype, self.device, cls)
         load_weights(self.model, mc.model, config.load_config)
+        self.model.configure_kernels(config.kernel_config)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
                     self.device)
         self.sampler = Sampler()

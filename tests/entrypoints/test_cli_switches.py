@@ -15,17 +15,41 @@ def test_switches_reach_engine_config(tmp_path):
         "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
         "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
-        "--long-prefill-token-threshold", "64", "--max-model-len", "1k"])
+        "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv",
+        "--moe-single-token"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
             cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
     assert sc.adaptive_spec_budget is False and sc.long_prefill_token_threshold == 64
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
+    assert config.kernel_config.decode_gemv and config.kernel_config.moe_single_token
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
+    assert not defaults.kernel_config.decode_gemv and not defaults.kernel_config.moe_single_token
+
+
+def test_kernel_config_reaches_the_layers(tmp_path):
+    """configure_kernels sets the flags on every KDA, MLA, router and MoE layer; on the CPU the
+    reference path ignores them (same tokens)."""
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.models.make_model import make_model
+
+    model = make_model(str(tmp_path / "tiny"), preset="tiny")
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = []
+    for on in (False, True):
+        llm = LLM(model, max_model_len=256, decode_gemv=on, moe_single_token=on)
+        mods = list(llm.llm_engine.model_runner.model.modules())
+        flags = [m.decode_gemv for m in mods if hasattr(m, "decode_gemv")]
+        single = [m.single_token for m in mods if hasattr(m, "single_token")]
+        assert flags and single and all(f == on for f in flags + single)
+        outs.append(llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0]
+                    .outputs[0].token_ids)
+        del llm
+    assert outs[0] == outs[1]
 
 
 def test_metrics_export_checkpoint_gauges():

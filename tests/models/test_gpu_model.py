@@ -103,3 +103,33 @@ def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
         del llm
     assert outs[True] == outs[False]
+
+
+def run_one_request(runner, extra):
+    """PROMPTS[0] alone: a prefill, then one-token decode steps (1-row steps: the GEMV's M=1
+    and the single-token MoE)."""
+    p = PROMPTS[0]
+    got = [runner.step([(0, p, 0)])[0]]
+    for j, t in enumerate(extra):
+        got.append(runner.step([(0, [t], len(p) + j)])[0])
+    return torch.cat(got)
+
+
+def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
+    """KernelConfig(decode_gemv, moe_single_token) on: 3-row decode steps (GEMV M=3) and 1-row
+    steps (GEMV M=1, single-token MoE) against the fp32 reference."""
+    from kdaserve.config import KernelConfig
+
+    _, _, args = pair
+    model, _ = gpu_model
+    model.configure_kernels(KernelConfig(decode_gemv=True, moe_single_token=True))
+    try:
+        ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
+        got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)
+        for i in range(len(PROMPTS)):
+            assert rel(got[i], ref[i]) <= 2e-2, i
+        ref1 = run_one_request(Runner(cpu_ref, args, 1), EXTRA)
+        got1 = run_one_request(Runner(model, args, 1, torch.bfloat16, "cuda"), EXTRA)
+        assert rel(got1, ref1) <= 2e-2
+    finally:
+        model.configure_kernels(KernelConfig())

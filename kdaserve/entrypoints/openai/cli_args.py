@@ -118,6 +118,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--adaptive-spec-budget", action=argparse.BooleanOptionalAction,
                    default=None, help="Reserve draft slots only for scheduled requests "
                                       "(--no-... = the static rule).")
+    a.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: projections of decode batches <= 4 through the Triton GEMV "
+                        "(off: cuBLAS). Off by default until measured on the H200.")
+    a.add_argument("--moe-single-token", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: batch-1 MoE layers through the two-GEMV single-token path "
+                        "(off: the fused MoE). Off by default until measured on the H200.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; no remote code is ever run.")
 
@@ -137,6 +143,7 @@ _ENGINE_FLAGS = {
     "kda_checkpoint_turn_end": "kda_checkpoint_turn_end",
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "decode_gemv": "decode_gemv", "moe_single_token": "moe_single_token",
 }
 
 

@@ -1,0 +1,28 @@
+"""Projection dispatch: decode-size rows to the Triton GEMV when the kernel config asks for it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMV_MAX_ROWS = 4
+"""The Triton GEMV handles 1..GEMV_MAX_ROWS rows; larger inputs stay on cuBLAS."""
+
+
+def use_gemv(x: torch.Tensor, enabled: bool) -> bool:
+    return enabled and x.is_cuda and 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.stride(-1) == 1
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, gemv: bool = False,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: [T, K] @ weight [N, K].T -> [T, N] in out_dtype (default x.dtype), fp32 accumulation.
+
+    With `gemv` set, CUDA inputs of 1..4 rows go through kernels/linear/gemv.py (which reads a
+    weight of another dtype directly, e.g. the router's fp32 weight with bf16 x); everything else
+    is F.linear on x cast to the weight's dtype."""
+    if use_gemv(x, gemv):
+        from kdaserve.kernels.linear.gemv import gemv as triton_gemv
+
+        return triton_gemv(x, weight, out_dtype=out_dtype or x.dtype)
+    y = F.linear(x.to(weight.dtype), weight)
+    return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
