@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -30,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_layers import bench_graph_ms, git_commit, measure_ceilings  # noqa: E402
+from bench_layers import (bench_graph_ms, git_commit, measure_ceilings,  # noqa: E402
+                          write_results)
 from kdaserve.kernels.linear.gemv import (GemvConfig, default_config, gemv,  # noqa: E402
                                           gemv_reference)
 
@@ -173,12 +173,7 @@ def main(argv=None) -> int:
                for name in names for m in args.m.split(",") if m]
     if args.tune:
         print_tune_summary(results)
-    meta["wall_s"] = time.time() - t0
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({**meta, "ceilings": ceil, "results": results},
-                                             indent=2))
-        print(f"wrote {args.out}")
+    write_results(args.out, meta, t0, ceil, results)
     return 0
 
 

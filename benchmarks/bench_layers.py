@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,11 +63,18 @@ def time_case(fn) -> tuple[float, float | None]:
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("KDASERVE_COMMIT", "unknown")
+    from kdaserve.bench.report import git_commit as commit
+
+    return commit() or "unknown"
+
+
+def write_results(out: str | None, meta: dict, t0: float, ceil: dict, results: list) -> None:
+    """meta + wall time + ceilings + results as JSON at `out` (nothing when out is None)."""
+    meta["wall_s"] = time.time() - t0
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({**meta, "ceilings": ceil, "results": results}, indent=2))
+        print(f"wrote {out}")
 
 
 def measure_ceilings() -> dict:
@@ -273,12 +278,7 @@ def main(argv=None) -> int:
         del w13, w2
     if "kda" not in skip:
         bench_kda(results, ceil)
-    meta["wall_s"] = time.time() - t0
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({**meta, "ceilings": ceil, "results": results},
-                                             indent=2))
-        print(f"wrote {args.out}")
+    write_results(args.out, meta, t0, ceil, results)
     return 0
 
 

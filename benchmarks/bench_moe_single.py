@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_layers import (bench_graph_ms, git_commit, measure_ceilings, record,  # noqa: E402
-                          time_case)
+                          time_case, write_results)
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.moe import single_token as st  # noqa: E402
 from kdaserve.kernels.moe.fused_moe import fused_moe  # noqa: E402
@@ -195,12 +194,7 @@ def main(argv=None) -> int:
     if args.tune:
         stages = tuple(int(v) for v in args.stages.split(","))
         meta["tune"] = tune(results, ceil, p, stages)
-    meta["wall_s"] = time.time() - t0
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({**meta, "ceilings": ceil, "results": results},
-                                             indent=2))
-        print(f"wrote {args.out}")
+    write_results(args.out, meta, t0, ceil, results)
     return 0
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,17 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve import SamplingParams  # noqa: E402
+from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
 
-
-def git_commit() -> str:
-    if os.environ.get("KDASERVE_COMMIT"):
-        return os.environ["KDASERVE_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -9,8 +9,12 @@ import subprocess
 
 
 def git_commit(path: str | None = None) -> str | None:
-    """HEAD of the git checkout holding `path` (default: the kdaserve package), with a
-    `-dirty` suffix when tracked files are modified; None outside a checkout."""
+    """KDASERVE_COMMIT when set (the caller's commit, where a copy of the tree runs without its
+    own .git, e.g. on the device machine); else HEAD of the git checkout holding `path`
+    (default: the kdaserve package), with a `-dirty` suffix when tracked files are modified;
+    None outside a checkout."""
+    if os.environ.get("KDASERVE_COMMIT"):
+        return os.environ["KDASERVE_COMMIT"]
     if path is None:
         import kdaserve
 
