@@ -17,8 +17,12 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
                         every step's budget)
   kda-state-mode        speculative config "kda_state_mode": recover | per_position   (spec on)
   batch-layout          speculative config "batch_layout": contiguous | gather   (spec on)
-Kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no engine
-flag and are not switches here.
+  decode-gemv           --decode-gemv | --no-decode-gemv   (Triton GEMV for decode batches <= 4)
+  moe-single-token      --moe-single-token | --no-moe-single-token   (two-GEMV batch-1 MoE with
+                        the top-k sum fused; off = fused MoE + separate finalize)
+Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
+engine flag and are not switches here. The two kernel switches are off by default in the engine
+(unmeasured), so "all-on" is not the engine default.
 
 `--runs auto` (default) does all-on, all-off and the one-off runs of the switches the workload
 exercises; `--runs all` every one-off run; or a comma list (all-on,all-off,no-batch-layout,...).
@@ -77,7 +81,8 @@ class Switch:
     workload: str
     """The workload that exercises it."""
     needs: str
-    """"spec" (a speculative config) or "prefix" (prefix caching + a shared prefix)."""
+    """"spec" (a speculative config), "prefix" (prefix caching + a shared prefix) or "decode"
+    (any workload: decode steps; kernel switches that only act on a CUDA server)."""
     flag_on: tuple[str, ...] = ()
     flag_off: tuple[str, ...] = ()
     spec_key: str | None = None
@@ -111,6 +116,14 @@ SWITCHES: tuple[Switch, ...] = (
            baseline="gather: plain request order, each KDA group index_selected / index_copied "
                     "out of the mixed batch",
            spec_key="batch_layout", spec_on="contiguous", spec_off="gather"),
+    Switch("decode-gemv", workload="W1", needs="decode",
+           baseline="cuBLAS for the projections of decode batches <= 4 (the Triton GEMV reads "
+                    "bf16 x with the router's fp32 weight directly; CUDA only)",
+           flag_on=("--decode-gemv",), flag_off=("--no-decode-gemv",)),
+    Switch("moe-single-token", workload="W1", needs="decode",
+           baseline="batch-1 MoE through the fused MoE's 16-row tensor-core tiles with a "
+                    "separate top-k sum (finalize) launch (CUDA only)",
+           flag_on=("--moe-single-token",), flag_off=("--no-moe-single-token",)),
 )
 SWITCH_NAMES = tuple(s.name for s in SWITCHES)
 RESERVED_SERVER_FLAGS = ("--speculative-config", "-sc", "--enable-prefix-caching",
@@ -172,6 +185,8 @@ def run_matrix(names: list[str] | None = None) -> list[Run]:
 def exercised(switch: Switch, spec: dict | None, prefix_caching: bool,
               shared_prefix_len: int) -> bool:
     """Whether the workload reaches the code the switch changes."""
+    if switch.needs == "decode":
+        return True
     if switch.needs == "spec":
         return spec is not None
     return prefix_caching and shared_prefix_len > 0
