@@ -15,6 +15,15 @@ class SamplingParams:
     top_k: int = -1
     """-1 or 0 = no top-k."""
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI's meaning)."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence of the token in the output so far."""
+    repetition_penalty: float = 1.0
+    """Tokens seen in the prompt or the output: positive logits divided by it, negative ones
+    multiplied (HF / vLLM convention; 1 = off)."""
+    logit_bias: dict[int, float] | None = None
+    """token id -> value added to its logit before sampling (values in [-100, 100])."""
     seed: int | None = None
     max_tokens: int | None = 16
     """None = up to max_model_len."""
@@ -36,6 +45,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
         self._verify()
 
     def _verify(self) -> None:
@@ -63,6 +74,27 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, {self.max_logprobs}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", "must be > 0")
+        for tok, val in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                bad("logit_bias", f"keys must be token ids >= 0 (key {tok!r})")
+            if not -100.0 <= val <= 100.0:
+                bad("logit_bias", f"values must be in [-100, 100] (token {tok}: {val})")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Penalties or logit_bias: the logits depend on the request's history (such requests
+        are not speculated)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

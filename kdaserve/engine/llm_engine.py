@@ -148,6 +148,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id!r}: token id {bad[0]} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
+        bad = [t for t in (sampling_params.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: logit_bias token id {bad[0]} is outside "
+                             f"the vocabulary [0, {self.vocab_size})")
         max_len = self.engine_config.model_config.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(

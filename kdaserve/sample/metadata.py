@@ -8,11 +8,14 @@ device sync.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from kdaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kdaserve.sample.penalties import LogitsProcessing
 
 _SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (same rule as SamplingParams.greedy)."""
@@ -47,6 +50,10 @@ class SamplingMetadata:
     banned_token_ids: torch.Tensor | None = None
     """[2, N] int64 (row, token) pairs whose logits are forced to -inf before sampling (stop
     tokens of rows still under min_tokens). None = nothing banned."""
+
+    processing: "LogitsProcessing | None" = None
+    """Penalties and logit_bias of the rows that use them (sample/penalties.py), applied after
+    the bans; None = no row uses them."""
 
     @property
     def num_rows(self) -> int:

@@ -166,6 +166,8 @@ class RejectionSampler(nn.Module):
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(target_logits.float(), dim=-1)   # [R, V]
         logits = self._apply_bans(target_logits.float(), spec, md)            # [R, V]
+        if md.processing is not None:   # penalties / logit_bias (rows index the R logits)
+            logits = md.processing.apply(logits)
 
         greedy_row = is_greedy_temperature(md.temperature)[spec.row_req]      # [R]
         argmax = None if md.all_random else logits.argmax(dim=-1)             # [R]

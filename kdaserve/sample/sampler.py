@@ -45,6 +45,8 @@ class Sampler(nn.Module):
         if md.banned_token_ids is not None:
             rows, toks = md.banned_token_ids  # [N], [N]
             logits = logits.index_put((rows, toks), logits.new_full((), float("-inf")))
+        if md.processing is not None:
+            logits = md.processing.apply(logits)
         sampled = self.sample(logits, md)  # [B]
 
         if raw_logprobs is None:

@@ -21,6 +21,7 @@ from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
+from kdaserve.sample.penalties import logits_processing
 from kdaserve.sample.sampler import Sampler, to_logprob_dicts
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker import cache as cache_mod
@@ -351,6 +352,8 @@ class ModelRunner:
         banned = min_tokens_banned_ids(params, [len(s.token_ids) - s.num_prompt_tokens
                                                 for s in states], self.args.eos_token_id)
         md = SamplingMetadata.build(params, gens, banned, self.device)
+        md.processing = logits_processing(range(len(states)), states, logits.shape[-1],
+                                          self.device)
         out = self.sampler(logits, md)
         sampled = out.sampled_token_ids.tolist()
         lp_dicts, rank_dicts = to_logprob_dicts(out, [p.logprobs for p in params])

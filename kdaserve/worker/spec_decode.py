@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kdaserve.attention import kda_spec
@@ -34,6 +35,7 @@ from kdaserve.config import EngineConfig
 from kdaserve.kernels.kda.recover import spec_state_memory
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata
+from kdaserve.sample.penalties import logits_processing
 from kdaserve.sample.rejection_sampler import (
     RejectionSampler,
     SpecDecodeMetadata,
@@ -160,6 +162,7 @@ class SpecDecoder:
                                  stops, [len(d) for d in drafts])
         spec_md = SpecDecodeMetadata.make(drafts, self.device, banned)
         md = SamplingMetadata.build(params, gens, None, self.device)
+        md.processing = self._logits_processing(states, drafts, logits.shape[-1])
         out = self.sampler(logits, spec_md, md, self._draft_probs(states, drafts, logits))
         emitted = out.parse_output()
         self.stats.observe_batch([len(d) for d in drafts], [len(e) - 1 for e in emitted])
@@ -168,6 +171,16 @@ class SpecDecoder:
                     [{t: Logprob(v, rk[t]) for t, v in lp.items()} for lp, rk in per_tok]
                     for per_tok in lps]
         return emitted, logprobs
+
+    def _logits_processing(self, states, drafts: list[list[int]], vocab: int):
+        """Penalties / logit_bias rows: such requests are never drafted for (propose), so each
+        has exactly one logits row."""
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
+        for s, d in zip(states, drafts):
+            if d and s.sampling_params.processes_logits:
+                raise RuntimeError(f"request {s.req_id!r} uses penalties or logit_bias but "
+                                   "has drafts")
+        return logits_processing(starts, states, vocab, self.device)
 
     def _draft_probs(self, states, drafts, logits) -> torch.Tensor | None:
         if not self.probabilistic:
@@ -216,6 +229,8 @@ class SpecDecoder:
         reqs, caps = [], []
         for s in states:
             cap = min(self.k, self.max_model_len - len(s.token_ids) - 1)
+            if s.sampling_params.processes_logits:
+                cap = 0   # penalties / logit_bias depend on each accepted token: not drafted
             max_tokens = s.sampling_params.max_tokens
             if max_tokens is not None:
                 cap = min(cap, max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1)

@@ -74,7 +74,12 @@ CASES = [
     ("stop_token_ids_out_of_vocab", "POST", COMP, comp(stop_token_ids=[10**8]), AUTH, 400),
     ("stream_options_without_stream", "POST", CHAT,
      chat(stream_options={"include_usage": True}), AUTH, 400),
-    ("presence_penalty_unsupported", "POST", CHAT, chat(presence_penalty=0.5), AUTH, 400),
+    ("presence_penalty_out_of_range", "POST", CHAT, chat(presence_penalty=2.5), AUTH, 400),
+    ("frequency_penalty_out_of_range", "POST", COMP, comp(frequency_penalty=-3), AUTH, 400),
+    ("repetition_penalty_zero", "POST", CHAT, chat(repetition_penalty=0), AUTH, 400),
+    ("logit_bias_key_not_a_token", "POST", CHAT, chat(logit_bias={"abc": 1}), AUTH, 400),
+    ("logit_bias_value_out_of_range", "POST", COMP, comp(logit_bias={"5": 101}), AUTH, 400),
+    ("logit_bias_out_of_vocab", "POST", CHAT, chat(logit_bias={"100000000": 5}), AUTH, 400),
     ("tool_choice_required_unsupported", "POST", CHAT, chat(
         tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
      AUTH, 400),

@@ -75,3 +75,19 @@ def test_spec_decoding_is_lossless_and_counted(feature_server, tiny_model):
                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out["choices"][0]["text"] == ref.outputs[0].text
+
+
+def test_penalties_and_logit_bias_over_http(feature_server):
+    """logit_bias (string token ids, OpenAI style) and the penalties reach the sampler through
+    the speculating server: +100 forces a token, -100 bans the plain first token, and strong
+    penalties give a run without repeats."""
+    prompt = [5, 6, 7, 8] * 3
+    ids = complete(feature_server, prompt, logit_bias={"77": 100}, return_token_ids=True)
+    assert ids["choices"][0]["token_ids"] == [77] * 12
+    plain = complete(feature_server, prompt, return_token_ids=True)["choices"][0]["token_ids"]
+    banned = complete(feature_server, prompt, return_token_ids=True,
+                      logit_bias={str(plain[0]): -100})["choices"][0]["token_ids"]
+    assert banned[0] != plain[0]
+    spread = complete(feature_server, prompt, return_token_ids=True, frequency_penalty=2.0,
+                      presence_penalty=2.0, repetition_penalty=1.5)["choices"][0]["token_ids"]
+    assert len(set(spread)) == len(spread) and not set(spread) & set(prompt)

@@ -99,10 +99,11 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None
+    """OpenAI: token id (as a string) -> bias in [-100, 100]."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -122,16 +123,20 @@ class SamplingFields(OpenAIBaseModel):
             raise ValueError(f"at most 64 stop strings, got {len(items)}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for key, val in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= val <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {val} for "
+                                 f"token {key}")
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self):
         # Reject what we cannot honour instead of ignoring it silently.
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise ValueError(f"{name}={value} is not supported (only {neutral})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
         if self.stream_options is not None and not self.stream:

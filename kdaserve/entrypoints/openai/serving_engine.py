@@ -101,12 +101,20 @@ class OpenAIServing:
                 param="max_tokens", code="context_length_exceeded")
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        logit_bias = {int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None
+        if logit_bias:
+            self.check_token_ids(list(logit_bias), "logit_bias")
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k is None else req.top_k,
                 min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=(1.0 if req.repetition_penalty is None
+                                    else req.repetition_penalty),
+                logit_bias=logit_bias,
                 max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                 stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
                 skip_special_tokens=skip_special_tokens,
