@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kdaserve.attention.metadata import AttentionMetadata, KDACheckpointRequest, SpecStep
+from kdaserve.attention.metadata import (AttentionMetadata, KDACheckpointRequest, MLAAbsorbedRows,
+                                        SpecStep)
 
 
 def build_metadata(query_lens: list[int], num_computed: list[int],
@@ -79,6 +80,7 @@ def build_spec_step(md: AttentionMetadata, is_spec: list[bool], idx_spec: torch.
         cu.append(cu[-1] + n)
     device = md.query_start_loc.device
     cu_spec = torch.tensor(cu, dtype=torch.int32, device=device)
+    md.mla_absorbed = _mla_absorbed_rows(md, spec_rows, qsl, layout == "contiguous")
     if layout == "contiguous":
         n_non = len(non_rows)
         if spec_rows != list(range(n_non, md.num_reqs)):
@@ -94,6 +96,25 @@ def build_spec_step(md: AttentionMetadata, is_spec: list[bool], idx_spec: torch.
                     _gather_metadata(md, non_rows, tok_non) if non_rows else None,
                     tok_spec=torch.tensor(tok_spec, dtype=torch.long, device=device),
                     tok_non=torch.tensor(tok_non, dtype=torch.long, device=device))
+
+
+def _mla_absorbed_rows(md: AttentionMetadata, rows: list[int], qsl: list[int],
+                       contiguous: bool) -> MLAAbsorbedRows:
+    """One absorbed-MLA row per token of the spec rows (see MLAAbsorbedRows)."""
+    computed = md.num_computed_tokens_cpu.tolist()
+    lens = [qsl[i + 1] - qsl[i] for i in rows]
+    seq = np.concatenate([np.arange(computed[i] + 1, computed[i] + n + 1)
+                          for i, n in zip(rows, lens)]).astype(np.int32)
+    req_of_token = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+    device = md.block_table.device
+    tokens = None
+    if not contiguous:
+        tokens = torch.from_numpy(np.concatenate([np.arange(qsl[i], qsl[i + 1])
+                                                  for i in rows])).to(device)
+    return MLAAbsorbedRows(
+        reqs=list(rows), token_start=qsl[rows[0]] if contiguous else None, tokens=tokens,
+        seq_lens=torch.from_numpy(seq).to(device),
+        block_table=md.block_table[torch.from_numpy(req_of_token).to(device)])
 
 
 def _slice_metadata(md: AttentionMetadata, n: int) -> AttentionMetadata:

@@ -34,6 +34,8 @@ class AttentionMetadata:
     kda_checkpoints: "KDACheckpointRequest | None" = None
     spec: "SpecStep | None" = None
     """Speculative verification rows of this step (KDA layers only; None = none)."""
+    mla_absorbed: "MLAAbsorbedRows | None" = None
+    """Multi-token rows MLA computes in the absorbed form (speculative verification)."""
 
     @property
     def num_decode_tokens(self) -> int:
@@ -42,6 +44,33 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
+
+
+@dataclass
+class MLAAbsorbedRows:
+    """Short multi-token query rows (speculative verification: last token + drafts) that MLA
+    computes like decodes, in the absorbed form over the latent cache, one row per token: token
+    j of request i sees its context and the window's tokens up to j (seq_len = num_computed_i
+    + j + 1). No context is expanded with kv_b_proj, and one kernel call covers every row."""
+
+    reqs: list[int]
+    """Request indices (host); MLA's prefill path skips them."""
+    token_start: int | None
+    """The rows' tokens are [token_start, token_start + num_tokens) (contiguous layout)..."""
+    tokens: torch.Tensor | None
+    """...or these [S] int64 token indices (gather layout)."""
+    seq_lens: torch.Tensor            # [S] int32
+    block_table: torch.Tensor         # [S, max_blocks_per_req] int32: the token's request's row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def rows(self):
+        """Index of the rows' tokens in the batch: a slice or an index tensor."""
+        if self.tokens is not None:
+            return self.tokens
+        return slice(self.token_start, self.token_start + self.num_tokens)
 
 
 @dataclass
@@ -60,7 +89,7 @@ class SpecStep:
     """The speculative-verification group of one step's batch, for the KDA layers.
 
     A spec row is a request verifying drafts: its query is [last token] + K_i drafts. MLA needs
-    nothing from here (it treats spec rows as multi-token rows over their cached context). KDA
+    nothing from here (build_spec_step gives it md.mla_absorbed: one absorbed row per token). KDA
     runs the non-spec rows through the plain path with `md_non` and the spec rows through the
     verify kernels (kernels.kda.recover); after sampling the runner commits the accepted tokens
     from `records` / `conv_inputs` (recover) or selects the accepted column (per_position).

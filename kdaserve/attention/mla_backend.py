@@ -1,8 +1,8 @@
 """MLA over the paged latent cache ([c | k_pe] per token).
 
-Decodes (the first num_decodes requests) use the absorbed form: queries are mapped into the latent
-space with W_UK, attention runs directly over the cached latents, and the latent output is mapped
-back with W_UV. Prefill chunks expand their whole context (cached prefix + new tokens) with
+Decodes (the first num_decodes requests) and speculative verification rows (md.mla_absorbed, one
+row per window token) use the absorbed form: queries are mapped into the latent space with W_UK,
+attention runs directly over the cached latents, and the latent output is mapped back with W_UV. Prefill chunks expand their whole context (cached prefix + new tokens) with
 kv_b_proj and run causal attention whose mask is aligned to the bottom-right (query i sits at
 position num_computed_tokens + i).
 """
@@ -27,31 +27,29 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: tor
         ref.store_kv(kv_cache, slot_mapping, latent)
 
 
-def decode_attention(q_latent: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                     scale: float, kv_lora_rank: int) -> torch.Tensor:
-    """q_latent: [B, H, kv_lora_rank + rope] -> latent output [B, H, kv_lora_rank]."""
-    nd = md.num_decodes
+def absorbed_attention(q_latent: torch.Tensor, kv_cache: torch.Tensor,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                       kv_lora_rank: int) -> torch.Tensor:
+    """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
+    cached latents: q_latent [R, H, rank + rope] -> [R, H, rank]."""
     if q_latent.is_cuda:
         from kdaserve.kernels.mla.decode import mla_decode
 
-        return mla_decode(q_latent, kv_cache, md.block_table[:nd], md.seq_lens[:nd], scale,
-                          kv_lora_rank)
-    return ref.mla_decode(q_latent, kv_cache, md.block_table[:nd], md.seq_lens[:nd], scale,
-                          kv_lora_rank)
+        return mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                      expand, scale: float) -> torch.Tensor:
-    """q: [T_prefill, H, qk_head_dim] for the prefill requests (rows after the decodes);
-    expand(latent [L, D]) -> (k [L, H, qk_head_dim], v [L, H, v_head_dim]).
-    Returns [T_prefill, H, v_head_dim]."""
-    nd = md.num_decodes
+                      expand, scale: float, out: torch.Tensor, reqs: list[int]) -> None:
+    """Causal attention of the prefill chunks of requests `reqs` over their cached context plus
+    their new tokens, written into their rows of `out`.
+
+    q: [T, H, qk_head_dim] and out: [T, H, v_head_dim] for the whole batch; expand(latent
+    [L, D]) -> (k [L, H, qk_head_dim], v [L, H, v_head_dim])."""
     qsl = md.query_start_loc_cpu.tolist()
     seq_lens = md.seq_lens_cpu.tolist()
-    base = qsl[nd]
-    outs = []
-    for i in range(nd, md.num_reqs):
-        s, e = qsl[i] - base, qsl[i + 1] - base
+    for i in reqs:
+        s, e = qsl[i], qsl[i + 1]
         latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
         k, v = expand(latent)
         # SDPA's fused kernels (flash, memory-efficient) take only 4-D [B, H, L, D] inputs:
@@ -70,6 +68,4 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
             # object dispatches to the fused kernels without materialising a mask.
             o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
                                                attn_mask=causal_lower_right(q_len, kv_len))
-        o = o[0]                                                             # [H, q_len, d]
-        outs.append(o.transpose(0, 1)[..., :v_dim])
-    return torch.cat(outs, dim=0)
+        out[s:e] = o[0].transpose(0, 1)[..., :v_dim]                         # [q_len, H, v]

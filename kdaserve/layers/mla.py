@@ -48,6 +48,17 @@ class MLAttention(nn.Module):
         k = torch.cat([kv[..., :self.nope_dim], k_pe], dim=-1)
         return k, kv[..., self.nope_dim:]
 
+    def _absorbed(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor) -> torch.Tensor:
+        """q [R, H, qk] -> [R, H, v]: row r attends to the first seq_lens[r] cached latents of
+        block_table[r], in the latent space (W_UK folded into q, W_UV applied after)."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)
+        q_lat = torch.cat([q_nope, q[..., self.nope_dim:]], dim=-1)      # [R, H, rank + rope]
+        o_lat = mla_backend.absorbed_attention(q_lat, kv_cache, block_table, seq_lens,
+                                               self.scale, self.kv_lora_rank)   # [R, H, rank]
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+
     def process_weights_after_loading(self) -> None:
         self.q_kva_weight = merge_rows(self.q_proj.weight, self.kv_a_proj_with_mqa.weight)
 
@@ -65,17 +76,19 @@ class MLAttention(nn.Module):
         out = x.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:
-            w_uk, w_uv = self._w_uk_uv()
-            q_nope = torch.einsum("bhn,hnr->bhr", q[:nd, :, :self.nope_dim], w_uk)
-            q_lat = torch.cat([q_nope, q[:nd, :, self.nope_dim:]], dim=-1)  # [B, H, rank+rope]
-            o_lat = mla_backend.decode_attention(q_lat, kv_cache, md, self.scale,
-                                                 self.kv_lora_rank)       # [B, H, rank]
-            out[:nd] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
-        t0 = int(md.query_start_loc_cpu[nd])
+            out[:nd] = self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd])
+        absorbed = md.mla_absorbed
+        skip = set()
+        if absorbed is not None:   # spec verification rows: one absorbed row per token
+            rows = absorbed.rows()
+            out[rows] = self._absorbed(q[rows], kv_cache, absorbed.block_table,
+                                       absorbed.seq_lens)
+            skip = set(absorbed.reqs)
+        prefills = [i for i in range(nd, md.num_reqs) if i not in skip]
+        if prefills:
+            mla_backend.prefill_attention(q, kv_cache, md, self._expand, self.scale, out,
+                                          prefills)
         t1 = md.num_actual_tokens
-        if t1 > t0:
-            out[t0:t1] = mla_backend.prefill_attention(q[t0:t1], kv_cache, md, self._expand,
-                                                       self.scale)
         if t1 < T:
             out[t1:] = 0
         return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv)
