@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -79,13 +80,17 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.sample_method = draft_sample_method
-        per_req = -(-(max_model_len + num_speculative_tokens) // block_size)
-        num_blocks = num_blocks or max_num_seqs * per_req
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_req = -(-(max_model_len + num_speculative_tokens) // block_size)
+        num_blocks = num_blocks or max_num_seqs * self.max_blocks_per_req
+        # 2 KDA slots per request (committed, scratch) + 1 for CUDA-graph padding rows
         self.caches: ModelCaches = allocate_caches(args, num_blocks, block_size,
-                                                   2 * max_num_seqs, dtype, self.device)
+                                                   2 * max_num_seqs + 1, dtype, self.device)
         self._blocks = _Allocator(list(range(num_blocks)))
         self._slots = _Allocator(list(range(2 * max_num_seqs)))
         self.requests: dict[str, _DraftRequest] = {}
+        self.graphs = None
+        """DraftDecodeGraphs of drafts 2..K once capture_graphs() ran (CUDA only)."""
 
     @classmethod
     def from_pretrained(cls, path: str, target_args: KimiLinearArgs, **kwargs
@@ -111,6 +116,18 @@ class DraftModelProposer:
         model = build_model(args, kwargs["dtype"], kwargs["device"], resolve_architecture(hf))
         load_weights(model, path, LoadConfig())
         return cls(model, args, **kwargs)
+
+    def capture_graphs(self) -> None:
+        """Capture CUDA graphs of the one-token draft steps (call after the target's caches
+        are allocated, like the target's graphs)."""
+        from kdaserve.spec_decode.draft_graphs import DraftDecodeGraphs
+
+        if self.device.type != "cuda" or self.k < 2:
+            return
+        self.graphs = DraftDecodeGraphs(self.model, self.caches, 2 * self.max_num_seqs,
+                                        self.block_size, self.max_blocks_per_req,
+                                        self.max_num_seqs, self.max_model_len, self.device)
+        self.graphs.capture()
 
     # -----------------------------------------------------------------------------------------
 
@@ -161,11 +178,16 @@ class DraftModelProposer:
         # 2. K - 1 single-token steps on scratch copies of the committed state
         if self.k > 1:
             self._copy_slots([r.slot for r in reqs], [r.scratch_slot for r in reqs])
+            step = self._graph_steps(reqs) if self.graphs is not None and \
+                n <= self.graphs.max_bs else None
             for j in range(1, self.k):
-                logits = self._forward([[t] for t in drafts[-1].tolist()],
-                                       [r.num_computed + j - 1 for r in reqs],
-                                       [r.block_ids for r in reqs],
-                                       [r.scratch_slot for r in reqs])
+                if step is not None:
+                    logits = step(drafts[-1], j + 1)
+                else:
+                    logits = self._forward([[t] for t in drafts[-1].tolist()],
+                                           [r.num_computed + j - 1 for r in reqs],
+                                           [r.block_ids for r in reqs],
+                                           [r.scratch_slot for r in reqs])
                 tok, q = self._sample(logits, temps)
                 drafts.append(tok)
                 probs.append(q)
@@ -193,6 +215,23 @@ class DraftModelProposer:
         if need > len(req.block_ids):
             req.block_ids.extend(self._blocks.take(need - len(req.block_ids), "KV blocks"))
         return req
+
+    def _graph_steps(self, reqs: list[_DraftRequest]):
+        """Load the rows into the draft graphs; returns step(prev_tokens, j) -> logits [n, V]
+        for draft j (2..K): it feeds token j - 1 at position num_computed + j - 2."""
+        from kdaserve.spec_decode.draft_graphs import step_inputs
+
+        width = max(len(r.block_ids) for r in reqs)
+        table = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            table[i, :len(r.block_ids)] = r.block_ids
+        self.graphs.load(table, [r.scratch_slot for r in reqs])
+        computed = np.asarray([r.num_computed for r in reqs], dtype=np.int64)
+
+        def step(prev: torch.Tensor, j: int) -> torch.Tensor:
+            seq, slots = step_inputs(computed, table, self.block_size, j - 1)
+            return self.graphs.step(prev, seq, slots)
+        return step
 
     def _forward(self, queries: list[list[int]], num_computed: list[int],
                  block_ids: list[list[int]], slots: list[int]) -> torch.Tensor:

@@ -187,6 +187,8 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self)
             self.graphs.capture()
+            if self.spec is not None:
+                self.spec.capture_graphs()
 
     def _spec_rows_per_slot(self) -> int:
         return self.spec.extra_rows_per_slot if self.spec is not None else 0

@@ -86,6 +86,12 @@ class SpecDecoder:
         self.scratch_base: int | None = None
         self._pending: _PendingCommit | None = None
 
+    def capture_graphs(self) -> None:
+        """CUDA graphs of the draft model's one-token steps (draft_model method only)."""
+        capture = getattr(self.proposer, "capture_graphs", None)
+        if capture is not None:
+            capture()
+
     # -----------------------------------------------------------------------------------------
     # Sizing
     # -----------------------------------------------------------------------------------------

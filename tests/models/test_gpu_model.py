@@ -133,3 +133,29 @@ def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
         assert rel(got1, ref1) <= 2e-2
     finally:
         model.configure_kernels(KernelConfig())
+
+
+def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
+    """Draft-model speculation on CUDA (the tiny model drafting for itself, K=4): the target's
+    and the draft's CUDA graphs on give the eager greedy tokens, and equal plain decoding."""
+    from tests.engine.conftest import _write_tokenizer
+    from tests.models.hf_tiny import make_hf_model
+
+    from kdaserve import LLM, SamplingParams
+
+    make_hf_model(seed=0).save_pretrained(str(tmp_path))
+    _write_tokenizer(str(tmp_path))
+    ps = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 4}
+    outs = {}
+    for name, kw in (("plain", {}), ("spec-eager", {"speculative_config": spec,
+                                                     "enforce_eager": True}),
+                     ("spec-graphs", {"speculative_config": spec})):
+        llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
+                  dtype="float32", **kw)
+        if name == "spec-graphs":
+            assert llm.llm_engine.model_runner.spec.proposer.graphs is not None
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        del llm
+    assert outs["spec-graphs"] == outs["spec-eager"] == outs["plain"]

@@ -163,3 +163,47 @@ def test_probabilistic_drafts_and_caps(model_dirs):
         prop.propose(["y"], [[8, 9]])
     with pytest.raises(ValueError, match="draft_sample_method"):
         DraftModelProposer(dmodel, dargs, K, 1, 64, BS, "cpu", torch.float32, "beam")
+
+
+def test_draft_graph_inputs_match_the_eager_steps(model_dirs):
+    """The graph path of drafts 2..K (buffers loaded once per propose, per-step seq lens and KV
+    slots from step_inputs, padding rows on the scratch slot) gives the eager path's drafts.
+    On the CPU the 'graph' runs the same forward over the same buffers without a capture."""
+    from kdaserve.spec_decode.draft_graphs import DraftDecodeGraphs
+
+    class EagerGraphs(DraftDecodeGraphs):
+        def capture(self):
+            pass
+
+        @torch.inference_mode()
+        def _run(self, size):
+            ids = self.input_ids[:size]
+            return self.model.compute_logits(
+                self.model(ids, ids, ForwardContext(self._metadata(size), self.caches)))
+
+    prompts = _prompts(3)
+    seqs = plain_greedy(model_dirs[0], prompts, 16)
+    dmodel, dargs = _load(model_dirs[1])
+    props = [DraftModelProposer(dmodel, dargs, 4, max_num_seqs=4, max_model_len=128,
+                                block_size=BS, device="cpu", dtype=torch.float32)
+             for _ in range(2)]
+    g = props[1]
+
+    def graphs(max_seqs):
+        return EagerGraphs(g.model, g.caches, 2 * g.max_num_seqs, BS, g.max_blocks_per_req,
+                           max_seqs, g.max_model_len, g.device)
+
+    g.graphs = graphs(4)
+    assert g.graphs.sizes == [1, 2, 4]
+    committed = [1, 3, 2]
+    for step, ids in enumerate([["a", "b", "c"], ["b"], ["a", "b", "c"], ["c", "a"]]):
+        sel = [{"a": 0, "b": 1, "c": 2}[r] for r in ids]   # 3 rows: one padding row at size 4
+        toks = [prompts[i] + seqs[i][:committed[i]] for i in sel]
+        want = props[0].propose(ids, toks).draft_token_ids
+        assert g.propose(ids, toks).draft_token_ids == want, step
+        for i in sel:
+            committed[i] += 2
+    g.graphs = graphs(2)                  # three rows exceed the largest graph: eager fallback
+    toks = [prompts[i] + seqs[i][:committed[i] + 1] for i in range(3)]
+    assert g.propose(["a", "b", "c"], toks).draft_token_ids == \
+        props[0].propose(["a", "b", "c"], toks).draft_token_ids

@@ -1,0 +1,118 @@
+"""CUDA graphs of the draft model's one-token steps (drafts 2..K of every propose call).
+
+Drafts 2..K are K - 1 decode steps of the same requests over the same block tables and scratch
+KDA slots; only the token ids (the previous draft, already on the device), the sequence lengths
+and the KV slots change. One graph per capture size covers forward + lm_head; a step then costs
+three small copies, one replay and the sampler, with no host sync for the token ids. Padding
+rows (up to the capture size) compute on the draft's scratch KDA slot, write no KV
+(slot_mapping -1) and read one cached token of block 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from kdaserve.attention.metadata import AttentionMetadata, ForwardContext, ModelCaches
+from kdaserve.worker.cuda_graphs import capture_sizes
+
+logger = logging.getLogger(__name__)
+
+
+def step_inputs(num_computed: np.ndarray, block_table: np.ndarray, block_size: int,
+                step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(seq_lens, slot_mapping) of draft step `step` (1-based: the token at position
+    num_computed + step - 1 is fed) for rows with committed lengths num_computed [n] and block
+    tables [n, W]."""
+    pos = num_computed.astype(np.int64) + step - 1                       # [n]
+    rows = np.arange(len(pos))
+    slots = block_table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return (pos + 1).astype(np.int32), slots
+
+
+class DraftDecodeGraphs:
+    def __init__(self, model: nn.Module, caches: ModelCaches, scratch_slot: int,
+                 block_size: int, max_blocks: int, max_num_seqs: int, max_seq_len: int,
+                 device: torch.device) -> None:
+        self.model, self.caches = model, caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        self.block_size, self.scratch_slot, self.max_seq_len = block_size, scratch_slot, max_seq_len
+        bs = self.max_bs
+        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((bs,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
+        self.state_indices = torch.full((bs,), scratch_slot, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._size = 0
+        self._n = 0
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
+            query_start_loc=self.query_start_loc[:bs + 1],
+            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
+            slot_mapping=self.slot_mapping[:bs], block_table=self.block_table[:bs],
+            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
+            max_query_len=1, max_seq_len=self.max_seq_len)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for bs in reversed(self.sizes):
+            ctx = ForwardContext(self._metadata(bs), self.caches)
+            ids = self.input_ids[:bs]
+            for _ in range(2):   # warm up: autotuning and lazy init stay out of the capture
+                self.model.compute_logits(self.model(ids, ids, ctx))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model.compute_logits(self.model(ids, ids, ctx))
+            pool = pool or graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize()
+        logger.info("captured %d draft-model CUDA graphs (sizes %s) in %.1f s", len(self.graphs),
+                    self.sizes, time.perf_counter() - t0)
+
+    def load(self, block_table: np.ndarray, state_slots: list[int]) -> None:
+        """Rows of this propose call: block tables [n, W] and scratch state slots; padding rows
+        up to the capture size get the scratch slot, block 0 and no KV write."""
+        n, width = block_table.shape
+        if n > self.max_bs:
+            raise ValueError(f"{n} rows exceed the largest draft graph ({self.max_bs})")
+        size = next(s for s in self.sizes if s >= n)
+        table = np.zeros((size, max(width, 1)), dtype=np.int32)
+        table[:n, :width] = block_table
+        state = np.full(size, self.scratch_slot, dtype=np.int32)
+        state[:n] = state_slots
+        self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table),
+                                                       non_blocking=False)
+        self.state_indices[:size].copy_(torch.from_numpy(state))
+        self.seq_lens[n:size] = 1
+        self.slot_mapping[n:size] = -1
+        self._size, self._n = size, n
+
+    def step(self, ids: torch.Tensor, seq_lens: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        """One draft step for the loaded rows: ids [n] (device), seq_lens / slots [n] (host).
+        Returns fp32 logits [n, V] (a view of the graph's output: use before the next step)."""
+        n = self._n
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.seq_lens[:n].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        return self._run(self._size)[:n]
+
+    def _run(self, size: int) -> torch.Tensor:
+        """Replay the graph of `size` over the buffers; its logits [size, V]."""
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits
