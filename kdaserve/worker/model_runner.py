@@ -115,6 +115,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.caches: ModelCaches | None = None
         self.graphs = None
+        self.spec_graphs = None
+        """SpecVerifyGraphs (CUDA, recover + contiguous spec decoding)."""
         self.spec: SpecDecoder | None = None
         if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
             self.spec = SpecDecoder(config, self.args, self.device, self.dtype)
@@ -189,6 +191,11 @@ class ModelRunner:
             self.graphs.capture()
             if self.spec is not None:
                 self.spec.capture_graphs()
+                if not self.spec.per_position and self.spec.layout == "contiguous":
+                    from kdaserve.worker.spec_graphs import SpecVerifyGraphs
+
+                    self.spec_graphs = SpecVerifyGraphs(self, self.graphs.pool)
+                    self.spec_graphs.capture()
 
     def _spec_rows_per_slot(self) -> int:
         return self.spec.extra_rows_per_slot if self.spec is not None else 0
@@ -329,9 +336,13 @@ class ModelRunner:
     def _forward(self, batch: StepBatch, states: list[CachedRequestState],
                  kda_checkpoints=None, spec_exports=()) -> torch.Tensor:
         """Runs the model; returns the final hidden state of each sampling row (every position
-        of a spec row). Steps with spec rows run eager (the decode graphs take one-token rows)."""
+        of a spec row). Decode-only steps and uniform verification steps (every request verifying K
+drafts) replay CUDA graphs; other steps run eager."""
         if kda_checkpoints is None and self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, states)
+        if (kda_checkpoints is None and not spec_exports and self.spec_graphs is not None
+                and self.spec_graphs.can_run(batch)):
+            return self.spec_graphs.run(batch, states)
         md = build_metadata(batch.query_lens, batch.num_computed,
                             [s.block_np[:len(s.block_ids)] for s in states],
                             [s.state_slot for s in states], self.block_size, self.device)

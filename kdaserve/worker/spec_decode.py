@@ -54,6 +54,8 @@ class _PendingCommit:
     exports: list[tuple[int, int]] = field(default_factory=list)
     """(spec row, checkpoint slot): the row's state after its first window token (the last
     known token: always accepted), for prefix caching."""
+    pad_to: int = 0
+    """A CUDA-graph step's row count (padding rows commit zero tokens to the scratch slot)."""
 
 
 class SpecDecoder:
@@ -202,9 +204,14 @@ class SpecDecoder:
             rows.append(q[:len(d)])
         return torch.cat(rows) if rows else None
 
+    def set_pending(self, step: SpecStep, own_slots: list[int], pad_to: int = 0) -> None:
+        """The commit of a step whose SpecStep was built elsewhere (a spec-verify CUDA graph)."""
+        self._pending = _PendingCommit(step, own_slots, [], pad_to)
+
     def commit(self, caches: ModelCaches, num_accepted: list[int]) -> None:
         """num_accepted: per spec row, tokens emitted (= accepted drafts + 1)."""
         p, self._pending = self._pending, None
+        num_accepted = list(num_accepted) + [0] * max(0, p.pad_to - len(num_accepted))
         n = torch.tensor(num_accepted, dtype=torch.int64, device=self.device)
         if p.exports:
             self._export_first_token(caches, p)

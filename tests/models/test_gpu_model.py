@@ -136,8 +136,9 @@ def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
 
 
 def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
-    """Draft-model speculation on CUDA (the tiny model drafting for itself, K=4): the target's
-    and the draft's CUDA graphs on give the eager greedy tokens, and equal plain decoding."""
+    """Draft-model speculation on CUDA (the tiny model drafting for itself, K=4): with the
+    draft's graphs and the target's spec-verify graphs on, the greedy tokens equal the eager
+    run's and plain decoding's."""
     from tests.engine.conftest import _write_tokenizer
     from tests.models.hf_tiny import make_hf_model
 
@@ -154,8 +155,10 @@ def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
                      ("spec-graphs", {"speculative_config": spec})):
         llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
                   dtype="float32", **kw)
-        if name == "spec-graphs":
-            assert llm.llm_engine.model_runner.spec.proposer.graphs is not None
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        if name == "spec-graphs":
+            runner = llm.llm_engine.model_runner
+            assert runner.spec.proposer.graphs is not None
+            assert runner.spec_graphs is not None and runner.spec_graphs.num_replays > 0
         del llm
     assert outs["spec-graphs"] == outs["spec-eager"] == outs["plain"]

@@ -232,3 +232,35 @@ def test_synthetic_rates_resolved():
     sc = SpeculativeConfig(method="ngram", num_speculative_tokens=3,
                            rejection_sample_method="synthetic", synthetic_acceptance_length=2.5)
     assert sc.synthetic_rates == [1.0, 0.5, 0.0]
+
+
+def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
+                                                        tiny_model_dir, draft_dirs):
+    """The spec-verify CUDA-graph path (buffers, in-graph MLA rows, padding requests on the
+    scratch slot, the padded commit) gives the plain greedy output. On the CPU the 'graph' runs
+    the captured work eagerly over the same buffers."""
+    from kdaserve.worker.spec_graphs import SpecVerifyGraphs
+
+    class EagerSpecGraphs(SpecVerifyGraphs):
+        def capture(self):
+            self.mds = {bs: self._metadata(bs) for bs in self.sizes}
+
+        def _run(self, bs):
+            md = self.mds[bs]
+            return self._forward(bs, md), md.spec
+
+    # a draft model proposes K drafts every step, so most verification steps are uniform; the
+    # perturbed drafter gets some rejected (the commit must fold only the accepted tokens)
+    for draft in (tiny_model_dir, draft_dirs):
+        llm = make_llm(speculative_config=_spec(method="draft_model", model=draft,
+                                                kda_state_mode="recover",
+                                                batch_layout="contiguous"), max_num_seqs=8)
+        runner = llm.llm_engine.model_runner
+        runner.spec_graphs = EagerSpecGraphs(runner)
+        runner.spec_graphs.capture()
+        got, _ = _run(llm)
+        assert got == plain_outputs
+        assert runner.spec_graphs.num_replays >= 10, runner.spec_graphs.num_replays
+    with pytest.raises(ValueError, match="recover"):
+        SpecVerifyGraphs(make_llm(speculative_config=_spec(kda_state_mode="per_position"))
+                         .llm_engine.model_runner)

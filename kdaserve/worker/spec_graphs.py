@@ -1,0 +1,159 @@
+"""CUDA graphs for speculative verification steps.
+
+A step qualifies when every request verifies exactly K drafts (1 + K tokens on a non-empty
+context), with the contiguous batch layout and the RecoverSSM state mode, and exports no prefix
+checkpoint: the steady state of speculative decoding. One graph per capture size B (requests)
+covers the whole forward over B * (1 + K) tokens:
+- KDA runs the verify kernels (the state pool is read only; the records they keep belong to the
+  graph and feed the commit after sampling);
+- MLA runs one absorbed row per token; its per-token block table and sequence lengths are
+  derived inside the graph from the per-request buffers.
+Padding requests (up to the capture size) verify on the runner's scratch KDA slot, write no KV
+and commit nothing that matters (zero accepted tokens, into the scratch slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kdaserve.attention.metadata import (AttentionMetadata, ForwardContext, MLAAbsorbedRows,
+                                         SpecStep)
+from kdaserve.worker.cuda_graphs import capture_sizes
+
+if TYPE_CHECKING:
+    from kdaserve.worker.model_runner import CachedRequestState, ModelRunner, StepBatch
+
+logger = logging.getLogger(__name__)
+
+
+class SpecVerifyGraphs:
+    def __init__(self, runner: "ModelRunner", pool=None) -> None:
+        spec = runner.spec
+        if spec.per_position or spec.layout != "contiguous":
+            raise ValueError("spec verification graphs need kda_state_mode=recover and "
+                             "batch_layout=contiguous")
+        self.runner, self.spec, self.pool = runner, spec, pool
+        self.k1 = spec.k + 1
+        self.sizes = capture_sizes(runner.config.scheduler_config.max_num_seqs)
+        self.max_bs = self.sizes[-1]
+        max_len = runner.config.scheduler_config.max_model_len
+        self.max_seq_len = max_len
+        max_blocks = -(-(max_len + spec.k) // runner.block_size)
+        bs, tok, dev = self.max_bs, self.max_bs * self.k1, runner.device
+        self.input_ids = torch.zeros(tok, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.arange(0, (bs + 1) * self.k1, self.k1, dtype=torch.int32,
+                                            device=dev)
+        self.seq_lens = torch.full((bs,), self.k1, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=dev)
+        self.state_indices = torch.full((bs,), runner.num_slots, dtype=torch.int32, device=dev)
+        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=dev)
+        # per token: its request and its offset in the window (for the absorbed MLA rows)
+        self.token_req = torch.arange(tok, device=dev) // self.k1
+        self.token_off = (torch.arange(tok, device=dev) % self.k1).to(torch.int32)
+        self.mla_seq_lens = torch.ones(tok, dtype=torch.int32, device=dev)
+        self.mla_block_table = torch.zeros(tok, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, SpecStep]] = {}
+        self.num_replays = 0
+
+    # ---- capture ----
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        t = bs * self.k1
+        md = AttentionMetadata(
+            num_reqs=bs, num_decodes=0, num_actual_tokens=t,
+            query_start_loc=self.query_start_loc[:bs + 1],
+            query_start_loc_cpu=torch.arange(0, (bs + 1) * self.k1, self.k1, dtype=torch.int32),
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.full((bs,), self.k1,
+                                                                 dtype=torch.int32),
+            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
+            slot_mapping=self.slot_mapping[:t], block_table=self.block_table[:bs],
+            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
+            max_query_len=self.k1, max_seq_len=self.max_seq_len)
+        md.spec = SpecStep("contiguous", False, 0, self.query_start_loc[:bs + 1],
+                           self.state_indices[:bs], None)
+        md.mla_absorbed = MLAAbsorbedRows(list(range(bs)), 0, None, self.mla_seq_lens[:t],
+                                          self.mla_block_table[:t])
+        return md
+
+    def _forward(self, bs: int, md: AttentionMetadata) -> torch.Tensor:
+        """The captured work: per-token MLA inputs from the per-request buffers, then the
+        model over bs * (1 + K) tokens."""
+        t = bs * self.k1
+        req = self.token_req[:t]
+        self.mla_block_table[:t] = self.block_table.index_select(0, req)
+        # token j of a window sees the context before the step plus window tokens 0..j
+        self.mla_seq_lens[:t] = self.seq_lens.index_select(0, req) - (self.k1 - 1) \
+            + self.token_off[:t]
+        md.spec.records.clear()
+        md.spec.conv_inputs.clear()
+        ids = self.input_ids[:t]
+        return self.runner.model(ids, ids, ForwardContext(md, self.runner.caches))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        for bs in reversed(self.sizes):
+            md = self._metadata(bs)
+            for _ in range(2):   # warm up: autotuning and lazy init stay out of the capture
+                self._forward(bs, md)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self._forward(bs, md)
+            self.pool = self.pool or graph.pool()
+            self.graphs[bs] = (graph, hidden, md.spec)
+        torch.cuda.synchronize()
+        logger.info("captured %d spec-verify CUDA graphs (sizes %s, %d tokens per request) in "
+                    "%.1f s", len(self.graphs), self.sizes, self.k1, time.perf_counter() - t0)
+
+    # ---- replay ----
+    def can_run(self, batch: "StepBatch") -> bool:
+        n = len(batch.req_ids)
+        return (0 < n <= self.max_bs and all(len(d) == self.k1 - 1 for d in batch.drafts)
+                and all(c > 0 for c in batch.num_computed))
+
+    def fill(self, batch: "StepBatch", states: list["CachedRequestState"]) -> int:
+        """Write the step into the buffers; returns the capture size."""
+        n = len(batch.req_ids)
+        bs = next(s for s in self.sizes if s >= n)
+        k1, bsz, t = self.k1, self.runner.block_size, n * self.k1
+        computed = np.asarray(batch.num_computed, dtype=np.int64)
+        pos = (computed[:, None] + np.arange(k1)[None, :]).reshape(-1)          # [t]
+        req = np.repeat(np.arange(n), k1)
+        width = max(len(s.block_ids) for s in states)
+        table = np.zeros((bs, width), dtype=np.int32)
+        for i, s in enumerate(states):
+            table[i, :len(s.block_ids)] = s.block_np[:len(s.block_ids)]
+        slots = np.full(bs * k1, -1, dtype=np.int64)
+        slots[:t] = table[req, pos // bsz].astype(np.int64) * bsz + pos % bsz
+        ids = np.zeros(bs * k1, dtype=np.int64)
+        ids[:t] = batch.input_ids
+        seq = np.full(bs, k1, dtype=np.int32)
+        seq[:n] = computed + k1
+        state = np.full(bs, self.runner.num_slots, dtype=np.int32)
+        state[:n] = [s.state_slot for s in states]
+        self.input_ids[:bs * k1].copy_(torch.from_numpy(ids))
+        self.slot_mapping[:bs * k1].copy_(torch.from_numpy(slots))
+        self.seq_lens[:bs].copy_(torch.from_numpy(seq))
+        self.state_indices[:bs].copy_(torch.from_numpy(state))
+        self.block_table[:bs, :width].copy_(torch.from_numpy(table))
+        return bs
+
+    def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
+        """Hidden states of every window token [n * (1 + K), D]; the pending commit is set."""
+        bs = self.fill(batch, states)
+        hidden, step = self._run(bs)
+        self.num_replays += 1
+        n = len(batch.req_ids)
+        self.spec.set_pending(step, [s.state_slot for s in states], pad_to=bs)
+        return hidden[:n * self.k1]
+
+    def _run(self, bs: int) -> tuple[torch.Tensor, SpecStep]:
+        graph, hidden, step = self.graphs[bs]
+        graph.replay()
+        return hidden, step
