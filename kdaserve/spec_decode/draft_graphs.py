@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kdaserve.attention.metadata import AttentionMetadata, ForwardContext, ModelCaches
-from kdaserve.worker.cuda_graphs import capture_sizes
+from kdaserve.worker.cuda_graphs import capture_sizes, decode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +55,7 @@ class DraftDecodeGraphs:
         self._n = 0
 
     def _metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
-            query_start_loc=self.query_start_loc[:bs + 1],
-            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
-            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
-            slot_mapping=self.slot_mapping[:bs], block_table=self.block_table[:bs],
-            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
-            max_query_len=1, max_seq_len=self.max_seq_len)
+        return decode_metadata(self, bs)
 
     @torch.inference_mode()
     def capture(self) -> None:

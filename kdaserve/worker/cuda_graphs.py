@@ -27,6 +27,21 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+def decode_metadata(buf, bs: int) -> AttentionMetadata:
+    """Metadata of a captured decode step of bs one-token rows over graph input buffers (`buf`
+    has query_start_loc, seq_lens, slot_mapping, block_table, state_indices, has_initial_state
+    and max_seq_len, the MLA split bound that keeps one grid across replays)."""
+    return AttentionMetadata(
+        num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
+        query_start_loc=buf.query_start_loc[:bs + 1],
+        query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+        seq_lens=buf.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+        num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
+        slot_mapping=buf.slot_mapping[:bs], block_table=buf.block_table[:bs],
+        state_indices=buf.state_indices[:bs], has_initial_state=buf.has_initial_state[:bs],
+        max_query_len=1, max_seq_len=buf.max_seq_len)
+
+
 class DecodeGraphs:
     def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
@@ -55,15 +70,7 @@ class DecodeGraphs:
         self.max_seq_len = runner.config.scheduler_config.max_model_len
 
     def _metadata(self, bs: int) -> AttentionMetadata:
-        qsl_cpu = torch.arange(bs + 1, dtype=torch.int32)
-        return AttentionMetadata(
-            num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
-            query_start_loc=self.query_start_loc[:bs + 1], query_start_loc_cpu=qsl_cpu,
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
-            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
-            slot_mapping=self.slot_mapping[:bs], block_table=self.block_table[:bs],
-            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
-            max_query_len=1, max_seq_len=self.max_seq_len)
+        return decode_metadata(self, bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
