@@ -8,7 +8,8 @@ concurrency 1, internal checkpoint export vs the split-prefill baseline. Per mod
           with internal export, more with split);
   hit   - a prompt sharing its first 7680 tokens with the cold one (a new 320-token suffix).
 TTFT here is in-process: wall time from add_request to the step that returns the first token
-(no HTTP). Forward passes = engine steps until then. Both modes run on one loaded model: the
+(no HTTP). Forward passes = engine steps until then; each request also records the steps until
+every request of its group had its first token as (ms, scheduled tokens, requests). Both modes run on one loaded model: the
 prefix cache's mode is switched while the engine is idle and the cache is reset between modes,
 so each mode starts cold.
 
@@ -41,6 +42,17 @@ def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
 
 
+def track_scheduled_tokens(engine: LLMEngine) -> None:
+    """engine.scheduler.last_scheduled_tokens: tokens of the latest step (for step records)."""
+    schedule = engine.scheduler.schedule
+
+    def traced():
+        so = schedule()
+        engine.scheduler.last_scheduled_tokens = so.total_num_scheduled_tokens
+        return so
+    engine.scheduler.schedule = traced
+
+
 def serve(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, dict]:
     """Run the prompts together to completion; per request: TTFT, forward passes to the first
     token, cached tokens, decode step times."""
@@ -51,12 +63,17 @@ def serve(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int) -> 
     rec = {rid: {"steps_to_first_token": 0, "itl_ms": []} for rid in prompts}
     last = {}
     steps = 0
+    prefill_steps = []          # (ms, scheduled tokens, requests) of steps that ran a prefill
     while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
         outs = engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         now = time.perf_counter()
         steps += 1
+        if any("ttft_ms" not in r for r in rec.values()):
+            prefill_steps.append((round((now - t_step) * 1e3, 2),
+                                  engine.scheduler.last_scheduled_tokens, len(rec)))
         for o in outs:
             r = rec[o.request_id]
             n = len(o.outputs[0].token_ids)
@@ -69,6 +86,7 @@ def serve(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int) -> 
             r["_n"] = n
             last[o.request_id] = now
     for r in rec.values():
+        r["steps_until_all_first_tokens"] = prefill_steps
         r.pop("_n", None)
         itl = r.pop("itl_ms")
         r["tpot_p50_ms"] = statistics.median(itl) if itl else None
@@ -150,6 +168,7 @@ def main() -> None:
     result["kda_state_slots"] = rn.num_slots
     result["checkpoint_interval"] = engine.engine_config.cache_config.checkpoint_interval
     vocab = engine.vocab_size
+    track_scheduled_tokens(engine)
     serve(engine, {"warmup": tokens(rng, args.w3_prefix + args.w3_suffix, vocab)}, 4)      # compile/autotune outside timing
     print(json.dumps(result, indent=1), flush=True)
     if "w3" not in args.skip:
