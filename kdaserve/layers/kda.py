@@ -59,10 +59,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
 
     def process_weights_after_loading(self) -> None:
-        # q|k|v share x, and so do the three low-rank/scalar heads: two GEMMs instead of six.
-        self.qkv_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        self.small_weight = merge_rows(self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
-                                       self.b_proj.weight)
+        # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
+        self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                    self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
+                                    self.b_proj.weight)
         # f_b_proj and g_b_proj (both [P, d]) read the two low-rank outputs: one batched GEMM.
         p, d = self.g_b_proj.weight.shape
         self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
@@ -72,8 +72,9 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, D] -> [T, D]."""
         md, caches = ctx.attn, ctx.caches
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        qkv = linear(x, self.qkv_weight, self.decode_gemv)           # [T, 3P]
-        small = linear(x, self.small_weight, self.decode_gemv)       # [T, 2d + H]
+        proj = linear(x, self.in_weight, self.decode_gemv)           # [T, 3P + 2d + H]
+        p = 3 * h * d
+        qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
         q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
                                          caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
