@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdaserve.attention.builder import build_metadata  # noqa: E402
 from kdaserve.attention.metadata import ForwardContext  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
-from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig,  # noqa: E402
-                             SchedulerConfig)
+from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
+                             ModelConfig, SchedulerConfig)
 from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
 
 
@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8000)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prefill", type=int, default=8000)
+    ap.add_argument("--graphs", action="store_true",
+                    help="decode with CUDA graphs (kernels as replayed; the gap is step time "
+                         "minus kernel time)")
+    ap.add_argument("--decode-gemv", action="store_true")
+    ap.add_argument("--moe-single-token", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = max(args.context, args.prefill) + args.steps + 16
@@ -53,18 +58,27 @@ def main() -> None:
         scheduler_config=SchedulerConfig(max_num_seqs=max(args.batch, 1),
                                          max_num_batched_tokens=max(8192, args.prefill),
                                          max_model_len=max_len),
-        load_config=LoadConfig(load_format="dummy"), enforce_eager=True)
+        load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
+        kernel_config=KernelConfig(decode_gemv=args.decode_gemv,
+                                   moe_single_token=args.moe_single_token))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(args.batch, 1))
     vocab = config.model_config.arch.vocab_size
     run_point(runner, args.batch, args.context, 3, vocab, 0)        # warm-up
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
+    times = run_point(runner, args.batch, args.context, args.steps, vocab, 1)
+    result["decode_step_ms_median"] = sorted(times)[len(times) // 2] * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run_point(runner, args.batch, args.context, args.steps, vocab, 1)
     result["decode_top"] = top_kernels(prof, 40)
-    launches = sum(r["calls"] for r in top_kernels(prof, 10**6))
+    every = top_kernels(prof, 10**6)
+    launches = sum(r["calls"] for r in every)
     result["decode_kernels_per_step"] = launches / (args.steps + 1)
+    result["decode_kernel_us_per_step"] = sum(r["cuda_us"] for r in every) / (args.steps + 1)
+    result["graphs"] = args.graphs
+    print(f"decode step {result['decode_step_ms_median']:.3f} ms (unprofiled), kernels "
+          f"{result['decode_kernel_us_per_step'] / 1e3:.3f} ms per step", flush=True)
     if args.prefill:
         md = build_metadata([args.prefill], [0], [list(range(-(-args.prefill // 16)))], [0],
                             16, runner.device)
