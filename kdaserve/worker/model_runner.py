@@ -184,6 +184,8 @@ class ModelRunner:
                     min(num_slots, kv_tokens / max_len))
         if self.spec is not None:
             logger.info("%s", self.spec.memory_line(self.dtype))
+        if self.device.type == "cuda":
+            self._warmup_mixed_step()
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from kdaserve.worker.cuda_graphs import DecodeGraphs
 
@@ -196,6 +198,22 @@ class ModelRunner:
 
                     self.spec_graphs = SpecVerifyGraphs(self, self.graphs.pool)
                     self.spec_graphs.capture()
+
+    def _warmup_mixed_step(self) -> None:
+        """One eager forward mixing decodes, a prefill chunk over a cached prefix and a fresh
+        prefill, on throwaway caches: the kernel variants such steps JIT-compile (Triton
+        specialises on strides and alignment) are built at start-up, not during the first
+        requests' steps."""
+        bs = self.block_size
+        query_lens, computed = [1, 1, 100, 61], [17, 40, 33, 0]
+        blocks = [list(range(i * 16, i * 16 + -(-(c + q) // bs)))
+                  for i, (q, c) in enumerate(zip(query_lens, computed))]
+        caches = cache_mod.allocate_caches(self.args, 64, bs, 4, self.dtype, self.device)
+        md = build_metadata(query_lens, computed, blocks, [0, 1, 2, 3], bs, self.device)
+        ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, ids, ForwardContext(md, caches)))
+        torch.cuda.synchronize()
 
     def _spec_rows_per_slot(self) -> int:
         return self.spec.extra_rows_per_slot if self.spec is not None else 0
