@@ -27,16 +27,19 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: tor
         ref.store_kv(kv_cache, slot_mapping, latent)
 
 
-def absorbed_attention(q_latent: torch.Tensor, kv_cache: torch.Tensor,
-                       block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       kv_lora_rank: int) -> torch.Tensor:
+def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
+                       ) -> torch.Tensor:
     """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
-    cached latents: q_latent [R, H, rank + rope] -> [R, H, rank]."""
-    if q_latent.is_cuda:
+    cached latents: q_nope [R, H, rank] (W_UK applied), q_pe [R, H, rope] -> [R, H, rank].
+    The CUDA kernel reads the two strided inputs directly (no concatenation)."""
+    rank = q_nope.shape[-1]
+    if q_nope.is_cuda:
         from kdaserve.kernels.mla.decode import mla_decode
 
-        return mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-    return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+        return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe)
+    q_latent = torch.cat([q_nope, q_pe], dim=-1)                          # [R, H, rank + rope]
+    return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,

@@ -53,10 +53,9 @@ class MLAttention(nn.Module):
         """q [R, H, qk] -> [R, H, v]: row r attends to the first seq_lens[r] cached latents of
         block_table[r], in the latent space (W_UK folded into q, W_UV applied after)."""
         w_uk, w_uv = self._w_uk_uv()
-        q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)
-        q_lat = torch.cat([q_nope, q[..., self.nope_dim:]], dim=-1)      # [R, H, rank + rope]
-        o_lat = mla_backend.absorbed_attention(q_lat, kv_cache, block_table, seq_lens,
-                                               self.scale, self.kv_lora_rank)   # [R, H, rank]
+        q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)   # [R, H, rank]
+        o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
+                                               block_table, seq_lens, self.scale)  # [R, H, rank]
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
     def process_weights_after_loading(self) -> None:

@@ -58,7 +58,7 @@ def make_paged_kv(device, dtype, seq_lens, page, dim, num_blocks=None, seed=0):
 
 
 def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_rank=512, rope=64,
-                     num_kv_splits=None, config=None, seed=0):
+                     num_kv_splits=None, config=None, seed=0, split_q=False):
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.mla.decode import mla_decode
 
@@ -68,8 +68,18 @@ def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_ran
     sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = 192 ** -0.5
     out = torch.full((B, num_heads, kv_lora_rank), float("nan"), dtype=dtype, device=device)
-    mla_decode(q, kv, bt, sl, scale, kv_lora_rank, out=out, num_kv_splits=num_kv_splits,
-               config=config)
+    if split_q:   # latent and rope parts as two strided views of other tensors (no concat)
+        wide = torch.randn(num_heads, B, kv_lora_rank + 8, generator=_gen(device, seed + 2),
+                           device=device).to(dtype)
+        wide[:, :, :kv_lora_rank] = q[..., :kv_lora_rank].transpose(0, 1)
+        q_pe = torch.zeros(B, num_heads, rope + 32, dtype=dtype, device=device)
+        q_pe[..., 5:5 + rope] = q[..., kv_lora_rank:]
+        mla_decode(wide[:, :, :kv_lora_rank].transpose(0, 1), kv, bt, sl, scale, kv_lora_rank,
+                   out=out, num_kv_splits=num_kv_splits, config=config,
+                   q_pe=q_pe[..., 5:5 + rope])
+    else:
+        mla_decode(q, kv, bt, sl, scale, kv_lora_rank, out=out, num_kv_splits=num_kv_splits,
+                   config=config)
     want = ref.mla_decode(q.double(), kv.double(), bt, sl, scale, kv_lora_rank)
     assert_close(f"mla_decode{tuple(seq_lens)} page={page}", out, want, dtype)
     for b, s in enumerate(seq_lens):
@@ -227,6 +237,9 @@ def run_interpreter_suite() -> None:
     f32 = torch.float32
     check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3)
     check_mla_decode("cpu", f32, [70, 1], page=64)
+    check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3, split_q=True)
+    check_mla_decode("cpu", f32, [70, 9], page=16, split_q=True,
+                     config=MLADecodeConfig(16, 16, 4, 1, transposed=True))
     check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3,
                      config=MLADecodeConfig(16, 16, 4, 1, transposed=True))
     check_store_kv("cpu", f32)

@@ -70,6 +70,7 @@ def test_mla_decode_gpu(dtype, page):
     kc.check_mla_decode("cuda", dtype, [4097], num_heads=32, page=page, seed=1)   # batch 1
     kc.check_mla_decode("cuda", dtype, [300, 5], num_heads=16, page=page, num_kv_splits=1)
     kc.check_mla_decode("cuda", dtype, [513, 2000], num_heads=20, page=page, num_kv_splits=7)
+    kc.check_mla_decode("cuda", dtype, [4097, 3], num_heads=32, page=page, split_q=True)
 
 
 @pytest.mark.gpu

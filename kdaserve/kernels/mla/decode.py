@@ -48,15 +48,17 @@ def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
     return max(1, min(want, cap, max_splits))
 
 
-def _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank):
+def _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, rope=None):
+    """rope: the separate q_pe's width (q then holds only the latent part)."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, kv_lora_rank + rope], got shape {tuple(q.shape)}")
     if kv_cache.dim() != 3:
         raise ValueError(f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
-    if q.shape[-1] != kv_cache.shape[-1]:
-        raise ValueError(f"q last dim {q.shape[-1]} != kv_cache last dim {kv_cache.shape[-1]}")
-    if not 0 < kv_lora_rank <= q.shape[-1]:
-        raise ValueError(f"kv_lora_rank={kv_lora_rank} out of range for D={q.shape[-1]}")
+    width = q.shape[-1] + (rope or 0)
+    if width != kv_cache.shape[-1]:
+        raise ValueError(f"q last dim {width} != kv_cache last dim {kv_cache.shape[-1]}")
+    if not 0 < kv_lora_rank <= width:
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} out of range for D={width}")
     if q.dtype != kv_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
     page = kv_cache.shape[1]
@@ -84,10 +86,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                max_seq_len: int | None = None,
-               config: MLADecodeConfig | None = None) -> torch.Tensor:
+               config: MLADecodeConfig | None = None,
+               q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA decode, one query token per sequence.
 
-    q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK);
+    q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK) -- or, with q_pe
+    [B, H, rope] given, q holds only the [B, H, kv_lora_rank] latent part (two strided inputs,
+    no concatenation);
     kv_cache: [num_blocks, block_size, kv_lora_rank + rope], block_size a power of two;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
     Returns the latent output [B, H, kv_lora_rank] in q.dtype (into `out` when given).
@@ -96,13 +101,24 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
     """
     require_triton()
-    _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    if q_pe is not None:
+        if q_pe.dim() != 3 or q_pe.shape[:2] != q.shape[:2] or q.shape[-1] != kv_lora_rank \
+                or q_pe.stride(-1) != 1:
+            raise ValueError(f"with q_pe, q must be [B, H, kv_lora_rank={kv_lora_rank}] and q_pe "
+                             f"[B, H, rope] with a contiguous last dim; got {tuple(q.shape)} and "
+                             f"{tuple(q_pe.shape)}")
+        if q_pe.dtype != q.dtype:
+            raise ValueError(f"q and q_pe dtypes differ: {q.dtype}, {q_pe.dtype}")
+    rope_dim = q_pe.shape[-1] if q_pe is not None else None
+    _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, rope_dim)
     from kdaserve.kernels.mla.triton_decode import (mla_decode_partial_kernel,
                                                     mla_decode_partial_t_kernel,
                                                     mla_decode_reduce_kernel)
 
-    B, H, D = q.shape
-    rope = D - kv_lora_rank
+    B, H = q.shape[:2]
+    rope = kv_cache.shape[-1] - kv_lora_rank
+    if q_pe is None:
+        q_pe = q[..., kv_lora_rank:]                                  # [B, H, rope] view
     page = kv_cache.shape[1]
     cfg = config or default_config(B, H, q.dtype)
     if cfg.block_h < 16 and q.device.type == "cuda":
@@ -130,9 +146,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     partial = mla_decode_partial_t_kernel if cfg.transposed else mla_decode_partial_kernel
     partial[(B, num_kv_splits, head_groups)](
-        q, kv_cache, block_table, seq_lens, part_out, part_lse,
+        q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse,
         float(scale) * LOG2E,
-        q.stride(0), q.stride(1),
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),

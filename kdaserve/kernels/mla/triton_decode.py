@@ -14,9 +14,9 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def mla_decode_partial_kernel(
-    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
-    stride_qb, stride_qh,
+    stride_qb, stride_qh, stride_qrb, stride_qrh,
     stride_kv_block, stride_kv_tok,
     stride_bt,
     stride_po_b, stride_po_h, stride_po_s,
@@ -47,7 +47,8 @@ def mla_decode_partial_kernel(
     q_base = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_c = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     if ROPE > 0:
-        q_r = tl.load(q_base + KV_RANK + offs_r[None, :],
+        qr_base = qr_ptr + pid_b.to(tl.int64) * stride_qrb + offs_h[:, None] * stride_qrh
+        q_r = tl.load(qr_base + offs_r[None, :],
                       mask=mask_h[:, None] & mask_r[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -86,9 +87,9 @@ def mla_decode_partial_kernel(
 
 @triton.jit
 def mla_decode_partial_t_kernel(
-    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
-    stride_qb, stride_qh,
+    stride_qb, stride_qh, stride_qrb, stride_qrh,
     stride_kv_block, stride_kv_tok,
     stride_bt,
     stride_po_b, stride_po_h, stride_po_s,
@@ -122,7 +123,8 @@ def mla_decode_partial_t_kernel(
     q_base = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[None, :] * stride_qh
     qt_c = tl.load(q_base + offs_c[:, None], mask=mask_c[:, None] & mask_h[None, :], other=0.0)
     if ROPE > 0:
-        qt_r = tl.load(q_base + KV_RANK + offs_r[:, None],
+        qr_base = qr_ptr + pid_b.to(tl.int64) * stride_qrb + offs_h[None, :] * stride_qrh
+        qt_r = tl.load(qr_base + offs_r[:, None],
                        mask=mask_r[:, None] & mask_h[None, :], other=0.0)   # [BLOCK_R, BLOCK_H]
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
