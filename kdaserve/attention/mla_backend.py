@@ -17,14 +17,16 @@ from kdaserve.attention.metadata import AttentionMetadata
 from kdaserve.kernels import reference as ref
 
 
-def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, latent: torch.Tensor) -> None:
-    """kv_cache: [num_blocks, block_size, D]; slot_mapping: [T]; latent: [T, D]."""
-    if latent.is_cuda:
-        from kdaserve.kernels.mla.decode import store_kv
+def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float) -> None:
+    """kv_cache: [num_blocks, block_size, D]; slot_mapping: [T]; ckv: [T, D] = [c | k_pe] before
+    the kv_a norm (applied to c here, fused into the store on CUDA)."""
+    if ckv.is_cuda:
+        from kdaserve.kernels.mla.decode import store_latent as store
 
-        store_kv(kv_cache, slot_mapping, latent)
+        store(kv_cache, slot_mapping, ckv, norm_weight, eps)
     else:
-        ref.store_kv(kv_cache, slot_mapping, latent)
+        ref.store_latent(kv_cache, slot_mapping, ckv, norm_weight, eps)
 
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

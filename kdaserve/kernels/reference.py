@@ -189,6 +189,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     return out
 
 
+def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float) -> None:
+    """MLA's new latents: ckv [T, rank + rope] = [c | k_pe] from kv_a_proj; c is RMS-normed
+    (norm_weight [rank]), k_pe stored as is, into the slots (< 0 skipped)."""
+    rank = norm_weight.shape[0]
+    latent = torch.cat([rms_norm(ckv[:, :rank], norm_weight, eps), ckv[:, rank:]], dim=-1)
+    store_kv(kv_cache, slot_mapping, latent)
+
+
 def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
     """kv_cache.view(-1, D)[slot_mapping] = kv; slots < 0 are skipped (padding)."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])

@@ -69,9 +69,8 @@ class MLAttention(nn.Module):
         q_ckv = linear(x, self.q_kva_weight, self.decode_gemv)     # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
-        latent = torch.cat([self.kv_a_layernorm(ckv[:, :self.kv_lora_rank]),
-                            ckv[:, self.kv_lora_rank:]], dim=-1)
-        mla_backend.store_latent(kv_cache, md.slot_mapping[:T], latent)
+        mla_backend.store_latent(kv_cache, md.slot_mapping[:T], ckv,
+                                 self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         out = x.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:

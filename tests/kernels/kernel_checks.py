@@ -87,6 +87,25 @@ def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_ran
             assert (out[b] == 0).all(), "empty sequence must give zeros"
 
 
+def check_store_latent(device, dtype, num_tokens=37, page=16, rank=512, rope=64, seed=0):
+    """Fused kv_a norm + store against reference.store_latent; ckv is a row-strided view."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla.decode import store_latent
+
+    g = _gen(device, seed)
+    dim = rank + rope
+    cache = torch.randn(8, page, dim, generator=g, device=device).to(dtype)
+    slots = torch.randperm(8 * page, generator=g, device=device)[:num_tokens]
+    slots[::5] = -1
+    wide = (torch.randn(num_tokens, dim + 40, generator=g, device=device) * 3).to(dtype)
+    ckv = wide[:, 40:]
+    weight = (torch.rand(rank, generator=g, device=device) + 0.5).to(dtype)
+    want = cache.clone()
+    ref.store_latent(want, slots, ckv, weight, 1e-6)
+    store_latent(cache, slots, ckv, weight, 1e-6)
+    assert_close(f"store_latent T={num_tokens}", cache, want, dtype)
+
+
 def check_store_kv(device, dtype, num_tokens=37, page=16, dim=576, seed=0):
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.mla.decode import store_kv
@@ -243,6 +262,8 @@ def run_interpreter_suite() -> None:
     check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3,
                      config=MLADecodeConfig(16, 16, 4, 1, transposed=True))
     check_store_kv("cpu", f32)
+    check_store_latent("cpu", f32)
+    check_store_latent("cpu", f32, num_tokens=5, rank=48, rope=16)
     check_fused_moe("cpu", f32, 1, hidden=64, inter=48, num_experts=8, top_k=3)
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
     check_fused_moe("cpu", f32, 30, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)

@@ -88,6 +88,14 @@ def test_mla_decode_transposed_gpu(block_n, num_warps):
 
 @pytest.mark.gpu
 @gpu
+def test_store_latent_gpu():
+    for dtype in (BF16, F32):
+        kc.check_store_latent("cuda", dtype)
+        kc.check_store_latent("cuda", dtype, num_tokens=300, rank=512, rope=64, seed=3)
+
+
+@pytest.mark.gpu
+@gpu
 def test_store_kv_gpu():
     kc.check_store_kv("cuda", BF16)
     kc.check_store_kv("cuda", F32, page=64)

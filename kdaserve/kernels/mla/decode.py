@@ -195,3 +195,33 @@ def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tenso
         return
     store_kv_kernel[(kv.shape[0],)](kv_cache, slot_mapping, kv, kv.stride(0), D,
                                     BLOCK_D=next_power_of_2(D), num_warps=4)
+
+
+def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float) -> None:
+    """Twin of reference.store_latent in one launch: RMS-norm the first rank = norm_weight
+    channels of each ckv row [T, rank + rope] and write the row into its slot (< 0 skipped).
+    ckv may be a row-strided view (the q|kv_a projection's output)."""
+    require_triton()
+    from kdaserve.kernels.mla.triton_decode import store_latent_kernel
+
+    if kv_cache.dim() != 3 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [num_blocks, block_size, D], got "
+                         f"shape {tuple(kv_cache.shape)}")
+    D, rank = kv_cache.shape[-1], norm_weight.shape[0]
+    if ckv.dim() != 2 or ckv.shape[1] != D or ckv.stride(1) != 1:
+        raise ValueError(f"ckv must be [T, {D}] with a contiguous last dim, got "
+                         f"{tuple(ckv.shape)}")
+    if norm_weight.dim() != 1 or not 0 < rank <= D:
+        raise ValueError(f"norm_weight must be [rank] with rank <= {D}, got "
+                         f"{tuple(norm_weight.shape)}")
+    if slot_mapping.shape != (ckv.shape[0],):
+        raise ValueError(f"slot_mapping must be [T={ckv.shape[0]}], got "
+                         f"{tuple(slot_mapping.shape)}")
+    for t in (kv_cache, slot_mapping, ckv, norm_weight):
+        check_kernel_device(t)
+    if ckv.shape[0] == 0:
+        return
+    store_latent_kernel[(ckv.shape[0],)](kv_cache, slot_mapping, ckv, norm_weight, ckv.stride(0),
+                                         D, rank, float(eps), BLOCK_D=next_power_of_2(D),
+                                         num_warps=4)

@@ -200,3 +200,22 @@ def store_kv_kernel(kv_ptr, slot_ptr, src_ptr, stride_src, dim, BLOCK_D: tl.cons
     mask = offs < dim
     row = tl.load(src_ptr + pid.to(tl.int64) * stride_src + offs, mask=mask & (slot >= 0))
     tl.store(kv_ptr + slot * dim + offs, row.to(kv_ptr.dtype.element_ty), mask=mask & (slot >= 0))
+
+
+@triton.jit
+def store_latent_kernel(kv_ptr, slot_ptr, src_ptr, w_ptr, stride_src, dim, rank, eps,
+                        BLOCK_D: tl.constexpr):
+    """One token: RMS-norm its first `rank` channels (fp32, cast back, times the weight, as
+    HF's norm), keep the rest (k_pe), write the row into its cache slot."""
+    pid = tl.program_id(0)
+    slot = tl.load(slot_ptr + pid).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = (offs < dim) & (slot >= 0)
+    row = tl.load(src_ptr + pid.to(tl.int64) * stride_src + offs, mask=mask, other=0.0)
+    xf = row.to(tl.float32)
+    is_c = offs < rank
+    var = tl.sum(tl.where(is_c, xf * xf, 0.0), axis=0) / rank
+    normed = (xf * tl.rsqrt(var + eps)).to(row.dtype)
+    w = tl.load(w_ptr + offs, mask=is_c, other=1.0)
+    out = tl.where(is_c, (w * normed).to(row.dtype), row)
+    tl.store(kv_ptr + slot * dim + offs, out.to(kv_ptr.dtype.element_ty), mask=mask)
