@@ -7,7 +7,22 @@ plain-PyTorch twin from kdaserve.kernels.reference, and asserts the relative err
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+
+def run_under_interpreter(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run tests/kernels/<script> in a subprocess with TRITON_INTERPRET=1 (CPU tensors) and the
+    repo on PYTHONPATH; the caller asserts on the result."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(here / script)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def patch_triton_interpreter() -> None:

@@ -6,28 +6,21 @@ Kimi-Linear-48B shapes in bf16 and with the router's fp32 weight.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import gemv_checks as gc
+import kernel_checks as kc
 from kdaserve.kernels.linear.gemv import GemvConfig, default_config, gemv
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16, F32 = torch.bfloat16, torch.float32
 
 
 def test_gemv_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "gemv_checks.py")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = kc.run_under_interpreter("gemv_checks.py", timeout=120)
     assert proc.returncode == 0 and "passed" in proc.stdout, proc.stdout + proc.stderr
 
 

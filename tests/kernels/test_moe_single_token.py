@@ -6,10 +6,6 @@ GPU (marked gpu): bf16 at the Kimi-Linear-48B expert shapes, against the fp64 re
 against fused_moe; CUDA-graph replay with new routing.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +13,12 @@ import torch
 import kernel_checks as kc
 import moe_single_checks as msc
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_interpreter_single_token():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "moe_single_checks.py")], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = kc.run_under_interpreter("moe_single_checks.py", timeout=60)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
 
 

@@ -6,26 +6,18 @@ must be set before triton is imported, and must not leak into GPU tests).
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernel_checks as kc
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_interpreter_suite():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE / "kernel_checks.py")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = kc.run_under_interpreter("kernel_checks.py", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
