@@ -17,6 +17,14 @@ _INITIAL_CONTEXT_TOKENS = 5
 """Prompt tokens decoded as context before the first output token."""
 
 
+def _is_rust_tokenizer(obj: Any) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return False
+    return isinstance(obj, Tokenizer)
+
+
 class IncrementalDetokenizer:
     """Turns one sample's output token ids into text, a delta at a time.
 
@@ -40,6 +48,10 @@ class IncrementalDetokenizer:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         self.tokenizer = tokenizer
+        # Fast tokenizers: call the Rust backend directly (what their decode does without the
+        # clean-up, minus ~6 us of Python wrapping per call; two calls per token per step).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._fast_decode = backend.decode if _is_rust_tokenizer(backend) else None
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -134,6 +146,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=self.skip_special_tokens)
         # No clean-up: it rewrites text across token boundaries, which breaks delta prefixes.
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)

@@ -204,3 +204,25 @@ def test_metaspace_tokenizer_keeps_space_after_prompt():
     detok = IncrementalDetokenizer(hf, prompt)
     got = "".join(_stream(detok, out))
     assert got == hf.decode(prompt + out)[len(hf.decode(prompt)):] == " world"
+
+
+def test_rust_backend_path_equals_the_wrapper_path(tokenizer, tmp_path):
+    """The direct tokenizers.Tokenizer.decode path gives the same deltas as the transformers
+    wrapper, with and without skipped special tokens, for this tokenizer and the Kimi-style one
+    make-model writes (added special tokens)."""
+    from transformers import AutoTokenizer
+
+    from kdaserve.models.make_model import make_model
+
+    kimi = AutoTokenizer.from_pretrained(make_model(str(tmp_path / "tiny"), "tiny"))
+    rng = random.Random(0)
+    for tok in (tokenizer, kimi):
+        n = len(tok)
+        for skip in (True, False):
+            for _ in range(5):
+                ids = [rng.randrange(n) for _ in range(40)]
+                fast = IncrementalDetokenizer(tok, ids[:5], skip_special_tokens=skip)
+                slow = IncrementalDetokenizer(tok, ids[:5], skip_special_tokens=skip)
+                assert fast._fast_decode is not None
+                slow._fast_decode = None
+                assert _stream(fast, ids[5:]) == _stream(slow, ids[5:])
