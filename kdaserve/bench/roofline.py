@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,6 +27,10 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="dummy", choices=["auto", "safetensors", "dummy"])
     p.add_argument("--dummy-routing", default="vllm", choices=["vllm", "spread"])
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--decode-gemv", action="store_true",
+                   help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
+    p.add_argument("--moe-single-token", action="store_true",
+                   help="KernelConfig.moe_single_token: two-GEMV MoE at batch 1")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth in bytes/s (default: measured in this run)")
@@ -105,8 +108,8 @@ def run_point(runner, batch: int, context: int, steps: int, vocab: int, seed: in
 def main(cli_args: argparse.Namespace) -> int:
     import torch
 
-    from kdaserve.config import (CacheConfig, EngineConfig, LoadConfig, ModelConfig,
-                                 SchedulerConfig)
+    from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,
+                                 ModelConfig, SchedulerConfig)
     from kdaserve.worker.cache import state_bytes_per_slot
     from kdaserve.worker.model_runner import ModelRunner
 
@@ -125,7 +128,9 @@ def main(cli_args: argparse.Namespace) -> int:
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format=cli_args.load_format,
                                dummy_routing=cli_args.dummy_routing),
-        enforce_eager=cli_args.enforce_eager)
+        enforce_eager=cli_args.enforce_eager,
+        kernel_config=KernelConfig(decode_gemv=cli_args.decode_gemv,
+                                   moe_single_token=cli_args.moe_single_token))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(batches))
@@ -150,10 +155,12 @@ def main(cli_args: argparse.Namespace) -> int:
     result = {"command": " ".join(sys.argv), "device": str(runner.device),
               "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else "none",
               "bandwidth_Bps": bw, "cuda_graphs": runner.graphs is not None,
-              "dummy_routing": cli_args.dummy_routing, "rows": rows}
+              "dummy_routing": cli_args.dummy_routing,
+              "kernel_config": {"decode_gemv": cli_args.decode_gemv,
+                                "moe_single_token": cli_args.moe_single_token}, "rows": rows}
     from kdaserve.bench.report import git_commit
 
-    result["commit"] = os.environ.get("KDASERVE_COMMIT") or git_commit() or "unknown"
+    result["commit"] = git_commit() or "unknown"
     if cli_args.out:
         with open(cli_args.out, "w") as f:
             json.dump(result, f, indent=1)
