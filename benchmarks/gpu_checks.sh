@@ -5,7 +5,8 @@
 # (fastapi >= 0.165 imports opentelemetry; without it the server cannot start there).
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
-# unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv + bench_moe_single),
+# unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_moe_single,
+# bench_sampler),
 # layers; each has a *_TIMEOUT. ENGINE_ARGS="--decode-gemv --moe-single-token" times the candidates
 # end to end.
 #
@@ -55,6 +56,7 @@ fi
 if [[ $STAGES == *kbench* ]]; then   # the decode-kernel candidates vs cuBLAS / fused MoE
   timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 | tail -30 | tee "$OUT/gemv.log"
   timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_moe_single.py --out "$OUT/moe_single.json" ${MOE_SINGLE_ARGS:-} 2>&1 | tail -20 | tee "$OUT/moe_single.log"
+  timeout 120 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

@@ -1,0 +1,72 @@
+"""Sampler time per decode step on the GPU: greedy and W1's settings (temperature 1.0,
+top_p 0.95), at the model's vocabulary, for a few batch sizes.
+
+    python benchmarks/bench_sampler.py --vocab 163840 --batches 1,4,16 --out sampler.json
+
+Times `Sampler.forward` (metadata built once, outside the timing) with CUDA events over many
+iterations; the logits are random normal, so the top-p nucleus is wide (a pessimistic case for
+sort-free methods, irrelevant for the full sort).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kdaserve.bench.report import git_commit  # noqa: E402
+from kdaserve.sample.metadata import SamplingMetadata  # noqa: E402
+from kdaserve.sample.sampler import Sampler  # noqa: E402
+from kdaserve.sampling_params import SamplingParams  # noqa: E402
+
+SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "W1 (T=1, top_p=0.95)": SamplingParams(temperature=1.0, top_p=0.95),
+    "T=1, top_k=50": SamplingParams(temperature=1.0, top_k=50),
+}
+
+
+def time_ms(fn, iters: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=163840)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_sampler.py needs a CUDA GPU")
+    sampler = Sampler()
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        logits = torch.randn(b, args.vocab, device="cuda")
+        for name, sp in SETTINGS.items():
+            md = SamplingMetadata.build([sp] * b, device="cuda")
+            ms = time_ms(lambda: sampler(logits, md))
+            rows.append({"batch": b, "setting": name, "ms": ms})
+            print(f"batch {b:>3}  {name:<22} {ms * 1e3:8.1f} us", flush=True)
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "commit": git_commit() or "unknown", "vocab": args.vocab, "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
