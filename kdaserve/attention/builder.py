@@ -11,6 +11,13 @@ from kdaserve.attention.metadata import (AttentionMetadata, KDACheckpointRequest
                                         SpecStep)
 
 
+def slot_mapping(table: np.ndarray, req: np.ndarray, pos: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """Flat latent-KV slot of each token: token i of request req[i] at position pos[i], block
+    tables [num_reqs, W] -> int64 [num_tokens]."""
+    return table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+
+
 def build_metadata(query_lens: list[int], num_computed: list[int],
                    block_ids: Sequence[Sequence[int] | np.ndarray], state_slots: list[int],
                    block_size: int, device: torch.device | str,
@@ -39,7 +46,7 @@ def build_metadata(query_lens: list[int], num_computed: list[int],
     total = int(qsl[-1])
     req = np.repeat(np.arange(n), q)                                  # [T] request of each token
     pos = np.arange(total, dtype=np.int64) - qsl[:-1].astype(np.int64)[req] + c[req]
-    slots = table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    slots = slot_mapping(table, req, pos, block_size)
     qsl_cpu = torch.from_numpy(qsl)
     seq_cpu = torch.from_numpy(seq_lens)
     return AttentionMetadata(

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kdaserve.attention.builder import slot_mapping
 from kdaserve.attention.metadata import AttentionMetadata, ForwardContext, ModelCaches
 from kdaserve.worker.cuda_graphs import capture_sizes, decode_metadata
 
@@ -29,8 +30,7 @@ def step_inputs(num_computed: np.ndarray, block_table: np.ndarray, block_size: i
     num_computed + step - 1 is fed) for rows with committed lengths num_computed [n] and block
     tables [n, W]."""
     pos = num_computed.astype(np.int64) + step - 1                       # [n]
-    rows = np.arange(len(pos))
-    slots = block_table[rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    slots = slot_mapping(block_table, np.arange(len(pos)), pos, block_size)
     return (pos + 1).astype(np.int32), slots
 
 

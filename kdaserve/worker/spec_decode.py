@@ -183,6 +183,8 @@ class SpecDecoder:
     def _logits_processing(self, states, drafts: list[list[int]], vocab: int):
         """Penalties / logit_bias rows: such requests are never drafted for (propose), so each
         has exactly one logits row."""
+        if not any(s.sampling_params.processes_logits for s in states):
+            return None
         starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]]).tolist()
         for s, d in zip(states, drafts):
             if d and s.sampling_params.processes_logits:

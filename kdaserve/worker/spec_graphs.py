@@ -23,6 +23,7 @@ import torch
 
 from kdaserve.attention.metadata import (AttentionMetadata, ForwardContext, MLAAbsorbedRows,
                                          SpecStep)
+from kdaserve.attention.builder import slot_mapping
 from kdaserve.worker.cuda_graphs import capture_sizes
 
 if TYPE_CHECKING:
@@ -130,7 +131,7 @@ class SpecVerifyGraphs:
         for i, s in enumerate(states):
             table[i, :len(s.block_ids)] = s.block_np[:len(s.block_ids)]
         slots = np.full(bs * k1, -1, dtype=np.int64)
-        slots[:t] = table[req, pos // bsz].astype(np.int64) * bsz + pos % bsz
+        slots[:t] = slot_mapping(table, req, pos, bsz)
         ids = np.zeros(bs * k1, dtype=np.int64)
         ids[:t] = batch.input_ids
         seq = np.full(bs, k1, dtype=np.int32)
