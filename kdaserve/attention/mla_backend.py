@@ -2,9 +2,10 @@
 
 Decodes (the first num_decodes requests) and speculative verification rows (md.mla_absorbed, one
 row per window token) use the absorbed form: queries are mapped into the latent space with W_UK,
-attention runs directly over the cached latents, and the latent output is mapped back with W_UV. Prefill chunks expand their whole context (cached prefix + new tokens) with
-kv_b_proj and run causal attention whose mask is aligned to the bottom-right (query i sits at
-position num_computed_tokens + i).
+attention runs directly over the cached latents, and the latent output is mapped back with W_UV.
+Prefill chunks expand their whole context (cached prefix + new tokens) with kv_b_proj and run
+causal attention whose mask is aligned to the bottom-right (query i sits at position
+num_computed_tokens + i).
 """
 
 from __future__ import annotations

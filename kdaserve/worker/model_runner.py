@@ -84,12 +84,14 @@ def _use_expandable_segments() -> None:
 
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:   # torch < 2.13
-        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)  # < 2.13
+    if setter is None:
+        logger.info("expandable segments not set: this torch has no allocator-settings call")
+        return
     try:
         setter("expandable_segments:True")
-    except (TypeError, RuntimeError) as exc:   # no setter, or refused: keep the default
+    except RuntimeError as exc:   # refused: keep the default allocator
         logger.info("expandable segments not set: %s", exc)
 
 
@@ -206,9 +208,11 @@ class ModelRunner:
         requests' steps."""
         bs = self.block_size
         query_lens, computed = [1, 1, 100, 61], [17, 40, 33, 0]
-        blocks = [list(range(i * 16, i * 16 + -(-(c + q) // bs)))
-                  for i, (q, c) in enumerate(zip(query_lens, computed))]
-        caches = cache_mod.allocate_caches(self.args, 64, bs, 4, self.dtype, self.device)
+        need = [-(-(c + q) // bs) for q, c in zip(query_lens, computed)]
+        starts = np.cumsum([0] + need)
+        blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+        caches = cache_mod.allocate_caches(self.args, int(starts[-1]), bs, 4, self.dtype,
+                                           self.device)
         md = build_metadata(query_lens, computed, blocks, [0, 1, 2, 3], bs, self.device)
         ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
         with torch.inference_mode():
