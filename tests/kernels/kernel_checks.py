@@ -109,8 +109,9 @@ def check_store_latent(device, dtype, num_tokens=37, page=16, rank=512, rope=64,
 
     g = _gen(device, seed)
     dim = rank + rope
-    cache = torch.randn(8, page, dim, generator=g, device=device).to(dtype)
-    slots = torch.randperm(8 * page, generator=g, device=device)[:num_tokens]
+    num_pages = num_tokens // page + 2  # room for every token
+    cache = torch.randn(num_pages, page, dim, generator=g, device=device).to(dtype)
+    slots = torch.randperm(num_pages * page, generator=g, device=device)[:num_tokens]
     slots[::5] = -1
     wide = (torch.randn(num_tokens, dim + 40, generator=g, device=device) * 3).to(dtype)
     ckv = wide[:, 40:]
