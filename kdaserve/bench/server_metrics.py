@@ -10,7 +10,8 @@ from __future__ import annotations
 import httpx
 
 COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-            "spec_decode_num_accepted_tokens", "prefix_cache_queries", "prefix_cache_hits",
+            "spec_decode_num_accepted_tokens", "spec_decode_kda_state_bytes_written",
+            "prefix_cache_queries", "prefix_cache_hits",
             "num_preemptions", "prompt_tokens", "generation_tokens")
 
 
@@ -60,6 +61,9 @@ def level_counters(before: dict | None, after: dict | None) -> dict | None:
         d["spec_decode_acceptance_rate"] = accepted / proposed
     if drafts:
         d["spec_decode_acceptance_length"] = 1.0 + accepted / drafts
+        written = d.get("spec_decode_kda_state_bytes_written")
+        if written is not None:
+            d["spec_decode_kda_state_bytes_per_verify"] = written / drafts
     if d.get("prefix_cache_queries"):
         d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / d["prefix_cache_queries"]
     return d

@@ -279,8 +279,10 @@ class LLMEngine:
             num_total_kda_checkpoint_slots=s.num_total_kda_checkpoint_slots,
             num_kda_checkpoint_exports=s.num_kda_checkpoint_exports,
             num_preemptions_total=s.num_preemptions,
+            spec_num_drafts=spec.num_drafts if spec else 0,
             spec_num_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_kda_state_bytes_written=spec.kda_state_bytes_written if spec else 0,
             step_floor_ratio=self.step_floor_ratio)
 
     @property

@@ -22,7 +22,9 @@ class EngineStats:
     num_total_kda_checkpoint_slots: int = 0
     num_kda_checkpoint_exports: int = 0
     num_preemptions_total: int = 0
+    spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_kda_state_bytes_written: int = 0
     step_floor_ratio: float | None = None
     """Last decode step's time over its byte floor (set when the roofline gauge is on)."""

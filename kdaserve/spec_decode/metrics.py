@@ -18,6 +18,9 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     synthetic: bool = False
     """True when acceptance came from the synthetic model, not from rejection sampling."""
+    kda_state_bytes_written: int = 0
+    """KDA state bytes the verify steps and their commits wrote (spec rows only, counted from
+    what each state mode's kernels store: spec_state_bytes_written)."""
 
     def __post_init__(self) -> None:
         if self.num_spec_tokens < 0:
@@ -57,6 +60,7 @@ class SpecDecodingStats:
         self.num_accepted_tokens_per_pos = [a + b for a, b in zip(
             self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos)]
         self.synthetic = self.synthetic or other.synthetic
+        self.kda_state_bytes_written += other.kda_state_bytes_written
         return self
 
     @property
@@ -83,6 +87,7 @@ class SpecDecodingStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_mode": "synthetic" if self.synthetic else "rejection_sampling",
+            "kda_state_bytes_written": self.kda_state_bytes_written,
         }
         if self.synthetic:
             d["note"] = SYNTHETIC_LABEL

@@ -32,7 +32,7 @@ from kdaserve.attention.metadata import (
     SpecStep,
 )
 from kdaserve.config import EngineConfig
-from kdaserve.kernels.kda.recover import spec_state_memory
+from kdaserve.kernels.kda.recover import spec_state_bytes_written, spec_state_memory
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata
 from kdaserve.sample.penalties import logits_processing
@@ -68,6 +68,7 @@ class SpecDecoder:
         self.layout = sc.batch_layout
         self.device = device
         self.args = target_args
+        self.conv_dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.max_model_len = config.scheduler_config.max_model_len
         self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates)
         self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
@@ -103,11 +104,19 @@ class SpecDecoder:
         """KDA cache rows each request slot needs beyond its own (per_position: K)."""
         return self.k if self.per_position else 0
 
-    def memory_line(self, dtype: torch.dtype) -> str:
+    @property
+    def state_mode(self) -> str:
+        return "per_position" if self.per_position else "recover"
+
+    def _kda_dims(self) -> tuple[int, int, int, int, int, int]:
+        """(KDA layers, heads, head_k_dim, head_v_dim, conv_dim, conv kernel)."""
         a = self.args
-        h, d, w = a.linear_num_heads, a.linear_head_dim, a.linear_conv_kernel_dim
-        mode = "per_position" if self.per_position else "recover"
-        mem = spec_state_memory(mode, len(a.kda_layer_ids), h, d, d, 3 * h * d, w, self.k,
+        h, d = a.linear_num_heads, a.linear_head_dim
+        return len(a.kda_layer_ids), h, d, d, 3 * h * d, a.linear_conv_kernel_dim
+
+    def memory_line(self, dtype: torch.dtype) -> str:
+        mode = self.state_mode
+        mem = spec_state_memory(mode, *self._kda_dims(), self.k,
                                 torch.empty((), dtype=dtype).element_size())
         return (f"spec decode ({self.method}, K={self.k}, KDA state {mode}): "
                 f"{mem.state_bytes / 2**20:.2f} MiB state + {mem.record_bytes / 2**20:.2f} MiB "
@@ -174,6 +183,10 @@ class SpecDecoder:
         out = self.sampler(logits, spec_md, md, self._draft_probs(states, drafts, logits))
         emitted = out.parse_output()
         self.stats.observe_batch([len(d) for d in drafts], [len(e) - 1 for e in emitted])
+        self.stats.kda_state_bytes_written += sum(
+            spec_state_bytes_written(self.state_mode, *self._kda_dims(), 1 + len(d), len(e),
+                                     self.conv_dtype_bytes)
+            for d, e in zip(drafts, emitted) if d)
         lps = spec_logprob_dicts(out, spec_md, [p.logprobs for p in params])
         logprobs = [None if per_tok is None else
                     [{t: Logprob(v, rk[t]) for t, v in lp.items()} for lp, rk in per_tok]

@@ -149,4 +149,8 @@ def test_prometheus_counters_and_deltas():
     assert d["spec_decode_acceptance_rate"] == pytest.approx(30 / 80)
     assert d["spec_decode_acceptance_length"] == pytest.approx(1 + 30 / 10)
     assert d["prefix_cache_hit_rate"] == pytest.approx(150 / 200)
+    assert "spec_decode_kda_state_bytes_per_verify" not in d   # vLLM has no such counter
+    ours = level_counters(dict(before, spec_decode_kda_state_bytes_written=1e6),
+                          dict(after, spec_decode_kda_state_bytes_written=3e6))
+    assert ours["spec_decode_kda_state_bytes_per_verify"] == pytest.approx(2e6 / 10)
     assert level_counters(None, after) is None

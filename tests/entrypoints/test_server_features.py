@@ -67,6 +67,8 @@ def test_spec_decoding_is_lossless_and_counted(feature_server, tiny_model):
     new_drafts = metric(feature_server, "spec_decode_num_draft_tokens") - drafted
     assert new_drafts > 0
     assert metric(feature_server, "spec_decode_num_accepted_tokens") - accepted == new_drafts
+    assert metric(feature_server, "spec_decode_num_drafts") > 0
+    assert metric(feature_server, "spec_decode_kda_state_bytes_written") > 0
     # the same request without speculation (offline engine, same model) gives the same text
     from kdaserve import LLM, SamplingParams
 

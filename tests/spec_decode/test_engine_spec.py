@@ -96,8 +96,23 @@ def test_ngram_greedy_equals_plain(make_llm, plain_outputs, state_mode, layout):
     st = llm.llm_engine.spec_decoding_stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st.as_dict()
     stats = llm.llm_engine.get_stats()
-    assert (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == \
-        (st.num_draft_tokens, st.num_accepted_tokens)
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+            stats.spec_kda_state_bytes_written) == \
+        (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.kda_state_bytes_written)
+    _check_state_bytes(llm, st, state_mode)
+
+
+def _check_state_bytes(llm, st, state_mode: str) -> None:
+    """Each verify step writes at least 2 window tokens' worth: per_position 2 full states,
+    recover 2 records + the committed state."""
+    from kdaserve.kernels.kda.recover import spec_state_bytes_written
+
+    spec = llm.llm_engine.model_runner.spec
+    least = spec_state_bytes_written(state_mode, *spec._kda_dims(), window=2, num_accepted=1,
+                                     conv_dtype_bytes=spec.conv_dtype_bytes)
+    most = spec_state_bytes_written(state_mode, *spec._kda_dims(), window=1 + K,
+                                    num_accepted=1 + K, conv_dtype_bytes=spec.conv_dtype_bytes)
+    assert st.num_drafts * least <= st.kda_state_bytes_written <= st.num_drafts * most
 
 
 @pytest.mark.parametrize("state_mode,layout", [MODES[0], MODES[3]])

@@ -74,6 +74,23 @@ def test_state_memory_48b():
         rc.spec_state_memory("ring", **args)
 
 
+def test_state_bytes_written_per_verify_step():
+    """48B sizes, K=8: per_position writes 9 states (+1 copy when a draft is accepted);
+    recover writes 9 records and one state."""
+    args = {"num_kda_layers": 20, "num_heads": 32, "head_k_dim": 128, "head_v_dim": 128,
+            "conv_dim": 12288, "conv_kernel": 4}
+    slot = 20 * (32 * 128 * 128 * 4 + 12288 * 3 * 2)
+    rec = 20 * (32 * 128 * 4 * 3 + 12288 * 2)
+    assert rc.spec_state_bytes_written("per_position", **args, window=9, num_accepted=1) == 9 * slot
+    assert rc.spec_state_bytes_written("per_position", **args, window=9, num_accepted=5) == 10 * slot
+    assert rc.spec_state_bytes_written("recover", **args, window=9, num_accepted=5) == 9 * rec + slot
+    assert rc.spec_state_bytes_written("recover", **args, window=3, num_accepted=1) == 3 * rec + slot
+    with pytest.raises(ValueError, match="num_accepted"):
+        rc.spec_state_bytes_written("recover", **args, window=3, num_accepted=4)
+    with pytest.raises(ValueError, match="mode"):
+        rc.spec_state_bytes_written("ring", **args, window=3, num_accepted=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

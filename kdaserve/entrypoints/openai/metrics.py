@@ -39,8 +39,12 @@ _COUNTERS = [
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("num_preemptions", "Preemptions.", "num_preemptions_total"),
     ("kda_checkpoint_exports", "KDA prefix checkpoints written.", "num_kda_checkpoint_exports"),
+    ("spec_decode_num_drafts", "Verify steps of requests that had drafts.", "spec_num_drafts"),
     ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+    ("spec_decode_kda_state_bytes_written",
+     "KDA state bytes written by verify steps and their commits (spec rows).",
+     "spec_kda_state_bytes_written"),
 ]
 
 

@@ -299,17 +299,55 @@ class SpecStateMemory:
         return self.state_bytes + self.record_bytes
 
 
+def _slot_bytes(num_heads: int, head_k_dim: int, head_v_dim: int, conv_dim: int,
+                conv_kernel: int, conv_dtype_bytes: int) -> int:
+    """One KDA layer's slot: recurrent fp32 [H, K, V] + conv window [conv_dim, W-1]."""
+    return num_heads * head_k_dim * head_v_dim * 4 + conv_dim * (conv_kernel - 1) * conv_dtype_bytes
+
+
+def _record_bytes_per_token(num_heads: int, head_k_dim: int, head_v_dim: int, conv_dim: int,
+                            conv_dtype_bytes: int) -> int:
+    """One KDA layer's RecoverSSM record of one window token: u fp32 [H, V], k_hat and g fp32
+    [H, K], pre-conv x [conv_dim]."""
+    return (num_heads * head_v_dim * 4 + 2 * num_heads * head_k_dim * 4
+            + conv_dim * conv_dtype_bytes)
+
+
 def spec_state_memory(mode: str, num_kda_layers: int, num_heads: int, head_k_dim: int,
                       head_v_dim: int, conv_dim: int, conv_kernel: int,
                       num_speculative_tokens: int, conv_dtype_bytes: int = 2) -> SpecStateMemory:
     """mode: "per_position" (1 + K slots) or "recover" (1 slot + records of 1 + K tokens)."""
-    if mode not in ("per_position", "recover"):
-        raise ValueError(f"mode must be 'per_position' or 'recover', got {mode!r}")
-    slot = (num_heads * head_k_dim * head_v_dim * 4
-            + conv_dim * (conv_kernel - 1) * conv_dtype_bytes)
+    _check_mode(mode)
+    slot = _slot_bytes(num_heads, head_k_dim, head_v_dim, conv_dim, conv_kernel, conv_dtype_bytes)
     T = 1 + num_speculative_tokens
     if mode == "per_position":
         return SpecStateMemory(num_kda_layers * T * slot, 0)
-    rec = T * (num_heads * head_v_dim * 4 + 2 * num_heads * head_k_dim * 4
-               + conv_dim * conv_dtype_bytes)
+    rec = T * _record_bytes_per_token(num_heads, head_k_dim, head_v_dim, conv_dim,
+                                      conv_dtype_bytes)
     return SpecStateMemory(num_kda_layers * slot, num_kda_layers * rec)
+
+
+def spec_state_bytes_written(mode: str, num_kda_layers: int, num_heads: int, head_k_dim: int,
+                             head_v_dim: int, conv_dim: int, conv_kernel: int,
+                             window: int, num_accepted: int, conv_dtype_bytes: int = 2) -> int:
+    """KDA state bytes one spec row writes in one verify step + commit (all KDA layers), by
+    what the kernels store: window = 1 + K_i verified tokens, num_accepted = tokens emitted.
+    per_position: a full state per window token, then the accepted column copied into column 0
+    (none when only the first token is accepted). recover: a record per window token, then one
+    state written by the commit."""
+    _check_mode(mode)
+    if window < 1 or not 1 <= num_accepted <= window:
+        raise ValueError(f"need window >= 1 and 1 <= num_accepted <= window, got window="
+                         f"{window}, num_accepted={num_accepted}")
+    slot = _slot_bytes(num_heads, head_k_dim, head_v_dim, conv_dim, conv_kernel, conv_dtype_bytes)
+    if mode == "per_position":
+        per_layer = window * slot + (slot if num_accepted > 1 else 0)
+    else:
+        per_layer = window * _record_bytes_per_token(num_heads, head_k_dim, head_v_dim,
+                                                     conv_dim, conv_dtype_bytes) + slot
+    return num_kda_layers * per_layer
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in ("per_position", "recover"):
+        raise ValueError(f"mode must be 'per_position' or 'recover', got {mode!r}")
