@@ -17,12 +17,12 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
                         every step's budget)
   kda-state-mode        speculative config "kda_state_mode": recover | per_position   (spec on)
   batch-layout          speculative config "batch_layout": contiguous | gather   (spec on)
-  decode-gemv           --decode-gemv | --no-decode-gemv   (Triton GEMV for decode batches <= 4)
-  moe-single-token      --moe-single-token | --no-moe-single-token   (two-GEMV batch-1 MoE with
-                        the top-k sum fused; off = fused MoE + separate finalize)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
-engine flag and are not switches here. The two kernel switches are off by default in the engine
-(unmeasured), so "all-on" is not the engine default.
+engine flag and are not switches here. The engine's `--decode-gemv` and `--moe-single-token`
+are kernel candidates that lost on the H200 (benchmarks/results/gemv_h200_v1.json: no faster
+than cuBLAS at 1 row, 2x slower at 4; moe_single_h200_v1.json: 84 us against the fused MoE's
+52 us), off by default, so they are not optimisations to ablate; pass them with --server-args
+to time them end to end. "all-on" is the engine default.
 
 `--runs auto` (default) does all-on, all-off and the one-off runs of the switches the workload
 exercises; `--runs all` every one-off run; or a comma list (all-on,all-off,no-batch-layout,...).
@@ -116,14 +116,6 @@ SWITCHES: tuple[Switch, ...] = (
            baseline="gather: plain request order, each KDA group index_selected / index_copied "
                     "out of the mixed batch",
            spec_key="batch_layout", spec_on="contiguous", spec_off="gather"),
-    Switch("decode-gemv", workload="W1", needs="decode",
-           baseline="cuBLAS for the projections of decode batches <= 4 (the Triton GEMV reads "
-                    "bf16 x with the router's fp32 weight directly; CUDA only)",
-           flag_on=("--decode-gemv",), flag_off=("--no-decode-gemv",)),
-    Switch("moe-single-token", workload="W1", needs="decode",
-           baseline="batch-1 MoE through the fused MoE's 16-row tensor-core tiles with a "
-                    "separate top-k sum (finalize) launch (CUDA only)",
-           flag_on=("--moe-single-token",), flag_off=("--no-moe-single-token",)),
 )
 SWITCH_NAMES = tuple(s.name for s in SWITCHES)
 RESERVED_SERVER_FLAGS = ("--speculative-config", "-sc", "--enable-prefix-caching",
@@ -475,7 +467,9 @@ def summary_rows(records: list[dict]) -> list[dict]:
                        spec_draft_tokens=c.get("spec_decode_num_draft_tokens"),
                        spec_acceptance_rate=c.get("spec_decode_acceptance_rate"),
                        spec_acceptance_length=c.get("spec_decode_acceptance_length"),
-                       prefix_cache_hit_rate=c.get("prefix_cache_hit_rate"))
+                       prefix_cache_hit_rate=c.get("prefix_cache_hit_rate"),
+                       kda_state_bytes_per_verify=c.get("spec_decode_kda_state_bytes_per_verify"),
+                       kv_cache_tokens=r.get("server_capacity", {}).get("kv_cache_tokens"))
             ref = base_tok.get(lv["concurrency"])
             if ref and r["run"] != "all-on":
                 row["vs_all_on"] = m["output_throughput"] / ref - 1.0
@@ -498,6 +492,10 @@ def format_markdown(rows: list[dict]) -> str:
             note.append(f"acceptance length {row['spec_acceptance_length']:.2f}")
         if row.get("prefix_cache_hit_rate") is not None:
             note.append(f"prefix hit rate {row['prefix_cache_hit_rate']:.2f}")
+        if row.get("kda_state_bytes_per_verify") is not None:
+            note.append(f"KDA state {row['kda_state_bytes_per_verify'] / 2**20:.1f} MiB/verify")
+        if row.get("kv_cache_tokens") is not None:
+            note.append(f"KV {row['kv_cache_tokens']} tokens")
         vs = row.get("vs_all_on")
         cells = [row["run"], _fmt(row["concurrency"], "{}"),
                  _fmt(row.get("output_tok_s"), "{:.1f}"),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import socket
@@ -64,6 +65,16 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def capacity(self) -> dict:
+        """The cache capacity the server logged at start-up (kdaserve's lines; {} for servers
+        that log none): MLA KV tokens, KDA state slots, max concurrency at max_model_len, and
+        the speculative decoding state-memory line."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return parse_capacity(f.read())
+        except OSError:
+            return {}
+
     def stop(self, grace: float = 30.0) -> int | None:
         """SIGTERM the server's process group (the one this object started), SIGKILL after
         `grace` seconds; returns the exit code."""
@@ -88,6 +99,23 @@ class ServerProcess:
 
 
 
+_KV_LINE = re.compile(r"MLA KV cache: (\d+) tokens; KDA state slots: (\d+) .*?"
+                      r"max concurrency at max_model_len: ([\d.]+)")
+_SPEC_LINE = re.compile(r"(spec decode \(.*verify records per request)")
+
+
+def parse_capacity(log_text: str) -> dict:
+    out: dict = {}
+    m = _KV_LINE.search(log_text)
+    if m:
+        out.update(kv_cache_tokens=int(m.group(1)), kda_state_slots=int(m.group(2)),
+                   max_concurrency_at_max_model_len=float(m.group(3)))
+    m = _SPEC_LINE.search(log_text)
+    if m:
+        out["spec_state_memory"] = m.group(1)
+    return out
+
+
 def start_recorded(server: ServerProcess, timeout: float, record: dict, log) -> bool:
     """Start `server` (at least 1 s of timeout) and note the outcome in `record`: the start-up
     time, or status "refused" / "startup_timeout" with the error and the log tail. True if up."""
@@ -99,5 +127,6 @@ def start_recorded(server: ServerProcess, timeout: float, record: dict, log) -> 
         record["server_log_tail"] = server.log_tail()
         log(f"{record['status']}: {e}\n{record['server_log_tail']}")
         return False
-    log(f"up after {record['server_startup_s']:.0f} s")
+    record["server_capacity"] = server.capacity()
+    log(f"up after {record['server_startup_s']:.0f} s; {record['server_capacity']}")
     return True
