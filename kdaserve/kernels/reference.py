@@ -442,3 +442,38 @@ def select_per_position(pools: list[torch.Tensor], state_indices: torch.Tensor,
     move = src != dst
     for pool in pools:
         pool[dst[move]] = pool[src[move]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def top_k_top_p_threshold_ref(logits: torch.Tensor, top_k: torch.Tensor | None = None,
+                              top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] (-inf allowed), top_k [B] int or None (<= 0 off, > V means V), top_p [B]
+    or None (>= 1 off) -> tau [B] fp32; keep the tokens with logits >= tau.
+
+    tk = the k-th largest logit (-inf when off). With p = softmax(logits) and Z = the mass of
+    l >= tk: tp = the largest logit t with mass(l >= max(t, tk)) >= top_p * Z (-inf when off).
+    tau = max(tk, tp): ties with the boundary are kept, the row max always is. Masses in fp64.
+    """
+    B, V = logits.shape
+    desc = logits.double().sort(dim=-1, descending=True).values  # [B, V]
+    off = torch.full((B,), float("-inf"), dtype=torch.float64, device=logits.device)
+    tk = off
+    if top_k is not None:
+        k = top_k.long().clamp(max=V)
+        kth = desc.gather(1, (k.clamp(min=1) - 1).unsqueeze(1)).squeeze(1)  # [B]
+        tk = torch.where(k > 0, kth, off)
+    tp = off
+    if top_p is not None:
+        probs = torch.softmax(desc, dim=-1).masked_fill(desc < tk.unsqueeze(1), 0.0)
+        cum = probs.cumsum(dim=-1)  # [B, V]
+        neg = -desc  # ascending; a tie group's mass is the cum at its last position
+        last = torch.searchsorted(neg, neg, right=True) - 1  # [B, V]
+        mass_ge = cum.gather(1, last)  # [B, V] mass of l >= desc[:, j]
+        enough = mass_ge >= top_p.double().unsqueeze(1) * cum[:, -1:]
+        first = enough.int().argmax(dim=-1)  # mass_ge grows with j: the first True
+        tp = torch.where(top_p < 1, desc.gather(1, first.unsqueeze(1)).squeeze(1), off)
+    return torch.maximum(tk, tp).float()

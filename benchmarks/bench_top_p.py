@@ -1,0 +1,93 @@
+"""Sort-free top-k / top-p threshold against the sampler's sort path, per decode step on the GPU.
+
+    python benchmarks/bench_top_p.py --vocab 163840 --batches 1,4,16 --out top_p.json
+
+For each batch and setting (top_p 0.95; top_k 50; top_k 50 + top_p 0.95) times, by CUDA-graph
+replay (bench_layers.bench_graph_ms: median, no launch overhead):
+- new:  tau = kdaserve.kernels.sample.top_p.top_k_top_p_threshold, then logits < tau -> -inf;
+- sort: kdaserve.sample.sampler.apply_top_k_top_p with the host flags the sampler would pass.
+floor = the masking's bytes (read + write the logits) / measured copy bandwidth. The logits are
+random normal, so the top-p nucleus is wide. Also records the mean kept tokens of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SETTINGS = {"top_p 0.95": (0, 0.95), "top_k 50": (50, 1.0), "top_k 50 + top_p 0.95": (50, 0.95)}
+
+
+def make_case(batch: int, vocab: int, top_k: int, top_p: float):
+    """(logits [B, V], top_k [B] or None, top_p [B] or None) on the GPU."""
+    logits = torch.randn(batch, vocab, device="cuda")
+    k = torch.full((batch,), top_k, dtype=torch.int32, device="cuda") if top_k > 0 else None
+    p = torch.full((batch,), top_p, dtype=torch.float32, device="cuda") if top_p < 1 else None
+    return logits, k, p
+
+
+def new_path(logits, k, p):
+    from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
+
+    tau = top_k_top_p_threshold(logits, k, p)  # [B]
+    return logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
+
+
+def sort_path(logits, k, p, top_k: int):
+    from kdaserve.sample.sampler import apply_top_k_top_p
+
+    return apply_top_k_top_p(logits, k, p, max_top_k=top_k, all_top_k=top_k > 0)
+
+
+def bench_case(batch: int, vocab: int, name: str, copy_gbps: float) -> dict:
+    from bench_layers import bench_graph_ms
+
+    top_k, top_p = SETTINGS[name]
+    logits, k, p = make_case(batch, vocab, top_k, top_p)
+    kept_new = (new_path(logits, k, p) > float("-inf")).sum(1).double().mean().item()
+    kept_sort = (sort_path(logits, k, p, top_k) > float("-inf")).sum(1).double().mean().item()
+    new_ms = bench_graph_ms(lambda: new_path(logits, k, p))
+    sort_ms = bench_graph_ms(lambda: sort_path(logits, k, p, top_k))
+    floor_ms = 2 * logits.numel() * 4 / (copy_gbps * 1e6)
+    print(f"batch {batch:>3}  {name:<22} new {new_ms * 1e3:8.1f} us  sort {sort_ms * 1e3:8.1f} us"
+          f"  floor {floor_ms * 1e3:6.1f} us  kept {kept_new:.1f} vs {kept_sort:.1f}", flush=True)
+    return {"batch": batch, "setting": name, "new_ms": new_ms, "sort_ms": sort_ms,
+            "floor_ms": floor_ms, "speedup": sort_ms / new_ms, "kept_new": kept_new,
+            "kept_sort": kept_sort}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, default=163840)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_top_p.py needs a CUDA GPU")
+    from bench_layers import measure_ceilings
+
+    from kdaserve.bench.report import git_commit
+
+    t0 = time.time()
+    ceil = measure_ceilings()
+    rows = [bench_case(int(b), args.vocab, name, ceil["copy_GBps"])
+            for b in args.batches.split(",") for name in SETTINGS]
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "commit": git_commit() or "unknown", "vocab": args.vocab,
+              "wall_s": time.time() - t0, "ceilings": ceil, "rows": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Triton kernels of the sort-free top-k / top-p threshold (imported lazily by top_p.py).
+
+Buffers (all written before they are read, one launch after another on one stream):
+- stats [B, S, 2] fp32: per split (max logit, min finite logit).
+- state [L, B, P + 8] fp64, one slot per search launch, written by split 0 of that launch:
+  [0, P) the launch's pivots, then lo, hi, row_max, row_min, tk, target (offsets below).
+- part [2, B, S, P + 2] fp64, double-buffered by launch: per split, the weight of the tokens in
+  [lo, hi) at or above each pivot, then the weight at or above hi, then the total weight.
+  Weight = 1 per finite token (top-k search) or exp(l - row_max) for l >= tk (top-p search).
+
+PREV (constexpr) names what the previous launch was: 0 the stats launch, 1 a top-k pass,
+2 the first top-p pass (its total weight fixes the target top_p * Z), 3 a later top-p pass.
+"""
+
+import triton
+import triton.language as tl
+
+# state slots after the P pivots
+LO, HI, ROW_MAX, ROW_MIN, TK, TARGET = (tl.constexpr(i) for i in range(6))
+# below row_max - 88, exp(l - row_max) carries no fp32 mass
+MASS_RANGE = tl.constexpr(88.0)
+
+
+@triton.jit
+def split_stats_kernel(logits_ptr, stats_ptr, V, S, SPLIT_LEN, BLOCK: tl.constexpr):
+    """Program (row, split): max and min finite logit of its slice -> stats[row, split]."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, V)
+    mx = tl.full([BLOCK], float("-inf"), tl.float32)
+    mn = tl.full([BLOCK], float("inf"), tl.float32)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        lg = tl.load(logits_ptr + row * V + offs, mask=offs < end, other=float("-inf"))
+        mx = tl.maximum(mx, lg)
+        mn = tl.minimum(mn, tl.where(lg > float("-inf"), lg, float("inf")))
+    base = stats_ptr + (row * S + split) * 2
+    tl.store(base, tl.max(mx, axis=0))
+    tl.store(base + 1, tl.min(mn, axis=0))
+
+
+@triton.jit
+def _row_range(stats_row_ptr, S, RED_S: tl.constexpr):
+    """stats[row] [S, 2] -> (row max, row min finite)."""
+    mx = tl.full([RED_S], float("-inf"), tl.float32)
+    mn = tl.full([RED_S], float("inf"), tl.float32)
+    for s0 in range(0, S, RED_S):
+        rows = s0 + tl.arange(0, RED_S)
+        m = rows < S
+        mx = tl.maximum(mx, tl.load(stats_row_ptr + rows * 2, mask=m, other=float("-inf")))
+        mn = tl.minimum(mn, tl.load(stats_row_ptr + rows * 2 + 1, mask=m, other=float("inf")))
+    return tl.max(mx, axis=0), tl.min(mn, axis=0)
+
+
+@triton.jit
+def _sum_splits(part_row_ptr, S, P: tl.constexpr, RED_S: tl.constexpr):
+    """part[row] [S, P + 2] fp64 summed over the splits -> (window sums [P], edge sums [2])."""
+    cols = tl.arange(0, P)
+    e = tl.arange(0, 2)
+    window = tl.zeros([P], tl.float64)
+    edge = tl.zeros([2], tl.float64)
+    for s0 in range(0, S, RED_S):
+        rows = s0 + tl.arange(0, RED_S)
+        base = part_row_ptr + rows[:, None] * (P + 2)
+        m = rows[:, None] < S
+        window += tl.sum(tl.load(base + cols[None, :], mask=m, other=0.0), axis=0)
+        edge += tl.sum(tl.load(base + P + e[None, :], mask=m, other=0.0), axis=0)
+    return window, edge
+
+
+@triton.jit
+def _pivots(lo, hi, P: tl.constexpr):
+    """P pivots evenly spaced in (lo, hi], ascending, the last exactly hi."""
+    j = tl.arange(0, P)
+    x = lo + (hi - lo) * ((j + 1).to(tl.float32) / P)
+    return tl.where(j == P - 1, hi, tl.minimum(x, hi))                  # [P] fp32
+
+
+@triton.jit
+def _narrow(lo, hi, piv, weight_ge, target):
+    """Keep the invariant weight(l >= lo) >= target > weight(l >= hi): lo moves up to the
+    highest pivot that still holds target, hi down to the lowest that does not."""
+    ok = weight_ge >= target                                            # [P]
+    lo = tl.maximum(lo, tl.max(tl.where(ok, piv, float("-inf")), axis=0))
+    hi = tl.minimum(hi, tl.min(tl.where(ok, float("inf"), piv), axis=0))
+    return lo, hi
+
+
+@triton.jit
+def _top_k_threshold(lo, total, top_k_ptr, row, V):
+    """Finished top-k search -> tk: lo, or -inf when k is off or exceeds the finite tokens."""
+    k = tl.load(top_k_ptr + row).to(tl.int64)
+    enough = total >= tl.minimum(k, V).to(tl.float64)
+    return tl.where((k > 0) & enough, lo, float("-inf"))
+
+
+@triton.jit
+def _advance(row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S,
+             PREV: tl.constexpr, P: tl.constexpr, RED_S: tl.constexpr):
+    """Narrow the previous launch's interval with its partial sums.
+
+    Returns (lo, hi, row_max, row_min, tk, target, total weight of the previous pass)."""
+    st = prev_state_ptr + row * (P + 8)
+    piv = tl.load(st + tl.arange(0, P)).to(tl.float32)                 # [P]
+    lo = tl.load(st + P + LO).to(tl.float32)
+    hi = tl.load(st + P + HI).to(tl.float32)
+    row_max = tl.load(st + P + ROW_MAX).to(tl.float32)
+    row_min = tl.load(st + P + ROW_MIN).to(tl.float32)
+    tk = tl.load(st + P + TK).to(tl.float32)
+    target = tl.load(st + P + TARGET)
+    part = prev_part_ptr + row * S * (P + 2)
+    window, edge = _sum_splits(part, S, P, RED_S)      # [P] in [lo, hi); [2] (>= hi, all)
+    e = tl.arange(0, 2)
+    above = tl.sum(tl.where(e == 0, edge, 0.0), axis=0)
+    total = tl.sum(tl.where(e == 1, edge, 0.0), axis=0)
+    if PREV == 1:       # k > V means V; an off row (k <= 0) searches k = 1 harmlessly
+        k = tl.load(top_k_ptr + row).to(tl.int64)
+        target = tl.where(k > 0, tl.minimum(k, V), 1).to(tl.float64)
+    if PREV == 2:
+        top_p = tl.minimum(tl.load(top_p_ptr + row), 1.0).to(tl.float64)
+        target = top_p * total
+    lo, hi = _narrow(lo, hi, piv, above + window, target)
+    return lo, hi, row_max, row_min, tk, target, total
+
+
+@triton.jit
+def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
+                MASS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+    """One slice -> (weight of the tokens in [lo, hi) at or above each pivot [P],
+    [weight of l >= hi, total weight] [2]), fp32 per block, fp64 across blocks. Blocks with no
+    token in [lo, hi) skip the [BLOCK, P] compare (most blocks, once the window is narrow)."""
+    window = tl.zeros([P], tl.float64)
+    edge = tl.zeros([2], tl.float64)
+    e = tl.arange(0, 2)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        lg = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf"))  # [BLOCK]
+        if MASS:
+            w = tl.where(lg >= tk, tl.exp(lg - row_max), 0.0)
+        else:
+            w = tl.where(lg > float("-inf"), 1.0, 0.0)
+        above = tl.sum(tl.where(lg >= hi, w, 0.0), axis=0)
+        edge += tl.where(e == 0, above, tl.sum(w, axis=0)).to(tl.float64)
+        inside = (lg >= lo) & (lg < hi)
+        if tl.max(inside.to(tl.int32), axis=0) > 0:
+            hit = (lg[:, None] >= piv[None, :]) & inside[:, None]     # [BLOCK, P]
+            window += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0).to(tl.float64)
+    return window, edge
+
+
+@triton.jit
+def search_pass_kernel(logits_ptr, stats_ptr, prev_state_ptr, prev_part_ptr, state_ptr, part_ptr,
+                       top_k_ptr, top_p_ptr, V, S, SPLIT_LEN,
+                       PREV: tl.constexpr, MASS: tl.constexpr, P: tl.constexpr,
+                       BLOCK: tl.constexpr, RED_S: tl.constexpr):
+    """Program (row, split): settle this pass's interval from the previous launch (every
+    program redundantly), then sum its slice's weights at the P pivots into part[row, split].
+    MASS: top-p search (weights exp(l - row_max) over l >= tk) else top-k search (counts)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    if PREV == 0:
+        row_max, row_min = _row_range(stats_ptr + row * S * 2, S, RED_S)
+        tk = float("-inf")
+        target = 0.0
+        if MASS:
+            lo = tl.maximum(row_max - MASS_RANGE, row_min)
+        else:
+            lo = row_min
+        hi = row_max
+    else:
+        lo, hi, row_max, row_min, tk, target, total = _advance(
+            row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S, PREV, P, RED_S)
+        if MASS:
+            if PREV == 1:       # the top-k search just ended: start top-p in [tk, row_max]
+                tk = _top_k_threshold(lo, total, top_k_ptr, row, V)
+                lo = tl.maximum(tl.maximum(row_max - MASS_RANGE, row_min), tk)
+                hi = row_max
+    piv = _pivots(lo, hi, P)                                            # [P]
+
+    first = split == 0
+    j = tl.arange(0, P)
+    st = state_ptr + row * (P + 8)
+    tl.store(st + j, piv, mask=(j < P) & first)
+    tl.store(st + P + LO, lo, mask=first)
+    tl.store(st + P + HI, hi, mask=first)
+    tl.store(st + P + ROW_MAX, row_max, mask=first)
+    tl.store(st + P + ROW_MIN, row_min, mask=first)
+    tl.store(st + P + TK, tk, mask=first)
+    tl.store(st + P + TARGET, target, mask=first)
+
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, V)
+    window, edge = _accumulate(logits_ptr + row * V, start, end, piv, lo, hi, row_max, tk,
+                               MASS, P, BLOCK)
+    out = part_ptr + (row * S + split) * (P + 2)
+    tl.store(out + j, window)
+    tl.store(out + P + tl.arange(0, 2), edge)
+
+
+@triton.jit
+def finish_kernel(prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, tau_ptr, V, S,
+                  PREV: tl.constexpr, P: tl.constexpr, RED_S: tl.constexpr):
+    """Program (row): the last narrowing, then tau = max(tk, tp) (off filters give -inf)."""
+    row = tl.program_id(0).to(tl.int64)
+    lo, hi, row_max, row_min, tk, target, total = _advance(
+        row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S, PREV, P, RED_S)
+    if PREV == 1:
+        tau = _top_k_threshold(lo, total, top_k_ptr, row, V)
+    else:
+        top_p = tl.load(top_p_ptr + row)
+        tau = tl.maximum(tk, tl.where(top_p < 1.0, lo, float("-inf")))
+    tl.store(tau_ptr + row, tau)
