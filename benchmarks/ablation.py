@@ -17,6 +17,8 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
                         every step's budget)
   kda-state-mode        speculative config "kda_state_mode": recover | per_position   (spec on)
   batch-layout          speculative config "batch_layout": contiguous | gather   (spec on)
+  sampling-threshold-kernel  --sampling-threshold-kernel | --no-...   (sort-free top-k / top-p
+                        threshold search; W1 samples with top_p 0.95)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
 engine flag and are not switches here. The engine's `--decode-gemv` and `--moe-single-token`
 are kernel candidates that lost on the H200 (benchmarks/results/gemv_h200_v1.json: no faster
@@ -116,6 +118,10 @@ SWITCHES: tuple[Switch, ...] = (
            baseline="gather: plain request order, each KDA group index_selected / index_copied "
                     "out of the mixed batch",
            spec_key="batch_layout", spec_on="contiguous", spec_off="gather"),
+    Switch("sampling-threshold-kernel", workload="W1", needs="decode",
+           baseline="top-k / top-p by a full sort of the vocabulary per row (CUDA only; the "
+                    "CPU always sorts)",
+           flag_on=("--sampling-threshold-kernel",), flag_off=("--no-sampling-threshold-kernel",)),
 )
 SWITCH_NAMES = tuple(s.name for s in SWITCHES)
 RESERVED_SERVER_FLAGS = ("--speculative-config", "-sc", "--enable-prefix-caching",

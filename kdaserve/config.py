@@ -207,14 +207,17 @@ class LoadConfig:
 
 @dataclass
 class KernelConfig:
-    """Decode-size kernel choices on CUDA (no effect on the CPU reference path). Off = the
-    baseline: cuBLAS projections and the tensor-core fused MoE."""
+    """Kernel choices on CUDA (no effect on the CPU reference path). Off = the baseline:
+    cuBLAS projections, the tensor-core fused MoE, a sorting top-k / top-p."""
     decode_gemv: bool = False
     """Projections of 1-4 token rows (decode batches <= 4) through the Triton GEMV
     (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
     moe_single_token: bool = False
     """One-token MoE layers (batch-1 decode) through the two-GEMV path with the top-k sum fused
     (kernels/moe/single_token.py) instead of the fused MoE's tensor-core tiles."""
+    sampling_threshold_kernel: bool = True
+    """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
+    search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""
 
 
 @dataclass

@@ -135,8 +135,11 @@ class RejectionSampler(nn.Module):
     """
 
     def __init__(self, method: str = "standard",
-                 synthetic_rates: list[float] | None = None) -> None:
+                 synthetic_rates: list[float] | None = None,
+                 threshold_kernel: bool = False) -> None:
         super().__init__()
+        self.threshold_kernel = threshold_kernel
+        """Top-k / top-p through the sort-free threshold kernel on CUDA (see Sampler)."""
         if method not in REJECTION_SAMPLE_METHODS:
             raise ValueError(f"rejection_sample_method must be one of "
                              f"{REJECTION_SAMPLE_METHODS}, got {method!r}")
@@ -171,7 +174,8 @@ class RejectionSampler(nn.Module):
 
         greedy_row = is_greedy_temperature(md.temperature)[spec.row_req]      # [R]
         argmax = None if md.all_random else logits.argmax(dim=-1)             # [R]
-        probs = None if md.all_greedy else self._target_probs(logits, spec, md)  # [R, V]
+        probs = None if md.all_greedy else self._target_probs(logits, spec, md,
+                                                               self.threshold_kernel)  # [R, V]
         uniform, noise = self._draw(spec, md, R, V, device, need_noise=probs is not None)
 
         drafts = spec.draft_token_ids                                          # [D]
@@ -238,7 +242,8 @@ class RejectionSampler(nn.Module):
         return logits.index_put((rows, toks), logits.new_full((), float("-inf")))
 
     @staticmethod
-    def _target_probs(logits, spec: SpecDecodeMetadata, md: SamplingMetadata):
+    def _target_probs(logits, spec: SpecDecodeMetadata, md: SamplingMetadata,
+                      threshold_kernel: bool = False):
         """p per target row: temperature, top-k, top-p, min-p of the row's request."""
         temp = md.temperature
         if not md.all_random:
@@ -247,7 +252,7 @@ class RejectionSampler(nn.Module):
         logits = logits / temp[r].unsqueeze(1)
         logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k[r],
                                    None if md.no_top_p else md.top_p[r], md.max_top_k,
-                                   md.all_top_k)
+                                   md.all_top_k, threshold_kernel)
         if not md.no_min_p:
             logits = apply_min_p(logits, md.min_p[r])
         return torch.softmax(logits, dim=-1)

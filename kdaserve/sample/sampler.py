@@ -30,8 +30,13 @@ class Sampler(nn.Module):
     """logits [B, V] + SamplingMetadata -> one token per row.
 
     Logprobs are of the raw model distribution (log_softmax of the logits before bans,
-    temperature and filters), as vLLM's default `raw_logprobs`.
+    temperature and filters), as vLLM's default `raw_logprobs`. threshold_kernel: top-k / top-p
+    on CUDA through the sort-free threshold search (KernelConfig.sampling_threshold_kernel).
     """
+
+    def __init__(self, threshold_kernel: bool = False) -> None:
+        super().__init__()
+        self.threshold_kernel = threshold_kernel
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
@@ -68,7 +73,8 @@ class Sampler(nn.Module):
             temperature = torch.where(is_greedy_temperature(temperature), 1.0, temperature)
         logits = logits / temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k,
-                                   None if md.no_top_p else md.top_p, md.max_top_k, md.all_top_k)
+                                   None if md.no_top_p else md.top_p, md.max_top_k, md.all_top_k,
+                                   self.threshold_kernel)
         if not md.no_min_p:
             logits = apply_min_p(logits, md.min_p)
         probs = torch.softmax(logits, dim=-1)  # [B, V]
@@ -85,13 +91,22 @@ def apply_top_k_top_p(
     top_p: torch.Tensor | None,
     max_top_k: int = 0,
     all_top_k: bool = False,
+    threshold_kernel: bool = False,
 ) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus of the
     renormalised top-k distribution. top_k [B] int (<= 0 = off), top_p [B] float (1 = off).
     max_top_k / all_top_k (host values) allow the partial-sort paths. Ties with the k-th logit
-    are kept, except on the all_top_k path. The most likely token is never masked."""
+    are kept, except on the all_top_k path. The most likely token is never masked.
+    threshold_kernel (CUDA logits only): one sort-free threshold per row
+    (kernels/sample/top_p.py), which keeps every tie with the boundary and at most a few
+    tokens within about one ulp below it."""
     if top_k is None and top_p is None:
         return logits
+    if threshold_kernel and logits.is_cuda:
+        from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
+
+        tau = top_k_top_p_threshold(logits.float().contiguous(), top_k, top_p)   # [B]
+        return logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
     vocab = logits.shape[-1]
     if top_p is None:
         return _apply_top_k_only(logits, top_k, max_top_k)

@@ -112,7 +112,7 @@ class ModelRunner:
         self.model.configure_kernels(config.kernel_config)
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
                     self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.kernel_config.sampling_threshold_kernel)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.caches: ModelCaches | None = None

@@ -70,7 +70,8 @@ class SpecDecoder:
         self.args = target_args
         self.conv_dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.max_model_len = config.scheduler_config.max_model_len
-        self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates)
+        self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates,
+                                        config.kernel_config.sampling_threshold_kernel)
         self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
         self.probabilistic = sc.method == "draft_model" and \
             sc.draft_sample_method == "probabilistic"

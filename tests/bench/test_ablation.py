@@ -16,7 +16,8 @@ from kdaserve.config import SpeculativeConfig
 from kdaserve.entrypoints.openai import cli_args
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ablation.py")
-ALL = ["kda-checkpoint-mode", "adaptive-spec-budget", "kda-state-mode", "batch-layout"]
+ALL = ["kda-checkpoint-mode", "adaptive-spec-budget", "kda-state-mode", "batch-layout",
+       "sampling-threshold-kernel"]
 NGRAM = ('{"num_speculative_tokens": 8, "rejection_sample_method": "synthetic", '
          '"synthetic_acceptance_length": 4.0}')
 
@@ -51,13 +52,16 @@ def switch_values(kwargs: dict) -> dict[str, object]:
     return {"kda-checkpoint-mode": kwargs.get("kda_checkpoint_mode"),
             "adaptive-spec-budget": kwargs.get("adaptive_spec_budget"),
             "kda-state-mode": spec.get("kda_state_mode"),
-            "batch-layout": spec.get("batch_layout")}
+            "batch-layout": spec.get("batch_layout"),
+            "sampling-threshold-kernel": kwargs.get("sampling_threshold_kernel")}
 
 
 ON = {"kda-checkpoint-mode": "internal", "adaptive-spec-budget": True,
-      "kda-state-mode": "recover", "batch-layout": "contiguous"}
+      "kda-state-mode": "recover", "batch-layout": "contiguous",
+      "sampling-threshold-kernel": True}
 OFF = {"kda-checkpoint-mode": "split", "adaptive-spec-budget": False,
-       "kda-state-mode": "per_position", "batch-layout": "gather"}
+       "kda-state-mode": "per_position", "batch-layout": "gather",
+       "sampling-threshold-kernel": False}
 
 
 def test_run_matrix(ablation):
@@ -99,15 +103,17 @@ def test_each_run_passes_exactly_its_switch_values(ablation):
 def test_auto_runs_follow_the_workload(ablation, tmp_path):
     w1 = ablation.parse_args(["/m", "--out-dir", str(tmp_path)])
     assert [r.name for r in w1.run_list] == ["all-on", "all-off", "no-adaptive-spec-budget",
-                                             "no-kda-state-mode", "no-batch-layout"]
+                                             "no-kda-state-mode", "no-batch-layout",
+                                             "no-sampling-threshold-kernel"]
     assert w1.spec["method"] == "ngram" and (w1.input_len, w1.output_len) == (8000, 1000)
     assert w1.concurrency == (1, 4, 16) and not w1.prefix_caching
     w1d = ablation.parse_args(["/m", "--draft-model", "/d", "--runs", "all"])
     assert w1d.spec["method"] == "draft_model" and w1d.spec["model"] == "/d"
-    assert len(w1d.run_list) == 6 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
+    assert len(w1d.run_list) == 7 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
     w3 = ablation.parse_args(["/m", "--workload", "W3"])
     assert w3.spec is None and w3.prefix_caching and w3.shared_prefix_len == 7680
-    assert [r.name for r in w3.run_list] == ["all-on", "all-off", "no-kda-checkpoint-mode"]
+    assert [r.name for r in w3.run_list] == ["all-on", "all-off", "no-kda-checkpoint-mode",
+                                             "no-sampling-threshold-kernel"]
     assert "--enable-prefix-caching" in ablation.base_flags(w3)
 
 
@@ -175,7 +181,8 @@ def test_w1_shaped_cpu_end_to_end(ablation, tiny_model, tmp_path, capsys):
     assert rc == 0
     on = {"kda-checkpoint-mode": ["--kda-checkpoint-mode", "internal"],
           "adaptive-spec-budget": ["--adaptive-spec-budget"],
-          "kda-state-mode": "recover", "batch-layout": "contiguous"}
+          "kda-state-mode": "recover", "batch-layout": "contiguous",
+          "sampling-threshold-kernel": ["--sampling-threshold-kernel"]}
     rec = check_run(tmp_path, "all-on", on, [1, 2], 8)
     assert rec["speculative_config"]["kda_state_mode"] == "recover"
     assert rec["switches"]["batch-layout"]["exercised"]
@@ -209,7 +216,8 @@ def test_w3_shaped_cpu_checkpoint_switch(ablation, tiny_model, tmp_path):
     rec = check_run(tmp_path, "no-kda-checkpoint-mode", {
         "kda-checkpoint-mode": ["--kda-checkpoint-mode", "split"],
         "adaptive-spec-budget": ["--adaptive-spec-budget"],
-        "kda-state-mode": None, "batch-layout": None}, [1], 4)
+        "kda-state-mode": None, "batch-layout": None,
+        "sampling-threshold-kernel": ["--sampling-threshold-kernel"]}, [1], 4)
     assert rec["speculative_config"] is None and rec["switches"]["kda-checkpoint-mode"]["exercised"]
     assert "--enable-prefix-caching" in rec["server_flags"]
     counters = rec["levels"][0]["server_counters"]

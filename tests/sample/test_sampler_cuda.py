@@ -55,3 +55,28 @@ def test_seeded_row_batch_invariant_on_cuda():
     others = [torch.cat([torch.randn(3, VOCAB, device=DEV), t]) for t in target]
     batched = run(others, [SP(), SP(top_k=5), SP(seed=4), seeded], {2: 4, 3: 11})[:, 3]
     assert torch.equal(alone, batched)
+
+
+def test_threshold_kernel_matches_the_sort():
+    """apply_top_k_top_p through the sort-free threshold kernel keeps the sort's tokens (plus at
+    most ties within ~1 ulp of the boundary), and seeded sampling picks the same tokens."""
+    from kdaserve.sample.sampler import apply_top_k_top_p
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    B, V = 16, 163840
+    logits = torch.randn(B, V, device=DEV, generator=g) * 2
+    top_k = torch.tensor([0, 50, 0, 1000] * 4, device=DEV)
+    top_p = torch.tensor([0.95, 1.0, 0.5, 0.9] * 4, device=DEV)
+    for k, p in ((top_k, top_p), (None, top_p), (top_k, None)):
+        want = apply_top_k_top_p(logits, k, p) > float("-inf")
+        got = apply_top_k_top_p(logits, k, p, threshold_kernel=True) > float("-inf")
+        assert (want & ~got).sum() == 0, "the kernel dropped a kept token"
+        extra = got & ~want
+        assert extra.sum() <= 2 * B, int(extra.sum())
+    params = [SP(temperature=1.0, top_p=0.95, seed=i) for i in range(B)]
+    ids = []
+    for kernel in (False, True):
+        gens = {i: torch.Generator(device=DEV).manual_seed(i) for i in range(B)}
+        md = SamplingMetadata.build(params, gens, None, device=DEV)
+        ids.append(Sampler(threshold_kernel=kernel)(logits, md).sampled_token_ids)
+    assert (ids[0] != ids[1]).sum() <= 1
