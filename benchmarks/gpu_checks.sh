@@ -12,7 +12,8 @@
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and
-# writes the cache back as $OUT/triton.tar.xz.* (16 MiB parts; fetch them into .tcache/).
+# writes the cache back as $OUT/triton.tar.xz.* (16 MiB parts; fetch them into .tcache/) unless
+# SAVE_TCACHE=0. The device returns at most 8 files: tar the rest of $OUT into one.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -62,6 +63,6 @@ if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"
 fi
 [[ $STAGES == *tests* && $STAGES != tests* ]] && run_tests   # "tests" not first: run last
-if [ -d ~/.triton/cache ]; then
+if [ -d ~/.triton/cache ] && [ "${SAVE_TCACHE:-1}" = 1 ]; then
   tar -cJf - -C ~/.triton cache | split -b 15M - "$OUT/triton.tar.xz." && ls -la "$OUT"/triton.tar.xz.*
 fi
