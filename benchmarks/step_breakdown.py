@@ -1,0 +1,147 @@
+"""Where a decode step's wall time goes, in-process on one GPU (a diagnostic, not a figure).
+
+    python benchmarks/step_breakdown.py MODEL_DIR [--draft-model DIR] --out breakdown.json
+
+For each case (batch, sampling, speculative or not) it starts requests with short random
+prompts, runs them past prefill, then times `--steps` engine steps (CUDA-synchronised wall
+time per step) and profiles the same steps with cProfile. The JSON holds ms/step per case and
+the top functions by cumulative and by own time, so the host-side cost of a step (sampling
+metadata, the sampler, detokenisation, drafting, the KDA commit) can be told apart from the
+graph replay that bench_engine.py and the roofline time.
+
+Cases: greedy and W1 sampling (temperature 1.0, top_p 0.95, a seed per request) at the given
+batches without speculation; with --draft-model instead, the W1 speculative config (8 drafts,
+synthetic acceptance length 4.0) at the given spec batches (one engine per invocation: run
+the script twice for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kdaserve import SamplingParams  # noqa: E402
+from kdaserve.bench.report import git_commit  # noqa: E402
+from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
+
+SPEC = {"method": "draft_model", "num_speculative_tokens": 8,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.0}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def sampling(kind: str, seed: int) -> SamplingParams:
+    if kind == "greedy":
+        return SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
+    return SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=4000,
+                          ignore_eos=True)
+
+
+def top_functions(prof: cProfile.Profile, key: str, n: int) -> list[dict]:
+    st = pstats.Stats(prof, stream=io.StringIO())
+    st.sort_stats(key)
+    rows = []
+    for func in st.fcn_list[:n]:
+        cc, nc, tt, ct, _ = st.stats[func]
+        rows.append({"function": f"{os.path.basename(func[0])}:{func[1]}({func[2]})",
+                     "calls": nc, "own_ms": tt * 1e3, "cum_ms": ct * 1e3})
+    return rows
+
+
+def run_case(engine: LLMEngine, name: str, batch: int, kind: str, prompt_len: int,
+             steps: int, rng: random.Random) -> dict:
+    vocab = engine.vocab_size
+    ids = [f"{name}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)],
+                           sampling(kind, 42 + i))
+    reqs = engine.scheduler.requests
+    while any(reqs[rid].num_computed_tokens < prompt_len for rid in ids if rid in reqs):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        _sync()
+        t = time.perf_counter()
+        engine.step()
+        _sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    prof.disable()
+    engine.abort_request(ids)
+    times.sort()
+    out = {"case": name, "batch": batch, "sampling": kind, "median_step_ms": times[len(times) // 2],
+           "mean_step_ms": sum(times) / len(times),
+           "top_cumulative": top_functions(prof, "cumulative", 40),
+           "top_own": top_functions(prof, "tottime", 25)}
+    print(f"{name}: batch {batch} {kind}: median {out['median_step_ms']:.2f} ms/step", flush=True)
+    for r in out["top_cumulative"][:28]:
+        print(f"   {r['cum_ms'] / steps:8.3f} ms/step cum {r['own_ms'] / steps:8.3f} own  "
+              f"{r['calls'] // steps:>5}x  {r['function']}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--draft-model", default=None,
+                    help="Run only the speculative cases, with this draft model (made first "
+                         "when the folder has no config.json).")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--spec-batches", default="1,4")
+    ap.add_argument("--prompt-len", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--max-model-len", type=int, default=12288)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    result = {"command": " ".join(sys.argv), "commit": git_commit(),
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "cases": []}
+    common = dict(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=32,
+                  max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+                  enable_prefix_caching=False)
+    if not args.draft_model:
+        engine = LLMEngine.from_engine_args(**common)
+        for b in (int(x) for x in args.batches.split(",")):
+            for kind in ("greedy", "w1"):
+                result["cases"].append(run_case(engine, f"nospec-{kind}-b{b}", b, kind,
+                                                args.prompt_len, args.steps, rng))
+    else:
+        from kdaserve.models.make_model import make_draft_model
+
+        if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
+            make_draft_model(args.model, args.draft_model)
+        engine = LLMEngine.from_engine_args(**common,
+                                            speculative_config={**SPEC, "model": args.draft_model})
+        for b in (int(x) for x in args.spec_batches.split(",")):
+            result["cases"].append(run_case(engine, f"spec-w1-b{b}", b, "w1", args.prompt_len,
+                                            args.steps, rng))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
