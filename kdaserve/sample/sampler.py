@@ -97,21 +97,23 @@ def apply_top_k_top_p(
     renormalised top-k distribution. top_k [B] int (<= 0 = off), top_p [B] float (1 = off).
     max_top_k / all_top_k (host values) allow the partial-sort paths. Ties with the k-th logit
     are kept, except on the all_top_k path. The most likely token is never masked.
-    threshold_kernel (CUDA logits only): one sort-free threshold per row
-    (kernels/sample/top_p.py), which keeps every tie with the boundary and at most a few
-    tokens within about one ulp below it."""
+    threshold_kernel (CUDA logits only): where a full sort would run (top-p with some row
+    lacking a top-k), one sort-free threshold per row instead (kernels/sample/top_p.py), which
+    keeps every tie with the boundary and at most a few tokens within about one ulp below it.
+    Top-k alone and top-k on every row keep torch.topk (faster on the H200:
+    benchmarks/results/top_p_h200_v1.json)."""
     if top_k is None and top_p is None:
         return logits
-    if threshold_kernel and logits.is_cuda:
-        from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
-
-        tau = top_k_top_p_threshold(logits.float().contiguous(), top_k, top_p)   # [B]
-        return logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
     vocab = logits.shape[-1]
     if top_p is None:
         return _apply_top_k_only(logits, top_k, max_top_k)
     if top_k is not None and all_top_k and 0 < max_top_k < vocab:
         return _apply_top_k_top_p_partial(logits, top_k, top_p, max_top_k)
+    if threshold_kernel and logits.is_cuda:   # instead of the full sort below
+        from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
+
+        tau = top_k_top_p_threshold(logits.float().contiguous(), top_k, top_p)   # [B]
+        return logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
 
     logits_sort, order = logits.sort(dim=-1, descending=False)  # [B, V] ascending
     if top_k is not None:

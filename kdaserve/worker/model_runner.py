@@ -188,6 +188,7 @@ class ModelRunner:
             logger.info("%s", self.spec.memory_line(self.dtype))
         if self.device.type == "cuda":
             self._warmup_mixed_step()
+            self._warmup_sampler()
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from kdaserve.worker.cuda_graphs import DecodeGraphs
 
@@ -217,6 +218,18 @@ class ModelRunner:
         ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
         with torch.inference_mode():
             self.model.compute_logits(self.model(ids, ids, ForwardContext(md, caches)))
+        torch.cuda.synchronize()
+
+    def _warmup_sampler(self) -> None:
+        """Sample once with top-p alone and once with top-p plus top-k on some rows: the
+        threshold kernels' variants compile at start-up, not in the first requests' steps.
+        Seeded rows, so the global CUDA generator is left as it was."""
+        logits = torch.randn(2, self.args.vocab_size, device=self.device)
+        gens = {i: torch.Generator(device=self.device).manual_seed(i) for i in range(2)}
+        for params in ([SamplingParams(temperature=1.0, top_p=0.9, seed=0)] * 2,
+                       [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0),
+                        SamplingParams(temperature=1.0, top_p=0.9, seed=1)]):
+            self.sampler(logits, SamplingMetadata.build(params, gens, None, self.device))
         torch.cuda.synchronize()
 
     def _spec_rows_per_slot(self) -> int:
