@@ -140,6 +140,11 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = (self.chat_logprobs(comp.token_ids, comp.logprobs,
                                                    ctx.req.top_logprobs or 0)
                                 if ctx.req.logprobs and comp.token_ids else None)
+                    if delta is None and ctx.states[i].plain and comp.token_ids:
+                        # tokens without text yet (an incomplete UTF-8 character, a special
+                        # token): streamed as an empty delta, as vLLM does and as
+                        # /v1/completions does, so usage and ITL advance with every step
+                        delta = {"content": ""}
                     if delta is None and not final and logprobs is None:
                         continue  # text held back by a parser: nothing to show yet
                     if delta is None:
