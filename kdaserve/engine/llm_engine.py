@@ -26,6 +26,10 @@ from kdaserve.worker.cache import state_bytes_per_slot
 
 logger = logging.getLogger(__name__)
 
+SLOW_STEP_S = 1.0
+"""A step slower than this is logged as a warning (a decode step takes milliseconds, an
+8K-token prefill ~0.2 s on the H200): it shows mid-serving JIT or autotune stalls."""
+
 
 @dataclass
 class _Sample:
@@ -213,9 +217,15 @@ class LLMEngine:
         context = self._decode_context(so)
         t0 = time.perf_counter()
         ro = self.model_runner.execute_model(so)      # returns after the sampled ids are read
+        elapsed = time.perf_counter() - t0
         if context is not None:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
-            self.step_floor_ratio = (time.perf_counter() - t0) / floor
+            self.step_floor_ratio = elapsed / floor
+        if elapsed > SLOW_STEP_S:
+            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
+                           "JIT compilation or autotuning of a new shape?", elapsed,
+                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
+                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
         core_outputs = self.scheduler.update_from_output(so, ro)
         if ro.draft_token_ids:
             self.scheduler.update_draft_token_ids(ro.draft_token_ids)
