@@ -116,6 +116,36 @@ def _delta_rule_into(q, k, v, g_raw, beta_logits, gate, md: AttentionMetadata, r
         rec_cache[slot].copy_(state)
 
 
+SHORT_PREFILL_MAX = 16
+"""Rows of at most this many tokens that continue a state (a draft model's catch-up over the
+accepted tokens, a chunked prefill's short tail) run token by token in fla's fused recurrent
+kernel: one launch, where chunk_kda takes about ten and autotunes per shape (the draft
+catch-up alone cost ~23 ms of a 43 ms speculative step on the H200)."""
+
+
+def _all_short_with_state(md: AttentionMetadata) -> bool:
+    """Host-side test: every row is at most SHORT_PREFILL_MAX tokens and continues a state."""
+    return (md.max_query_len <= SHORT_PREFILL_MAX
+            and bool((md.num_computed_tokens_cpu[:md.num_reqs] > 0).all()))
+
+
+def _short_rows_recurrent(q, k, v, g, beta, in_kernel: dict, md: AttentionMetadata,
+                          rec_cache: torch.Tensor, o: torch.Tensor) -> None:
+    """Every row (decodes and short prefills alike) in one fused recurrent launch. The kernel's
+    continuous-batching mode reads row i's state from ssm_state_indices[i, 0] and writes the
+    state after its token t to ssm_state_indices[i, t]: all columns hold the row's own slot, so
+    the slot ends with the state after the row's last token."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    n, t = md.num_reqs, md.num_actual_tokens
+    idx = md.state_indices[:n, None].expand(n, md.max_query_len).contiguous()  # [N, Tmax]
+    fused_recurrent_kda_fwd(
+        *(x[None, :t].contiguous() for x in (q, k, v, g, beta)), out=o[None, :t],
+        initial_state=rec_cache, inplace_final_state=True,
+        cu_seqlens=md.query_start_loc[:n + 1], ssm_state_indices=idx,
+        use_qk_l2norm_in_kernel=True, **in_kernel)
+
+
 def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o):
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
@@ -126,6 +156,9 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o
     else:   # bounded gate variant (K3-style): activate here
         g, beta = gate.activate(g), torch.sigmoid(beta.float())
         in_kernel = {}
+    if md.num_prefills and md.kda_checkpoints is None and _all_short_with_state(md):
+        _short_rows_recurrent(q, k, v, g, beta, in_kernel, md, rec_cache, o)
+        return
     nd = md.num_decodes
     if nd:
         # [1, nd, H, *]: one token per sequence; the kernel reads and writes the pool in place.
