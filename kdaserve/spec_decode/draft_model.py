@@ -117,6 +117,23 @@ class DraftModelProposer:
         load_weights(model, path, LoadConfig())
         return cls(model, args, **kwargs)
 
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One prefill, then one step mixing a one-token row with a K+1-token catch-up row,
+        on free slots and blocks (given back after): the draft model's kernels compile and
+        autotune at start-up, not during the first requests' steps."""
+        prompt = 2 * self.block_size + 3
+        need = -(-(prompt + self.k + 1) // self.block_size)
+        slots = self._slots.take(2, "state slots")
+        blocks = [self._blocks.take(need, "KV blocks") for _ in range(2)]
+        try:
+            self._forward([[0] * prompt, [0] * prompt], [0, 0], blocks, slots)
+            self._forward([[0], [0] * (self.k + 1)], [prompt, prompt], blocks, slots)
+        finally:
+            self._slots.give(slots)
+            for b in blocks:
+                self._blocks.give(b)
+
     def capture_graphs(self) -> None:
         """Capture CUDA graphs of the one-token draft steps (call after the target's caches
         are allocated, like the target's graphs)."""

@@ -189,6 +189,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warmup_mixed_step()
             self._warmup_sampler()
+            if self.spec is not None:
+                self.spec.warmup()
         if self.device.type == "cuda" and not self.config.enforce_eager:
             from kdaserve.worker.cuda_graphs import DecodeGraphs
 

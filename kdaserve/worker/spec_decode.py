@@ -90,6 +90,12 @@ class SpecDecoder:
         self.scratch_base: int | None = None
         self._pending: _PendingCommit | None = None
 
+    def warmup(self) -> None:
+        """Compile the draft model's kernels at start-up (draft_model method only)."""
+        warmup = getattr(self.proposer, "warmup", None)
+        if warmup is not None:
+            warmup()
+
     def capture_graphs(self) -> None:
         """CUDA graphs of the draft model's one-token steps (draft_model method only)."""
         capture = getattr(self.proposer, "capture_graphs", None)

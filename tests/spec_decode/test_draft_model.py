@@ -207,3 +207,22 @@ def test_draft_graph_inputs_match_the_eager_steps(model_dirs):
     toks = [prompts[i] + seqs[i][:committed[i] + 1] for i in range(3)]
     assert g.propose(["a", "b", "c"], toks).draft_token_ids == \
         props[0].propose(["a", "b", "c"], toks).draft_token_ids
+
+
+def test_warmup_leaves_no_trace(model_dirs):
+    """The start-up warm-up gives back its slots and blocks, and later drafts equal those of a
+    proposer that never warmed up."""
+    prompts = _prompts(2)
+    dmodel, dargs = _load(model_dirs[1])
+
+    def make():
+        return DraftModelProposer(dmodel, dargs, K, max_num_seqs=2, max_model_len=128,
+                                  block_size=BS, device="cpu", dtype=torch.float32)
+
+    warm = make()
+    free = (list(warm._slots.free), list(warm._blocks.free))
+    warm.warmup()
+    assert (sorted(warm._slots.free), sorted(warm._blocks.free)) == \
+        (sorted(free[0]), sorted(free[1]))
+    assert warm.propose(["a", "b"], prompts).draft_token_ids == \
+        make().propose(["a", "b"], prompts).draft_token_ids
