@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CUDA KDA path's short-row branch (fla fused recurrent, several tokens per row) against
-the CPU reference, on the Triton interpreter. Needs fla-core (the GPU extra), so CI's CPU
-install skips it; it runs wherever fla-core is importable."""
+the CPU reference, on the Triton interpreter. Needs fla-core (the GPU extra; CI leaves it out
+because transformers' KimiLinear would then call fla's GPU kernels), so it runs where fla-core
+is importable: the GPU machine, or locally with the wheel on PYTHONPATH."""
 
 import importlib.util
 import os
