@@ -334,17 +334,21 @@ class ModelRunner:
         if batch.has_spec:
             internal, spec_exports = self.spec.split_exports(
                 internal, [bool(d) for d in batch.drafts])
+        sample_states = [states[i] for i in batch.sample_rows]
+        # Built before the forward: its small host->device copies wait for the stream, so after
+        # the (graph) launch the sampler's kernels queue behind it at once and overlap it.
+        sampling = (self._sampling_metadata(sample_states)
+                    if sample_states and not batch.has_spec else None)
         hidden_rows = self._forward(batch, states, internal, spec_exports)  # [logit rows, D]
         checkpoints.apply_post_copies(self.caches, exports)
         if not batch.sample_rows:
             return ModelRunnerOutput(req_ids=batch.req_ids,
                                      sampled_token_ids=[[] for _ in batch.req_ids],
                                      logprobs=[None] * len(batch.req_ids))
-        sample_states = [states[i] for i in batch.sample_rows]
         if batch.has_spec:
             emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states)
         else:
-            sampled, lps = self._sample(hidden_rows, sample_states)
+            sampled, lps = self._sample(hidden_rows, sample_states, sampling)
             emitted = [[t] for t in sampled]
             logprobs = [None if lp is None else [lp] for lp in lps]
         out_tokens: list[list[int]] = [[] for _ in batch.req_ids]
@@ -394,16 +398,21 @@ drafts) replay CUDA graphs; other steps run eager."""
                 for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]
         return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
-    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]):
-        logits = self.model.compute_logits(hidden)                    # [R, V] fp32
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
         gens = {j: self.generators[s.req_id] for j, s in enumerate(states)
                 if s.req_id in self.generators}
         banned = min_tokens_banned_ids(params, [len(s.token_ids) - s.num_prompt_tokens
                                                 for s in states], self.args.eos_token_id)
         md = SamplingMetadata.build(params, gens, banned, self.device)
-        md.processing = logits_processing(range(len(states)), states, logits.shape[-1],
+        md.processing = logits_processing(range(len(states)), states, self.args.vocab_size,
                                           self.device)
+        return md
+
+    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState],
+                md: SamplingMetadata):
+        logits = self.model.compute_logits(hidden)                    # [R, V] fp32
+        params = [s.sampling_params for s in states]
         out = self.sampler(logits, md)
         sampled = out.sampled_token_ids.tolist()
         lp_dicts, rank_dicts = to_logprob_dicts(out, [p.logprobs for p in params])
