@@ -337,8 +337,10 @@ class ModelRunner:
         sample_states = [states[i] for i in batch.sample_rows]
         # Built before the forward: its small host->device copies wait for the stream, so after
         # the (graph) launch the sampler's kernels queue behind it at once and overlap it.
-        sampling = (self._sampling_metadata(sample_states)
-                    if sample_states and not batch.has_spec else None)
+        sampling = None
+        if sample_states:
+            sampling = (self._spec_sampling_metadata(batch, sample_states) if batch.has_spec
+                        else self._sampling_metadata(sample_states))
         hidden_rows = self._forward(batch, states, internal, spec_exports)  # [logit rows, D]
         checkpoints.apply_post_copies(self.caches, exports)
         if not batch.sample_rows:
@@ -346,7 +348,7 @@ class ModelRunner:
                                      sampled_token_ids=[[] for _ in batch.req_ids],
                                      logprobs=[None] * len(batch.req_ids))
         if batch.has_spec:
-            emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states)
+            emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states, sampling)
         else:
             sampled, lps = self._sample(hidden_rows, sample_states, sampling)
             emitted = [[t] for t in sampled]
@@ -363,14 +365,18 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
                                  logprobs=out_lps, draft_token_ids=drafts)
 
-    def _sample_spec(self, hidden: torch.Tensor, batch: StepBatch,
-                     states: list[CachedRequestState]):
-        """Rejection sampling over every sampling row, then the KDA state commit."""
+    def _spec_sampling_metadata(self, batch: StepBatch, states: list[CachedRequestState]):
         drafts = [batch.drafts[i] for i in batch.sample_rows]
         eos = self.args.eos_token_id
         eos = {eos} if isinstance(eos, int) else set(eos or ())
+        return self.spec.sampling_metadata(states, drafts, self.generators, eos)
+
+    def _sample_spec(self, hidden: torch.Tensor, batch: StepBatch,
+                     states: list[CachedRequestState], prepared):
+        """Rejection sampling over every sampling row, then the KDA state commit."""
+        drafts = [batch.drafts[i] for i in batch.sample_rows]
         emitted, logprobs = self.spec.sample(self.model.compute_logits(hidden), states, drafts,
-                                             self.generators, eos)
+                                             prepared)
         self.spec.commit(self.caches, [len(e) for e, d in zip(emitted, drafts) if d])
         return emitted, logprobs
 

@@ -172,10 +172,11 @@ class SpecDecoder:
     # Sampling and commit
     # -----------------------------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, states, drafts: list[list[int]],
-               generators: dict[str, torch.Generator], eos_ids: set[int]):
-        """logits: [sum(1 + K_i), V] for the sampling rows (states, in batch order).
-        Returns (emitted tokens per row, logprobs per row: list of {token: Logprob} or None)."""
+    def sampling_metadata(self, states, drafts: list[list[int]],
+                          generators: dict[str, torch.Generator], eos_ids: set[int]
+                          ) -> tuple[SpecDecodeMetadata, SamplingMetadata]:
+        """The rejection sampler's inputs for the sampling rows (states, in batch order); built
+        before the forward so their host->device copies do not wait behind it."""
         params = [s.sampling_params for s in states]
         gens = {j: generators[s.req_id] for j, s in enumerate(states)
                 if s.req_id in generators}
@@ -186,7 +187,16 @@ class SpecDecoder:
                                  stops, [len(d) for d in drafts])
         spec_md = SpecDecodeMetadata.make(drafts, self.device, banned)
         md = SamplingMetadata.build(params, gens, None, self.device)
-        md.processing = self._logits_processing(states, drafts, logits.shape[-1])
+        md.processing = self._logits_processing(states, drafts, self.args.vocab_size)
+        return spec_md, md
+
+    def sample(self, logits: torch.Tensor, states, drafts: list[list[int]],
+               prepared: tuple[SpecDecodeMetadata, SamplingMetadata]):
+        """logits: [sum(1 + K_i), V] for the sampling rows (states, in batch order); prepared:
+        sampling_metadata(states, drafts, ...). Returns (emitted tokens per row, logprobs per
+        row: list of {token: Logprob} or None)."""
+        params = [s.sampling_params for s in states]
+        spec_md, md = prepared
         out = self.sampler(logits, spec_md, md, self._draft_probs(states, drafts, logits))
         emitted = out.parse_output()
         self.stats.observe_batch([len(d) for d in drafts], [len(e) - 1 for e in emitted])
