@@ -6,9 +6,10 @@
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
 # unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_moe_single,
-# bench_sampler),
-# layers; each has a *_TIMEOUT. ENGINE_ARGS="--decode-gemv --moe-single-token" times the candidates
-# end to end.
+# bench_sampler), breakdown (step_breakdown.py plain + speculative), ablation (W1 switches,
+# ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
+# layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# ENGINE_ARGS="--decode-gemv --moe-single-token" times the candidates end to end.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and
@@ -59,10 +60,29 @@ if [[ $STAGES == *kbench* ]]; then   # the decode-kernel candidates vs cuBLAS / 
   timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_moe_single.py --out "$OUT/moe_single.json" ${MOE_SINGLE_ARGS:-} 2>&1 | tail -20 | tee "$OUT/moe_single.log"
   timeout 120 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log"
 fi
+if [[ $STAGES == *breakdown* ]]; then   # per-step wall time + cProfile (plain, then speculative)
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${BREAKDOWN_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 --batches 1,16 \
+    --out "$OUT/breakdown_nospec.json" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/breakdown.log"
+  timeout ${BREAKDOWN_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 \
+    --draft-model /tmp/k48-draft --spec-batches 1,4 --steps 20 --out "$OUT/breakdown_spec.json" \
+    2>&1 | grep -v Warn | tail -40 | tee -a "$OUT/breakdown.log"
+fi
+if [[ $STAGES == *ablation* ]]; then   # W1 switches (issue 7): all-on, all-off, one-off runs
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${ABLATION_TIMEOUT:-560} python3 benchmarks/ablation.py /tmp/k48 --workload W1 \
+    --draft-model /tmp/k48-draft --out-dir "$OUT/ablation" ${ABLATION_ARGS:-} 2>&1 \
+    | grep -v Warning | tail -30 | tee "$OUT/ablation.log"
+fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"
 fi
 [[ $STAGES == *tests* && $STAGES != tests* ]] && run_tests   # "tests" not first: run last
 if [ -d ~/.triton/cache ] && [ "${SAVE_TCACHE:-1}" = 1 ]; then
   tar -cJf - -C ~/.triton cache | split -b 15M - "$OUT/triton.tar.xz." && ls -la "$OUT"/triton.tar.xz.*
+fi
+if [ "${PACK:-0}" = 1 ]; then   # at most 8 files come back: everything else in one archive
+  (cd "$OUT" && tar czf /tmp/results.tgz --exclude='triton.tar.xz.*' . \
+    && find . -mindepth 1 -not -name 'triton.tar.xz.*' -delete && mv /tmp/results.tgz .)
+  ls -la "$OUT"
 fi
