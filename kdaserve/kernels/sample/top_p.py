@@ -70,12 +70,14 @@ def _prev_mode(mass: bool, prev: int) -> int:
 
 
 def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(splits S, tokens per split, BLOCK, splits reduced per step). S depends on V only, not on
-    B: the kernels' integer arguments then specialise the same way at every batch size, so a
-    new batch size never JIT-compiles a new variant in the middle of serving (suspected in the
-    multi-second stalls of the first H200 server runs). On CUDA S = min(SM count / 2, 64) splits per row
-    (B = 1 still spreads over many SMs, and each program's reduction over S partials stays
-    small); on the interpreter everything is small so every loop runs several times."""
+    """(splits S, tokens per split, BLOCK, splits reduced per step).
+
+    S depends on V only, not on B: the kernels' integer arguments then specialise the same way
+    at every batch size, so a new batch size never JIT-compiles a new variant in the middle of
+    serving (suspected in the multi-second stalls of the first H200 server runs). On CUDA
+    S = min(SM count / 2, 64) splits per row: B = 1 still spreads over many SMs, and each
+    program's reduction over S partials stays small. On the interpreter everything is small so
+    every loop runs several times."""
     if device.type == "cuda":
         block, red_s, want = 256, 32, max(1, min(num_sms(device) // 2, 64))
     else:
