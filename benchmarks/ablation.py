@@ -416,7 +416,7 @@ def run_one(args: argparse.Namespace, run: Run, deadline: float,
     by_name = {s.name: s for s in SWITCHES}
     record = {
         "format_version": RESULT_FORMAT_VERSION, "run": run.name, "status": "ok",
-        "workload": args.workload, "command": command_line(args), "git_commit": git_commit(),
+        "workload": args.workload, "command": command_line(args), "commit": git_commit(),
         "gpu": gpu_name(), "model": args.model,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "switches": {n: {**by_name[n].setting(on, spec is not None),
@@ -533,7 +533,7 @@ def write_summary(args: argparse.Namespace, wall_s: float) -> tuple[str, str]:
     configs = {json.dumps(r.get("config"), sort_keys=True) for r in records}
     summary = {
         "format_version": RESULT_FORMAT_VERSION, "workload": args.workload,
-        "model": args.model, "gpu": gpu_name(), "git_commit": git_commit(),
+        "model": args.model, "gpu": gpu_name(), "commit": git_commit(),
         "command": command_line(args), "wall_s": wall_s,
         "switches": [dataclasses.asdict(s) for s in SWITCHES],
         "runs": {r["run"]: {"status": r["status"], "file": f"{r['run']}.json",

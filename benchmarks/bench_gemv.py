@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     torch.manual_seed(0)
     meta = {"command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(),
-            "commit": os.environ.get("KDASERVE_COMMIT") or git_commit(),
+            "commit": git_commit(),
             "torch": torch.__version__, "triton": triton.__version__}
     ceil = measure_ceilings()
     print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s", flush=True)

@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     meta = {"command": " ".join([sys.executable] + sys.argv),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "git_commit": git_commit()}
+            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": git_commit()}
     ceil = measure_ceilings()
     print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM "
           f"{ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)

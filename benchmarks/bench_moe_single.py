@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -182,7 +181,7 @@ def main(argv=None) -> int:
     meta = {"command": " ".join([sys.executable] + sys.argv),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda,
-            "git_commit": os.environ.get("KDASERVE_COMMIT") or git_commit(),
+            "commit": git_commit(),
             "shapes": {"E": EXPERTS, "D": HIDDEN, "I": INTER, "k": ROUTED_K + 1}}
     ceil = measure_ceilings()
     print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s", flush=True)

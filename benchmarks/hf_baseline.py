@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "hf_baseline",
         "command": shlex.join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": git_commit(), "gpu": gpu_name(), "device": str(device),
+        "commit": git_commit(), "gpu": gpu_name(), "device": str(device),
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "config": os.path.abspath(args.config), "dtype": args.dtype,
         "weights": f"random N(0, {INIT_STD}) seed {args.seed}", "greedy": True,

@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                       args.output_len, load_hf_measured(args.hf_results))
     table = format_markdown(rows)
     summary = {
-        "tag": args.tag, "model": args.model, "gpu": gpu_name(), "git_commit": git_commit(),
+        "tag": args.tag, "model": args.model, "gpu": gpu_name(), "commit": git_commit(),
         "command": shlex.join([sys.executable, *sys.argv]), "files": files,
         "wall_s": time.monotonic() - t_begin, "input_len": args.input_len,
         "output_len": args.output_len, "table_markdown": table,
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)
     print(f"W1 seed-{args.input_len}/{args.output_len} on {summary['gpu']} "
-          f"(kdaserve {summary['git_commit']}), {summary['wall_s']:.0f} s\n")
+          f"(kdaserve {summary['commit']}), {summary['wall_s']:.0f} s\n")
     print(table)
     print(f"\nresults: {summary_path}")
     return 0 if all(r["status"] == "ok" for r in records) else 1

@@ -20,7 +20,7 @@ guidellm-named equivalents (under "guidellm" in the JSON; note the name clash):
   request_latency (s, stream closed), output_tokens_per_second, tokens_per_second,
   output_tokens_per_iteration (> 1 when events carry several tokens, e.g. spec decoding)
 
-Output JSON: command, date, git_commit, gpu, server {base_url, server_flags, /v1/models},
+Output JSON: command, date, commit, gpu, server {base_url, server_flags, /v1/models},
 config, probe_request (chat template measurement), levels [{concurrency, metrics (vLLM
 names, ms), guidellm, server_counters (deltas of /metrics counters over the level: spec-decode
 acceptance, prefix-cache hits, preemptions; null without /metrics), requests (per-request
@@ -335,7 +335,7 @@ async def run_benchmark(args: argparse.Namespace, log=print) -> dict:
         "label": args.label,
         "command": getattr(args, "command_line", None) or shlex.join(sys.argv),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "commit": git_commit(),
         "gpu": gpu_name(),
         "host": platform.node(),
         "server": {"base_url": base, "server_flags": args.server_flags, "models": models},

@@ -167,7 +167,7 @@ def check_run(out_dir, run: str, want: dict, levels: list[int], n_out: int) -> d
         assert m["completed"] == 2 * lv["concurrency"] and m["failed"] == 0
         assert m["total_output_tokens"] == n_out * m["completed"]
         assert m["output_throughput"] > 0 and 0 < m["mean_ttft_ms"] < m["mean_e2el_ms"]
-    assert rec["git_commit"] and "ablation.py" in rec["command"]
+    assert rec["commit"] and "ablation.py" in rec["command"]
     return rec
 
 

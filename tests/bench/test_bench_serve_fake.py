@@ -28,7 +28,7 @@ def test_chat_run_metrics_and_outputs(fake_server, tmp_path, capsys):
     assert res["server"]["models"]["data"][0]["id"] == "fake-model"
     assert res["config"]["chat_template_tokens"] == 7
     assert res["config"]["content_prompt_len"] == 64 - 7
-    assert res["gpu"] and "git_commit" in res
+    assert res["gpu"] and "commit" in res
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
     cfg = fake_server.cfg
     for lv in res["levels"]:
