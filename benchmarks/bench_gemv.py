@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_layers import (bench_graph_ms, git_commit, measure_ceilings,  # noqa: E402
+from bench_layers import (bench_graph_ms, bench_meta, measure_ceilings,  # noqa: E402
                           write_results)
 from kdaserve.kernels.linear.gemv import (GemvConfig, default_config, gemv,  # noqa: E402
                                           gemv_reference)
@@ -159,13 +159,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
-
     t0 = time.time()
     torch.manual_seed(0)
-    meta = {"command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(),
-            "commit": git_commit(),
-            "torch": torch.__version__, "triton": triton.__version__}
+    meta = bench_meta()
     ceil = measure_ceilings()
     print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s", flush=True)
     results = [bench_case(name, int(m), ceil, args.tune)

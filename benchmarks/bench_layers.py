@@ -68,6 +68,16 @@ def git_commit() -> str:
     return commit() or "unknown"
 
 
+def bench_meta(**extra) -> dict:
+    """What every kernel-bench JSON records about the run: command, GPU, versions, commit."""
+    import triton
+
+    return {"command": " ".join([sys.executable] + sys.argv),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
+            **extra}
+
+
 def write_results(out: str | None, meta: dict, t0: float, ceil: dict, results: list) -> None:
     """meta + wall time + ceilings + results as JSON at `out` (nothing when out is None)."""
     meta["wall_s"] = time.time() - t0
@@ -253,14 +263,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_layers: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
-
     t0 = time.time()
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
-    meta = {"command": " ".join([sys.executable] + sys.argv),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda, "commit": git_commit()}
+    meta = bench_meta()
     ceil = measure_ceilings()
     print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 GEMM "
           f"{ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)

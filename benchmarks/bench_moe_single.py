@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_layers import (bench_graph_ms, git_commit, measure_ceilings, record,  # noqa: E402
+from bench_layers import (bench_graph_ms, bench_meta, measure_ceilings, record,  # noqa: E402
                           time_case, write_results)
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.moe import single_token as st  # noqa: E402
@@ -175,14 +175,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe_single: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
-
     t0 = time.time()
-    meta = {"command": " ".join([sys.executable] + sys.argv),
-            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "commit": git_commit(),
-            "shapes": {"E": EXPERTS, "D": HIDDEN, "I": INTER, "k": ROUTED_K + 1}}
+    meta = bench_meta(shapes={"E": EXPERTS, "D": HIDDEN, "I": INTER, "k": ROUTED_K + 1})
     ceil = measure_ceilings()
     print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s", flush=True)
     p = make_problem(args.seed)

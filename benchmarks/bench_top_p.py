@@ -13,7 +13,6 @@ random normal, so the top-p nucleus is wide. Also records the mean kept tokens o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -72,22 +71,13 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_top_p.py needs a CUDA GPU")
-    from bench_layers import measure_ceilings
-
-    from kdaserve.bench.report import git_commit
+    from bench_layers import bench_meta, measure_ceilings, write_results
 
     t0 = time.time()
     ceil = measure_ceilings()
     rows = [bench_case(int(b), args.vocab, name, ceil["copy_GBps"])
             for b in args.batches.split(",") for name in SETTINGS]
-    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "commit": git_commit() or "unknown", "vocab": args.vocab,
-              "wall_s": time.time() - t0, "ceilings": ceil, "rows": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
-
+    write_results(args.out, bench_meta(vocab=args.vocab), t0, ceil, rows)
 
 if __name__ == "__main__":
     main()
