@@ -125,8 +125,7 @@ catch-up alone cost ~23 ms of a 43 ms speculative step on the H200)."""
 
 def _all_short_with_state(md: AttentionMetadata) -> bool:
     """Host-side test: every row is at most SHORT_PREFILL_MAX tokens and continues a state."""
-    return (md.max_query_len <= SHORT_PREFILL_MAX
-            and bool((md.num_computed_tokens_cpu[:md.num_reqs] > 0).all()))
+    return md.max_query_len <= SHORT_PREFILL_MAX and md.all_continue_state
 
 
 def _short_rows_recurrent(q, k, v, g, beta, in_kernel: dict, md: AttentionMetadata,
@@ -138,11 +137,10 @@ def _short_rows_recurrent(q, k, v, g, beta, in_kernel: dict, md: AttentionMetada
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     n, t = md.num_reqs, md.num_actual_tokens
-    idx = md.state_indices[:n, None].expand(n, md.max_query_len).contiguous()  # [N, Tmax]
     fused_recurrent_kda_fwd(
         *(x[None, :t].contiguous() for x in (q, k, v, g, beta)), out=o[None, :t],
         initial_state=rec_cache, inplace_final_state=True,
-        cu_seqlens=md.query_start_loc[:n + 1], ssm_state_indices=idx,
+        cu_seqlens=md.query_start_loc[:n + 1], ssm_state_indices=md.state_indices_per_token,
         use_qk_l2norm_in_kernel=True, **in_kernel)
 
 

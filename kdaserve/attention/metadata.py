@@ -9,6 +9,7 @@ follow. Each layer kind reads only what it needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -44,6 +45,18 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
+
+    @cached_property
+    def all_continue_state(self) -> bool:
+        """Every request has context before this step (host; once per step, not per layer)."""
+        return bool((self.num_computed_tokens_cpu[:self.num_reqs] > 0).all())
+
+    @cached_property
+    def state_indices_per_token(self) -> torch.Tensor:
+        """[num_reqs, max_query_len] int32: each request's state slot in every column (the
+        per-token slot layout of fla's fused recurrent kernel); built once per step."""
+        n = self.num_reqs
+        return self.state_indices[:n, None].expand(n, self.max_query_len).contiguous()
 
 
 @dataclass

@@ -19,6 +19,7 @@ base = the row after the CUDA-graph scratch row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -115,6 +116,7 @@ class SpecDecoder:
     def state_mode(self) -> str:
         return "per_position" if self.per_position else "recover"
 
+    @cached_property
     def _kda_dims(self) -> tuple[int, int, int, int, int, int]:
         """(KDA layers, heads, head_k_dim, head_v_dim, conv_dim, conv kernel)."""
         a = self.args
@@ -123,7 +125,7 @@ class SpecDecoder:
 
     def memory_line(self, dtype: torch.dtype) -> str:
         mode = self.state_mode
-        mem = spec_state_memory(mode, *self._kda_dims(), self.k,
+        mem = spec_state_memory(mode, *self._kda_dims, self.k,
                                 torch.empty((), dtype=dtype).element_size())
         return (f"spec decode ({self.method}, K={self.k}, KDA state {mode}): "
                 f"{mem.state_bytes / 2**20:.2f} MiB state + {mem.record_bytes / 2**20:.2f} MiB "
@@ -201,7 +203,7 @@ class SpecDecoder:
         emitted = out.parse_output()
         self.stats.observe_batch([len(d) for d in drafts], [len(e) - 1 for e in emitted])
         self.stats.kda_state_bytes_written += sum(
-            spec_state_bytes_written(self.state_mode, *self._kda_dims(), 1 + len(d), len(e),
+            spec_state_bytes_written(self.state_mode, *self._kda_dims, 1 + len(d), len(e),
                                      self.conv_dtype_bytes)
             for d, e in zip(drafts, emitted) if d)
         lps = spec_logprob_dicts(out, spec_md, [p.logprobs for p in params])

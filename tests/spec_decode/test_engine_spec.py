@@ -108,9 +108,9 @@ def _check_state_bytes(llm, st, state_mode: str) -> None:
     from kdaserve.kernels.kda.recover import spec_state_bytes_written
 
     spec = llm.llm_engine.model_runner.spec
-    least = spec_state_bytes_written(state_mode, *spec._kda_dims(), window=2, num_accepted=1,
+    least = spec_state_bytes_written(state_mode, *spec._kda_dims, window=2, num_accepted=1,
                                      conv_dtype_bytes=spec.conv_dtype_bytes)
-    most = spec_state_bytes_written(state_mode, *spec._kda_dims(), window=1 + K,
+    most = spec_state_bytes_written(state_mode, *spec._kda_dims, window=1 + K,
                                     num_accepted=1 + K, conv_dtype_bytes=spec.conv_dtype_bytes)
     assert st.num_drafts * least <= st.kda_state_bytes_written <= st.num_drafts * most
 
