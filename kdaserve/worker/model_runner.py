@@ -21,7 +21,7 @@ from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
-from kdaserve.sample.penalties import logits_processing
+from kdaserve.sample.penalties import PenaltyCache, logits_processing
 from kdaserve.sample.sampler import Sampler, to_logprob_dicts
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker import cache as cache_mod
@@ -113,6 +113,7 @@ class ModelRunner:
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
                     self.device)
         self.sampler = Sampler(config.kernel_config.sampling_threshold_kernel)
+        self.penalties = PenaltyCache(self.args.vocab_size, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.caches: ModelCaches | None = None
@@ -260,8 +261,10 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self.generators.pop(req_id, None)
+            self.penalties.free(req_id)
         for req_id in so.preempted_req_ids:
             self.requests.pop(req_id, None)   # the generator survives: sampling resumes
+            self.penalties.free(req_id)
         if self.spec is not None:
             for req_id in so.finished_req_ids | so.preempted_req_ids:
                 self.spec.free(req_id)
@@ -369,7 +372,7 @@ class ModelRunner:
         drafts = [batch.drafts[i] for i in batch.sample_rows]
         eos = self.args.eos_token_id
         eos = {eos} if isinstance(eos, int) else set(eos or ())
-        return self.spec.sampling_metadata(states, drafts, self.generators, eos)
+        return self.spec.sampling_metadata(states, drafts, self.generators, eos, self.penalties)
 
     def _sample_spec(self, hidden: torch.Tensor, batch: StepBatch,
                      states: list[CachedRequestState], prepared):
@@ -411,8 +414,7 @@ drafts) replay CUDA graphs; other steps run eager."""
         banned = min_tokens_banned_ids(params, [len(s.token_ids) - s.num_prompt_tokens
                                                 for s in states], self.args.eos_token_id)
         md = SamplingMetadata.build(params, gens, banned, self.device)
-        md.processing = logits_processing(range(len(states)), states, self.args.vocab_size,
-                                          self.device)
+        md.processing = logits_processing(range(len(states)), states, self.penalties)
         return md
 
     def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState],

@@ -36,7 +36,7 @@ from kdaserve.config import EngineConfig
 from kdaserve.kernels.kda.recover import spec_state_bytes_written, spec_state_memory
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata
-from kdaserve.sample.penalties import logits_processing
+from kdaserve.sample.penalties import PenaltyCache, logits_processing
 from kdaserve.sample.rejection_sampler import (
     RejectionSampler,
     SpecDecodeMetadata,
@@ -175,8 +175,8 @@ class SpecDecoder:
     # -----------------------------------------------------------------------------------------
 
     def sampling_metadata(self, states, drafts: list[list[int]],
-                          generators: dict[str, torch.Generator], eos_ids: set[int]
-                          ) -> tuple[SpecDecodeMetadata, SamplingMetadata]:
+                          generators: dict[str, torch.Generator], eos_ids: set[int],
+                          penalties: PenaltyCache) -> tuple[SpecDecodeMetadata, SamplingMetadata]:
         """The rejection sampler's inputs for the sampling rows (states, in batch order); built
         before the forward so their host->device copies do not wait behind it."""
         params = [s.sampling_params for s in states]
@@ -189,7 +189,7 @@ class SpecDecoder:
                                  stops, [len(d) for d in drafts])
         spec_md = SpecDecodeMetadata.make(drafts, self.device, banned)
         md = SamplingMetadata.build(params, gens, None, self.device)
-        md.processing = self._logits_processing(states, drafts, self.args.vocab_size)
+        md.processing = self._logits_processing(states, drafts, penalties)
         return spec_md, md
 
     def sample(self, logits: torch.Tensor, states, drafts: list[list[int]],
@@ -212,7 +212,7 @@ class SpecDecoder:
                     for per_tok in lps]
         return emitted, logprobs
 
-    def _logits_processing(self, states, drafts: list[list[int]], vocab: int):
+    def _logits_processing(self, states, drafts: list[list[int]], penalties: PenaltyCache):
         """Penalties / logit_bias rows: such requests are never drafted for (propose), so each
         has exactly one logits row."""
         if not any(s.sampling_params.processes_logits for s in states):
@@ -222,7 +222,7 @@ class SpecDecoder:
             if d and s.sampling_params.processes_logits:
                 raise RuntimeError(f"request {s.req_id!r} uses penalties or logit_bias but "
                                    "has drafts")
-        return logits_processing(starts, states, vocab, self.device)
+        return logits_processing(starts, states, penalties)
 
     def _draft_probs(self, states, drafts, logits) -> torch.Tensor | None:
         if not self.probabilistic:

@@ -51,6 +51,39 @@ def test_batched_transform_matches_the_row_loop():
         LogitsProcessing.build([0], [SamplingParams(logit_bias={V: 1.0})], [[1]], [[]], V, "cpu")
 
 
+def test_cached_rows_grow_with_the_output_and_match_a_full_build():
+    """The worker's PenaltyCache copies only each step's new output tokens; the result equals a
+    LogitsProcessing built from the whole prompt and output, step after step."""
+    import types
+
+    from kdaserve.sample.penalties import PenaltyCache, logits_processing
+
+    g = torch.Generator().manual_seed(1)
+    V = 30
+    params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4),
+              SamplingParams(), SamplingParams(presence_penalty=0.9, logit_bias={4: 2.0})]
+    states = [types.SimpleNamespace(req_id=f"r{i}", sampling_params=p, token_ids=[1, 2, 2 + i],
+                                    num_prompt_tokens=3) for i, p in enumerate(params)]
+    cache = PenaltyCache(V, "cpu")
+    for step in range(4):
+        logits = torch.randn(3, V, generator=g)
+        proc = logits_processing(range(3), states, cache)
+        keep = [0, 2]
+        full = LogitsProcessing.build(keep, [params[i] for i in keep],
+                                      [states[i].token_ids[:3] for i in keep],
+                                      [states[i].token_ids[3:] for i in keep], V, "cpu")
+        assert torch.equal(proc.apply(logits), full.apply(logits)), step
+        for s in states:                                   # the step's sampled tokens
+            s.token_ids += [int(t) for t in torch.randint(0, V, (1 + step % 2,), generator=g)]
+    assert cache._counts["r0"][1] == len(states[0].token_ids) - 3 - 2   # last step not read
+    cache.free("r0")
+    assert "r0" not in cache._counts and "r0" not in cache._prompt
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        logits_processing([0], [types.SimpleNamespace(
+            req_id="x", sampling_params=SamplingParams(logit_bias={V: 1.0}), token_ids=[1],
+            num_prompt_tokens=1)], cache)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -2.1}, "frequency_penalty"),
