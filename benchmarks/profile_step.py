@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve.attention.builder import build_metadata  # noqa: E402
 from kdaserve.attention.metadata import ForwardContext  # noqa: E402
+from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
                              ModelConfig, SchedulerConfig)
@@ -66,7 +67,8 @@ def main() -> None:
     runner.initialize_cache(blocks, max(args.batch, 1))
     vocab = config.model_config.arch.vocab_size
     run_point(runner, args.batch, args.context, 3, vocab, 0)        # warm-up
-    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name()}
+    result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "commit": git_commit()}
     times = run_point(runner, args.batch, args.context, args.steps, vocab, 1)
     result["decode_step_ms_median"] = sorted(times)[len(times) // 2] * 1e3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
