@@ -17,6 +17,8 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
                         every step's budget)
   kda-state-mode        speculative config "kda_state_mode": recover | per_position   (spec on)
   batch-layout          speculative config "batch_layout": contiguous | gather   (spec on)
+  draft-catchup         speculative config "draft_catchup": window | varlen   (draft model on:
+                        K+1-row catch-up windows in CUDA graphs vs an eager varlen prefill)
   sampling-threshold-kernel  --sampling-threshold-kernel | --no-...   (sort-free top-k / top-p
                         threshold search; W1 samples with top_p 0.95)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
@@ -118,6 +120,10 @@ SWITCHES: tuple[Switch, ...] = (
            baseline="gather: plain request order, each KDA group index_selected / index_copied "
                     "out of the mixed batch",
            spec_key="batch_layout", spec_on="contiguous", spec_off="gather"),
+    Switch("draft-catchup", workload="W1", needs="draft",
+           baseline="varlen: the draft model's catch-up over the accepted tokens is an eager "
+                    "varlen prefill of exactly those tokens (no CUDA graph)",
+           spec_key="draft_catchup", spec_on="window", spec_off="varlen"),
     Switch("sampling-threshold-kernel", workload="W1", needs="decode",
            baseline="top-k / top-p by a full sort of the vocabulary per row (CUDA only; the "
                     "CPU always sorts)",
@@ -187,6 +193,8 @@ def exercised(switch: Switch, spec: dict | None, prefix_caching: bool,
         return True
     if switch.needs == "spec":
         return spec is not None
+    if switch.needs == "draft":
+        return spec is not None and spec.get("method") == "draft_model"
     return prefix_caching and shared_prefix_len > 0
 
 

@@ -151,6 +151,10 @@ class SpeculativeConfig:
     batch_layout: str = "contiguous"
     """contiguous: spec rows last, each KDA group a slice of the batch (no copies); gather: the
     baseline that keeps the plain request order and index_selects / index_copy_s each group."""
+    draft_catchup: str = "window"
+    """draft_model only. window: the draft's catch-up over the accepted tokens runs as K+1-row
+    windows in the verify form, commit included (one CUDA-graph replay on the GPU); varlen: the
+    baseline, a varlen prefill of exactly the new tokens (eager)."""
     synthetic_rates: list[float] | None = field(default=None, init=False)
     """Resolved unconditional per-position rates (rejection_sample_method="synthetic")."""
 
@@ -168,7 +172,8 @@ class SpeculativeConfig:
         for name, allowed in (("draft_sample_method", ("greedy", "probabilistic")),
                               ("rejection_sample_method", ("standard", "synthetic")),
                               ("kda_state_mode", ("recover", "per_position")),
-                              ("batch_layout", ("contiguous", "gather"))):
+                              ("batch_layout", ("contiguous", "gather")),
+                              ("draft_catchup", ("window", "varlen"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")

@@ -11,7 +11,9 @@ has accepted ever enter it), a *scratch* slot, and its own MLA KV blocks. One `p
      scratch slot give drafts 2..K.
 Rejected drafts therefore leave no trace: the committed slot never saw them, and the KV they
 wrote at positions >= the committed length is overwritten by the next catch-up before any
-query reads it.
+query reads it. A steady-state catch-up (1..K+1 new tokens on every row) runs as fixed K+1-row
+windows in the verify form (spec_decode/draft_catchup.py; a CUDA graph on the GPU); the first
+one, over the prompt, is a varlen prefill (as is every catch-up with catchup="varlen").
 
 draft_sample_method: "greedy" (argmax; q is one-hot, the sampler gets draft_probs=None) or
 "probabilistic" (sample from softmax(logits / T) with the request's temperature, T = 0 rows stay
@@ -68,7 +70,8 @@ class DraftModelProposer:
     def __init__(self, model: nn.Module, args: KimiLinearArgs, num_speculative_tokens: int,
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype,
-                 draft_sample_method: str = "greedy", num_blocks: int | None = None) -> None:
+                 draft_sample_method: str = "greedy", num_blocks: int | None = None,
+                 catchup: str = "window") -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
@@ -91,6 +94,16 @@ class DraftModelProposer:
         self.requests: dict[str, _DraftRequest] = {}
         self.graphs = None
         """DraftDecodeGraphs of drafts 2..K once capture_graphs() ran (CUDA only)."""
+        if catchup not in ("window", "varlen"):
+            raise ValueError(f"catchup must be window or varlen, got {catchup!r}")
+        self.catchup = None
+        """DraftCatchup (catchup="window"): steady-state catch-ups as K+1-row windows."""
+        if catchup == "window":
+            from kdaserve.spec_decode.draft_catchup import DraftCatchup
+
+            self.catchup = DraftCatchup(model, self.caches, num_speculative_tokens,
+                                        2 * max_num_seqs, block_size, self.max_blocks_per_req,
+                                        max_num_seqs, max_model_len, self.device)
 
     @classmethod
     def from_pretrained(cls, path: str, target_args: KimiLinearArgs, **kwargs
@@ -139,7 +152,11 @@ class DraftModelProposer:
         are allocated, like the target's graphs)."""
         from kdaserve.spec_decode.draft_graphs import DraftDecodeGraphs
 
-        if self.device.type != "cuda" or self.k < 2:
+        if self.device.type != "cuda":
+            return
+        if self.catchup is not None:
+            self.catchup.capture()
+        if self.k < 2:
             return
         self.graphs = DraftDecodeGraphs(self.model, self.caches, 2 * self.max_num_seqs,
                                         self.block_size, self.max_blocks_per_req,
@@ -178,13 +195,13 @@ class DraftModelProposer:
 
         # 1. catch-up on the committed slots (decodes first, as build_metadata expects)
         queries = [toks[r.num_computed:] for r, toks in zip(reqs, token_ids)]
-        order = sorted(range(n), key=lambda i: not (len(queries[i]) == 1
-                                                    and reqs[i].num_computed > 0))
-        logits = self._forward([queries[i] for i in order], [reqs[i].num_computed for i in order],
-                               [reqs[i].block_ids for i in order], [reqs[i].slot for i in order])
-        inv = torch.empty(n, dtype=torch.long)
-        inv[torch.tensor(order)] = torch.arange(n)
-        logits = logits[inv.to(self.device)]                               # [n, V]
+        computed = [r.num_computed for r in reqs]
+        if self.catchup is not None and self.catchup.can_run([len(q) for q in queries],
+                                                             computed):
+            logits = self.catchup.run(queries, computed, [r.block_ids for r in reqs],
+                                      [r.slot for r in reqs])                # [n, V]
+        else:
+            logits = self._catch_up_varlen(queries, reqs)
         for r, toks in zip(reqs, token_ids):
             r.num_computed = len(toks)
 
@@ -249,6 +266,19 @@ class DraftModelProposer:
             seq, slots = step_inputs(computed, table, self.block_size, j - 1)
             return self.graphs.step(prev, seq, slots)
         return step
+
+    def _catch_up_varlen(self, queries: list[list[int]], reqs: list[_DraftRequest]
+                         ) -> torch.Tensor:
+        """The baseline catch-up: one varlen forward over exactly the new tokens (decodes first,
+        as build_metadata expects); logits [n, V] in request order."""
+        n = len(reqs)
+        order = sorted(range(n), key=lambda i: not (len(queries[i]) == 1
+                                                    and reqs[i].num_computed > 0))
+        logits = self._forward([queries[i] for i in order], [reqs[i].num_computed for i in order],
+                               [reqs[i].block_ids for i in order], [reqs[i].slot for i in order])
+        inv = torch.empty(n, dtype=torch.long)
+        inv[torch.tensor(order)] = torch.arange(n)
+        return logits[inv.to(self.device)]
 
     def _forward(self, queries: list[list[int]], num_computed: list[int],
                  block_ids: list[list[int]], slots: list[int]) -> torch.Tensor:

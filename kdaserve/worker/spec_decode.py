@@ -18,6 +18,7 @@ base = the row after the CUDA-graph scratch row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -57,6 +58,8 @@ class _PendingCommit:
     known token: always accepted), for prefix caching."""
     pad_to: int = 0
     """A CUDA-graph step's row count (padding rows commit zero tokens to the scratch slot)."""
+    graph_commit: Callable[[list[int]], None] | None = None
+    """A spec-verify graph step's commit (takes num_accepted per real row)."""
 
 
 class SpecDecoder:
@@ -85,7 +88,8 @@ class SpecDecoder:
                 sc.model, target_args, num_speculative_tokens=self.k,
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_model_len=self.max_model_len, block_size=config.cache_config.block_size,
-                device=device, dtype=dtype, draft_sample_method=sc.draft_sample_method)
+                device=device, dtype=dtype, draft_sample_method=sc.draft_sample_method,
+                catchup=sc.draft_catchup)
         self.draft_probs: dict[str, torch.Tensor] = {}
         """req_id -> [K_i, V] distributions its pending drafts were sampled from."""
         self.scratch_base: int | None = None
@@ -238,13 +242,18 @@ class SpecDecoder:
             rows.append(q[:len(d)])
         return torch.cat(rows) if rows else None
 
-    def set_pending(self, step: SpecStep, own_slots: list[int], pad_to: int = 0) -> None:
-        """The commit of a step whose SpecStep was built elsewhere (a spec-verify CUDA graph)."""
-        self._pending = _PendingCommit(step, own_slots, [], pad_to)
+    def set_pending(self, step: SpecStep, own_slots: list[int], pad_to: int = 0,
+                    commit: Callable[[list[int]], None] | None = None) -> None:
+        """The commit of a step whose SpecStep was built elsewhere (a spec-verify CUDA graph,
+        which brings its own captured commit)."""
+        self._pending = _PendingCommit(step, own_slots, [], pad_to, commit)
 
     def commit(self, caches: ModelCaches, num_accepted: list[int]) -> None:
         """num_accepted: per spec row, tokens emitted (= accepted drafts + 1)."""
         p, self._pending = self._pending, None
+        if p.graph_commit is not None:
+            p.graph_commit(list(num_accepted))
+            return
         num_accepted = list(num_accepted) + [0] * max(0, p.pad_to - len(num_accepted))
         n = torch.tensor(num_accepted, dtype=torch.int64, device=self.device)
         if p.exports:

@@ -17,7 +17,7 @@ from kdaserve.entrypoints.openai import cli_args
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ablation.py")
 ALL = ["kda-checkpoint-mode", "adaptive-spec-budget", "kda-state-mode", "batch-layout",
-       "sampling-threshold-kernel"]
+       "draft-catchup", "sampling-threshold-kernel"]
 NGRAM = ('{"num_speculative_tokens": 8, "rejection_sample_method": "synthetic", '
          '"synthetic_acceptance_length": 4.0}')
 
@@ -53,14 +53,15 @@ def switch_values(kwargs: dict) -> dict[str, object]:
             "adaptive-spec-budget": kwargs.get("adaptive_spec_budget"),
             "kda-state-mode": spec.get("kda_state_mode"),
             "batch-layout": spec.get("batch_layout"),
+            "draft-catchup": spec.get("draft_catchup"),
             "sampling-threshold-kernel": kwargs.get("sampling_threshold_kernel")}
 
 
 ON = {"kda-checkpoint-mode": "internal", "adaptive-spec-budget": True,
-      "kda-state-mode": "recover", "batch-layout": "contiguous",
+      "kda-state-mode": "recover", "batch-layout": "contiguous", "draft-catchup": "window",
       "sampling-threshold-kernel": True}
 OFF = {"kda-checkpoint-mode": "split", "adaptive-spec-budget": False,
-       "kda-state-mode": "per_position", "batch-layout": "gather",
+       "kda-state-mode": "per_position", "batch-layout": "gather", "draft-catchup": "varlen",
        "sampling-threshold-kernel": False}
 
 
@@ -88,11 +89,11 @@ def test_each_run_passes_exactly_its_switch_values(ablation):
         kwargs = serve_kwargs(flags)
         assert switch_values(kwargs) == want, run.name
         assert kwargs["speculative_config"] == run_spec
-        assert {k: v for k, v in run_spec.items() if k not in ("kda_state_mode",
-                                                                "batch_layout")} == spec
+        assert {k: v for k, v in run_spec.items()
+                if k not in ("kda_state_mode", "batch_layout", "draft_catchup")} == spec
         sc = SpeculativeConfig(**run_spec)  # the engine accepts it
-        assert (sc.kda_state_mode, sc.batch_layout) == (want["kda-state-mode"],
-                                                        want["batch-layout"])
+        assert (sc.kda_state_mode, sc.batch_layout, sc.draft_catchup) == (
+            want["kda-state-mode"], want["batch-layout"], want["draft-catchup"])
         assert flags.count("--speculative-config") == 1
     # Without a speculative config the spec keys go nowhere; the server-flag switches still do.
     flags, run_spec = ablation.run_server_args(ablation.run_matrix(["all-off"])[0], [], None)
@@ -109,7 +110,9 @@ def test_auto_runs_follow_the_workload(ablation, tmp_path):
     assert w1.concurrency == (1, 4, 16) and not w1.prefix_caching
     w1d = ablation.parse_args(["/m", "--draft-model", "/d", "--runs", "all"])
     assert w1d.spec["method"] == "draft_model" and w1d.spec["model"] == "/d"
-    assert len(w1d.run_list) == 7 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
+    auto_d = ablation.parse_args(["/m", "--draft-model", "/d"])
+    assert "no-draft-catchup" in [r.name for r in auto_d.run_list]
+    assert len(w1d.run_list) == 8 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
     w3 = ablation.parse_args(["/m", "--workload", "W3"])
     assert w3.spec is None and w3.prefix_caching and w3.shared_prefix_len == 7680
     assert [r.name for r in w3.run_list] == ["all-on", "all-off", "no-kda-checkpoint-mode",
@@ -181,7 +184,7 @@ def test_w1_shaped_cpu_end_to_end(ablation, tiny_model, tmp_path, capsys):
     assert rc == 0
     on = {"kda-checkpoint-mode": ["--kda-checkpoint-mode", "internal"],
           "adaptive-spec-budget": ["--adaptive-spec-budget"],
-          "kda-state-mode": "recover", "batch-layout": "contiguous",
+          "kda-state-mode": "recover", "batch-layout": "contiguous", "draft-catchup": "window",
           "sampling-threshold-kernel": ["--sampling-threshold-kernel"]}
     rec = check_run(tmp_path, "all-on", on, [1, 2], 8)
     assert rec["speculative_config"]["kda_state_mode"] == "recover"
@@ -216,7 +219,7 @@ def test_w3_shaped_cpu_checkpoint_switch(ablation, tiny_model, tmp_path):
     rec = check_run(tmp_path, "no-kda-checkpoint-mode", {
         "kda-checkpoint-mode": ["--kda-checkpoint-mode", "split"],
         "adaptive-spec-budget": ["--adaptive-spec-budget"],
-        "kda-state-mode": None, "batch-layout": None,
+        "kda-state-mode": None, "batch-layout": None, "draft-catchup": None,
         "sampling-threshold-kernel": ["--sampling-threshold-kernel"]}, [1], 4)
     assert rec["speculative_config"] is None and rec["switches"]["kda-checkpoint-mode"]["exercised"]
     assert "--enable-prefix-caching" in rec["server_flags"]

@@ -136,29 +136,44 @@ def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
 
 
 def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
-    """Draft-model speculation on CUDA (the tiny model drafting for itself, K=4): with the
-    draft's graphs and the target's spec-verify graphs on, the greedy tokens equal the eager
-    run's and plain decoding's."""
+    """Draft-model speculation on CUDA (K=4): the tiny model drafting for itself (all drafts
+    accepted) and a different tiny model (some rejected, so the draft catch-ups take 1..K+1
+    tokens). With the draft's graphs (catch-up windows and one-token steps) and the target's
+    spec-verify graphs (forward and commit) on, the greedy tokens equal the eager run's, the
+    varlen catch-up's and plain decoding's."""
     from tests.engine.conftest import _write_tokenizer
     from tests.models.hf_tiny import make_hf_model
 
     from kdaserve import LLM, SamplingParams
 
-    make_hf_model(seed=0).save_pretrained(str(tmp_path))
-    _write_tokenizer(str(tmp_path))
+    target, other = str(tmp_path / "target"), str(tmp_path / "other")
+    make_hf_model(seed=0).save_pretrained(target)
+    make_hf_model(seed=1).save_pretrained(other)
+    _write_tokenizer(target)
     ps = [{"prompt_token_ids": p} for p in PROMPTS]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 4}
+
+    def spec(model, **kw):
+        return {"method": "draft_model", "model": model, "num_speculative_tokens": 4, **kw}
+
     outs = {}
-    for name, kw in (("plain", {}), ("spec-eager", {"speculative_config": spec,
-                                                     "enforce_eager": True}),
-                     ("spec-graphs", {"speculative_config": spec})):
-        llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
+    for name, kw in (("plain", {}),
+                     ("spec-eager", {"speculative_config": spec(target), "enforce_eager": True}),
+                     ("spec-graphs", {"speculative_config": spec(target)}),
+                     ("other-graphs", {"speculative_config": spec(other)}),
+                     ("other-varlen", {"speculative_config": spec(other,
+                                                                   draft_catchup="varlen")})):
+        llm = LLM(target, max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
                   dtype="float32", **kw)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
-        if name == "spec-graphs":
-            runner = llm.llm_engine.model_runner
-            assert runner.spec.proposer.graphs is not None
+        runner = llm.llm_engine.model_runner
+        if name.endswith("graphs"):
+            prop = runner.spec.proposer
+            assert prop.graphs is not None and prop.catchup.graphs
+            assert prop.catchup.num_runs > 0
             assert runner.spec_graphs is not None and runner.spec_graphs.num_replays > 0
+        if name == "other-graphs":
+            assert runner.spec.stats.num_accepted_tokens < runner.spec.stats.num_draft_tokens
         del llm
-    assert outs["spec-graphs"] == outs["spec-eager"] == outs["plain"]
+    for name in outs:
+        assert outs[name] == outs["plain"], name

@@ -226,3 +226,41 @@ def test_warmup_leaves_no_trace(model_dirs):
         (sorted(free[0]), sorted(free[1]))
     assert warm.propose(["a", "b"], prompts).draft_token_ids == \
         make().propose(["a", "b"], prompts).draft_token_ids
+
+
+def test_window_catchup_matches_varlen(model_dirs):
+    """The window catch-up (K+1-row windows in the verify form, commit of the real tokens; the
+    GPU replays it as a graph) gives the varlen baseline's drafts, and leaves every committed
+    KDA state and conv window equal to the baseline's (<= 1e-5), with 1..K+1 new tokens per
+    row, padding rows (3 rows at capture size 4) and rows joining with their whole prompt."""
+    prompts = _prompts(3)
+    seqs = plain_greedy(model_dirs[0], prompts, 24)
+    dmodel, dargs = _load(model_dirs[1])
+    k = 4
+    win, var = (DraftModelProposer(dmodel, dargs, k, max_num_seqs=4, max_model_len=128,
+                                   block_size=BS, device="cpu", dtype=torch.float32,
+                                   catchup=c) for c in ("window", "varlen"))
+    assert var.catchup is None and win.catchup.sizes == [1, 2, 4]
+    committed = [1, 1, 1]
+    steps = [["a", "b", "c"], ["a", "b", "c"], ["b"], ["c", "a"], ["a", "b", "c"]]
+    advance = [[5, 1, 3], [2, 5, 4], [1], [5, 2], [3, 3, 1]]   # new tokens of the next step
+    for step, (ids, adv) in enumerate(zip(steps, advance)):
+        sel = [{"a": 0, "b": 1, "c": 2}[r] for r in ids]
+        toks = [prompts[i] + seqs[i][:committed[i]] for i in sel]
+        runs_before = win.catchup.num_runs
+        got = win.propose(ids, toks).draft_token_ids
+        assert got == var.propose(ids, toks).draft_token_ids, step
+        assert win.catchup.num_runs == runs_before + (step > 0), step
+        for rid in ids:
+            a, b = win.requests[rid], var.requests[rid]
+            for ca, cb in zip(win.caches.kda_recurrent, var.caches.kda_recurrent):
+                torch.testing.assert_close(ca[a.slot], cb[b.slot], atol=1e-5, rtol=1e-5)
+            for ca, cb in zip(win.caches.kda_conv, var.caches.kda_conv):
+                torch.testing.assert_close(ca[a.slot], cb[b.slot], atol=1e-5, rtol=1e-5)
+        for i, n in zip(sel, adv):
+            committed[i] += n
+    assert not win.catchup.can_run([k + 2], [5]) and not win.catchup.can_run([1], [0])
+    assert not win.catchup.can_run([1] * 5, [3] * 5)
+    for r in ("a", "b", "c"):
+        win.free(r)
+    assert sorted(win._slots.free) == list(range(8))

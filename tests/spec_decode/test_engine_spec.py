@@ -264,6 +264,10 @@ def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
             md = self.mds[bs]
             return self._forward(bs, md), md.spec
 
+        def _replay_commit(self, bs, step):
+            self.commits += 1
+            self._commit_work(bs, step)
+
     # a draft model proposes K drafts every step, so most verification steps are uniform; the
     # perturbed drafter gets some rejected (the commit must fold only the accepted tokens)
     for draft in (tiny_model_dir, draft_dirs):
@@ -273,9 +277,11 @@ def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
         runner = llm.llm_engine.model_runner
         runner.spec_graphs = EagerSpecGraphs(runner)
         runner.spec_graphs.capture()
+        runner.spec_graphs.commits = 0
         got, _ = _run(llm)
         assert got == plain_outputs
         assert runner.spec_graphs.num_replays >= 10, runner.spec_graphs.num_replays
+        assert runner.spec_graphs.commits == runner.spec_graphs.num_replays
     with pytest.raises(ValueError, match="recover"):
         SpecVerifyGraphs(make_llm(speculative_config=_spec(kda_state_mode="per_position"))
                          .llm_engine.model_runner)
