@@ -6,7 +6,7 @@
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
 # unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_moe_single,
-# bench_sampler), breakdown (step_breakdown.py plain + speculative), ablation (W1 switches,
+# bench_sampler), breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS="--decode-gemv --moe-single-token" times the candidates end to end.
@@ -62,8 +62,9 @@ if [[ $STAGES == *kbench* ]]; then   # the decode-kernel candidates vs cuBLAS / 
 fi
 if [[ $STAGES == *breakdown* ]]; then   # per-step wall time + cProfile (plain, then speculative)
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
-  timeout ${BREAKDOWN_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 --batches 1,16 \
-    --out "$OUT/breakdown_nospec.json" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/breakdown.log"
+  [ "${BREAKDOWN_PLAIN:-1}" = 1 ] && timeout ${BREAKDOWN_TIMEOUT:-200} python3 benchmarks/step_breakdown.py \
+    /tmp/k48 --batches 1,16 --out "$OUT/breakdown_nospec.json" 2>&1 | grep -v Warn | tail -40 \
+    | tee "$OUT/breakdown.log"
   timeout ${BREAKDOWN_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 \
     --draft-model /tmp/k48-draft --spec-batches 1,4 --steps 20 --out "$OUT/breakdown_spec.json" \
     2>&1 | grep -v Warn | tail -40 | tee -a "$OUT/breakdown.log"

@@ -152,6 +152,14 @@ class RejectionSampler(nn.Module):
                                  f"got {synthetic_rates}")
         self.method = method
         self.synthetic_rates = list(synthetic_rates or [])
+        self._rates: torch.Tensor | None = None
+
+    def _rates_on(self, device: torch.device) -> torch.Tensor:
+        """The synthetic rates on `device`, copied once (a per-step pageable copy would make
+        the host wait there for the whole forward)."""
+        if self._rates is None or self._rates.device != device:
+            self._rates = torch.tensor(self.synthetic_rates, dtype=torch.float32, device=device)
+        return self._rates
 
     @property
     def is_synthetic(self) -> bool:
@@ -287,8 +295,7 @@ class RejectionSampler(nn.Module):
     def _accept(self, drafts, d_rows, d_req, spec, greedy_row, argmax, probs, draft_probs,
                 uniform) -> torch.Tensor:
         if self.is_synthetic:
-            rates = torch.tensor(self.synthetic_rates, dtype=torch.float32,
-                                 device=drafts.device)
+            rates = self._rates_on(drafts.device)
             # u <= a_j holds for a prefix of positions because the rates do not increase.
             return uniform <= rates[spec.row_pos[d_rows]]
         greedy_ok = None
