@@ -151,6 +151,9 @@ class SpeculativeConfig:
     batch_layout: str = "contiguous"
     """contiguous: spec rows last, each KDA group a slice of the batch (no copies); gather: the
     baseline that keeps the plain request order and index_selects / index_copy_s each group."""
+    disable_by_batch_size: int | None = None
+    """vLLM's key: no drafts are proposed in a step whose batch holds at least this many
+    requests (large batches gain little from speculation and pay for the wider verify)."""
     draft_catchup: str = "window"
     """draft_model only. window: the draft's catch-up over the accepted tokens runs as K+1-row
     windows in the verify form, commit included (one CUDA-graph replay on the GPU); varlen: the
@@ -177,6 +180,9 @@ class SpeculativeConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(f"disable_by_batch_size must be >= 2, got "
+                             f"{self.disable_by_batch_size}")
         if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

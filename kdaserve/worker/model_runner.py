@@ -364,7 +364,8 @@ class ModelRunner:
             out_lps[i] = logprobs[j]
             if batch.drafts[i]:   # mirror the scheduler's rollback of the rejected drafts
                 states[i].num_computed_tokens = batch.num_computed[i] + len(emitted[j])
-        drafts = self.spec.propose(sample_states) if self.spec is not None else {}
+        drafts = (self.spec.propose(sample_states, len(batch.req_ids)) if self.spec is not None
+                  else {})
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
                                  logprobs=out_lps, draft_token_ids=drafts)
 

@@ -68,6 +68,7 @@ class SpecDecoder:
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         self.method = sc.method
+        self.disable_by_batch_size = sc.disable_by_batch_size
         self.per_position = sc.kda_state_mode == "per_position"
         self.layout = sc.batch_layout
         self.device = device
@@ -279,9 +280,16 @@ class SpecDecoder:
     # Drafts
     # -----------------------------------------------------------------------------------------
 
-    def propose(self, states) -> dict[str, list[int]]:
+    def propose(self, states, num_reqs: int | None = None) -> dict[str, list[int]]:
         """Drafts for requests that just sampled (they decode next), capped so that verifying
-        them cannot pass max_tokens or max_model_len."""
+        them cannot pass max_tokens or max_model_len. num_reqs: the step's request count; none
+        are proposed when it reaches disable_by_batch_size (a draft model catches up on the
+        skipped tokens at its next proposal)."""
+        for s in states:
+            self.draft_probs.pop(s.req_id, None)
+        limit = self.disable_by_batch_size
+        if limit is not None and (num_reqs if num_reqs is not None else len(states)) >= limit:
+            return {}
         reqs, caps = [], []
         for s in states:
             cap = min(self.k, self.max_model_len - len(s.token_ids) - 1)
@@ -290,7 +298,6 @@ class SpecDecoder:
             max_tokens = s.sampling_params.max_tokens
             if max_tokens is not None:
                 cap = min(cap, max_tokens - (len(s.token_ids) - s.num_prompt_tokens) - 1)
-            self.draft_probs.pop(s.req_id, None)
             if cap > 0:
                 reqs.append(s)
                 caps.append(cap)

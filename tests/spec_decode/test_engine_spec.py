@@ -285,3 +285,27 @@ def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
     with pytest.raises(ValueError, match="recover"):
         SpecVerifyGraphs(make_llm(speculative_config=_spec(kda_state_mode="per_position"))
                          .llm_engine.model_runner)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_disable_by_batch_size(make_llm, plain_outputs, tiny_model_dir, draft_dirs, method):
+    """No drafts are proposed in steps of >= disable_by_batch_size requests; speculation
+    resumes when the batch shrinks (the draft model catching up on the skipped tokens), and the
+    greedy output still equals plain decoding."""
+    extra = {"model": draft_dirs} if method == "draft_model" else {}
+    llm = make_llm(speculative_config=_spec(method=method, disable_by_batch_size=3, **extra))
+    spec = llm.llm_engine.model_runner.spec
+    calls, propose = [], spec.propose
+
+    def record(states, num_reqs=None):
+        out = propose(states, num_reqs)
+        calls.append((num_reqs, bool(out)))
+        return out
+    spec.propose = record
+    got, _ = _run(llm)
+    assert got == plain_outputs
+    assert not any(drafted for n, drafted in calls if n >= 3)
+    assert any(drafted for n, drafted in calls if n < 3)
+    assert any(n >= 3 for n, _ in calls)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, disable_by_batch_size=1)
