@@ -119,6 +119,7 @@ class DraftCatchup:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self._forward(bs)
+            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
             pool = pool or graph.pool()
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()

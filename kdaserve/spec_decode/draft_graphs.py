@@ -70,6 +70,7 @@ class DraftDecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model.compute_logits(self.model(ids, ids, ctx))
+            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
             pool = pool or graph.pool()
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()

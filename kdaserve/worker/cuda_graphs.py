@@ -85,6 +85,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = model(ids, ids, ctx)
+            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = (graph, hidden)

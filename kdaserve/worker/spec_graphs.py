@@ -113,6 +113,7 @@ class SpecVerifyGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 hidden = self._forward(bs, md)
+            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
             self.pool = self.pool or graph.pool()
             self.graphs[bs] = (graph, hidden, md.spec)
             # the buffers hold padding rows here: the warm-up commits zero tokens to scratch
@@ -121,6 +122,7 @@ class SpecVerifyGraphs:
             commit = torch.cuda.CUDAGraph()
             with torch.cuda.graph(commit, pool=self.pool):
                 self._commit_work(bs, md.spec)
+            commit.replay()   # the first replay uploads the graph: at start-up, not mid-serving
             self.commit_graphs[bs] = commit
         torch.cuda.synchronize()
         logger.info("captured %d spec-verify CUDA graphs (sizes %s, %d tokens per request) in "
