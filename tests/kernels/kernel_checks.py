@@ -289,6 +289,7 @@ def run_interpreter_suite() -> None:
                     same_experts=True)
     check_conv_varlen("cpu", f32, [5, 0, 1, 2, 37, 3], dim=40)
     check_conv_varlen("cpu", f32, [2], dim=40, pad_rows=0)
+    check_conv_varlen("cpu", f32, [3, 100, 2], dim=40)   # tiles with no sequence start
     check_conv_update("cpu", f32, dim=40)
     check_conv_update("cpu", f32, dim=40, width=2)
     check_router("cpu", num_tokens=19, num_experts=64, top_k=6)

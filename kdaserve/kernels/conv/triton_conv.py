@@ -51,16 +51,23 @@ def conv_varlen_kernel(
     has = (tl.load(has_init_ptr + seq, mask=mask_t, other=0) != 0) & (slot >= 0)
 
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_d[None, :]
     for j in tl.static_range(W):
         w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=mask_d, other=0.0)
         src = pos - (W - 1) + j                                      # position in the sequence
         in_x = (src >= 0)[:, None] & mask_t[:, None] & mask_d[None, :]
-        xv = tl.load(x_ptr + (offs_t - (W - 1) + j).to(tl.int64)[:, None] * stride_xt
-                     + offs_d[None, :], mask=in_x, other=0.0)
-        in_s = ((src < 0) & has)[:, None] & mask_t[:, None] & mask_d[None, :]
-        sv = tl.load(states_ptr + slot[:, None] * stride_ss + offs_d[None, :] * stride_sd
-                     + (W - 1 + src)[:, None] * stride_sj, mask=in_s, other=0.0)
-        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w_j.to(tl.float32)[None, :]
+        xv = tl.load(x_rows + (j - (W - 1)) * stride_xt, mask=in_x, other=0.0)
+        acc += xv.to(tl.float32) * w_j.to(tl.float32)[None, :]
+    # The state window feeds only a sequence's first W-1 tokens: most tiles hold none, and skip
+    # the strided [BLOCK_T, BLOCK_D] address arithmetic of these loads entirely.
+    if tl.min(tl.where(mask_t, pos, W - 1)) < W - 1:
+        for j in tl.static_range(W - 1):
+            w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=mask_d, other=0.0)
+            src = pos - (W - 1) + j
+            in_s = ((src < 0) & has)[:, None] & mask_t[:, None] & mask_d[None, :]
+            sv = tl.load(states_ptr + slot[:, None] * stride_ss + offs_d[None, :] * stride_sd
+                         + (W - 1 + src)[:, None] * stride_sj, mask=in_s, other=0.0)
+            acc += sv.to(tl.float32) * w_j.to(tl.float32)[None, :]
     if SILU:
         acc = _silu(acc)
     acc = tl.where(mask_t[:, None], acc, 0.0)
