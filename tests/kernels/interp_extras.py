@@ -1,5 +1,5 @@
-"""Interpreter checks (fp32) of the split-plane conv output and the router's shared-expert
-column; run by test_interp_extras.py in a subprocess with TRITON_INTERPRET=1."""
+"""Interpreter checks (fp32) of the split-plane conv output, the router's shared-expert column and
+the fused RMS norms; run by test_interp_extras.py in a subprocess with TRITON_INTERPRET=1."""
 
 import sys
 from pathlib import Path
@@ -14,6 +14,7 @@ kernel_checks.patch_triton_interpreter()
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402,E501
 from kdaserve.kernels.moe.router import moe_topk_sigmoid  # noqa: E402
+from kdaserve.kernels.norm.rms_norm import add_rms_norm, rms_norm_gated  # noqa: E402
 
 
 def check_conv_split() -> None:
@@ -45,7 +46,26 @@ def check_router_extra() -> None:
         assert (w1[:, :k].sort(1)[0] - wr.sort(1)[0]).abs().max() < 1e-6
 
 
+def check_norms() -> None:
+    torch.manual_seed(2)
+    for n, d in [(1, 96), (7, 40)]:
+        x, r, w = torch.randn(n, d), torch.randn(n, d), torch.rand(d) + 0.5
+        out, s = add_rms_norm(x.clone(), w, 1e-5, r.clone())
+        ref_out, ref_s = ref.add_rms_norm(x, w, 1e-5, r)
+        torch.testing.assert_close(s, ref_s, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        out, s = add_rms_norm(x, w, 1e-5)
+        assert s is x
+        torch.testing.assert_close(out, ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    x = torch.randn(9, 32)
+    g = torch.randn(9, 3, 32)[:, 1]                                     # strided rows
+    w = torch.rand(32) + 0.5
+    torch.testing.assert_close(rms_norm_gated(x, g, w, 1e-5), ref.rms_norm_gated(x, g, w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
 if __name__ == "__main__":
     check_conv_split()
     check_router_extra()
+    check_norms()
     print("ok")

@@ -1,0 +1,37 @@
+"""Every kernel launch of the interpreter checks also compiles for sm_90 (H100 / H200) with
+Triton's own toolchain, on a machine without a GPU: the interpreter accepts code the compiler
+rejects (a loop-carried value changing type, a tl.dot below 16, ...), and CI has no GPU."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py", "moe_single_checks.py",
+           "test_top_p_threshold.py", "../spec_decode/recover_checks.py"]
+KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel",
+           "mla_decode_partial_kernel", "mla_decode_partial_t_kernel", "mla_decode_reduce_kernel",
+           "store_latent_kernel", "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
+           "topk_sigmoid_kernel", "add_rms_norm_kernel", "rms_norm_gated_kernel",
+           "search_pass_kernel", "gemv_kernel", "kda_spec_verify_kernel",
+           "kda_recover_commit_kernel", "conv_spec_verify_kernel"}
+
+
+def test_interpreter_launches_compile_for_sm90(tmp_path):
+    pytest.importorskip("triton")
+    launches = tmp_path / "launches.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    rec = subprocess.run([sys.executable, str(HERE / "record_launches.py"), str(launches),
+                          *SCRIPTS], env=dict(env, TRITON_INTERPRET="1"), capture_output=True,
+                         text=True, timeout=900)
+    assert rec.returncode == 0, rec.stdout[-2000:] + rec.stderr[-4000:]
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, str(HERE / "compile_sm90.py"), str(launches)],
+                         env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    compiled = set(out.stdout.strip().splitlines()[-1].split(": ", 1)[1].split())
+    assert KERNELS <= compiled, sorted(KERNELS - compiled)
