@@ -15,6 +15,8 @@ from kdaserve.models.hf_config import KimiLinearArgs
 class TopkRouter(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+    fused_router = False
+    """KernelConfig.fused_router (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -26,11 +28,23 @@ class TopkRouter(nn.Module):
                                                dtype=torch.float32))
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(args.num_experts, dtype=torch.float32))
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        """moe_router_fused's scratch and done counter (CUDA, fused_router)."""
 
     def forward(self, x: torch.Tensor, extra_expert: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
         only) a (1.0, extra_expert) column is appended to every row."""
+        if x.is_cuda and self.fused_router:
+            from kdaserve.kernels.moe.router import (FUSED_ROUTER_MAX_TOKENS, moe_router_fused,
+                                                     router_workspace)
+
+            if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS:
+                if self._workspace is None:   # first forward: before any graph capture
+                    self._workspace = router_workspace(self.weight.shape[0], x.device)
+                return moe_router_fused(x, self.weight, self.e_score_correction_bias,
+                                        self.top_k, self.renormalize, self.scaling,
+                                        self._workspace, extra_expert=extra_expert)
         logits = linear(x, self.weight, self.decode_gemv, torch.float32)   # [N, E] fp32
         if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid

@@ -84,6 +84,8 @@ class KimiLinearForCausalLM(nn.Module):
                 module.decode_gemv = kernel_config.decode_gemv
             if hasattr(module, "single_token"):
                 module.single_token = kernel_config.moe_single_token
+            if hasattr(module, "fused_router"):
+                module.fused_router = kernel_config.fused_router
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

@@ -116,13 +116,15 @@ def run_one_request(runner, extra):
 
 
 def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
-    """KernelConfig(decode_gemv, moe_single_token) on: 3-row decode steps (GEMV M=3) and 1-row
-    steps (GEMV M=1, single-token MoE) against the fp32 reference."""
+    """KernelConfig(decode_gemv, moe_single_token, fused_router) on: 3-row decode steps (GEMV
+    M=3, one-launch router) and 1-row steps (GEMV M=1, single-token MoE) against the fp32
+    reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
     model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True, moe_single_token=True))
+    model.configure_kernels(KernelConfig(decode_gemv=True, moe_single_token=True,
+                                         fused_router=True))
     try:
         ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
         got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)
