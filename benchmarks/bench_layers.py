@@ -6,7 +6,8 @@ Times with triton.testing.do_bench (median, L2 flushed before each run). Ceiling
 the same run: a large device-to-device copy (bytes read + written) and a bf16 GEMM. For each case:
 floor = max(bytes / copy_rate, flops / gemm_rate); ratio = floor / time (1.0 = at the floor).
 Cases: MLA decode (B=1, 16; 8K context; 32 heads; 512+64 latent), MoE layer (N=1, 16, 8000; spread
-and same-8-experts routing; Kimi-Linear-48B shapes), KDA prefill via fla-core chunk_kda (8K tokens).
+and same-8-experts routing; Kimi-Linear-48B shapes), KDA prefill via fla-core chunk_kda (8K tokens),
+the decode router (N=1, 4, 8: cast + cuBLAS fp32 GEMM + top-k against the one-launch router).
 --tune additionally sweeps tile configs of MLA decode and fused MoE and prints the best.
 """
 
@@ -254,11 +255,40 @@ def bench_kda(results, ceil, T=8192):
     record(results, ceil, f"kda_chunk (fla) T={T} H={H}", times, nbytes, flops)
 
 
+# ---------------------------------------------------------------------------------------------
+# Router
+# ---------------------------------------------------------------------------------------------
+
+
+def bench_router(results, ceil, n):
+    """The decode router: bf16 x cast to fp32, cuBLAS fp32 GEMM, top-k kernel (the default)
+    against moe_router_fused (one launch). Bytes: the fp32 router weight."""
+    from kdaserve.kernels.moe.router import (moe_router_fused, moe_topk_sigmoid,
+                                             router_workspace)
+    from kdaserve.layers.linear import linear
+
+    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(EXPERTS, HIDDEN, device="cuda") / HIDDEN ** 0.5
+    b = torch.randn(EXPERTS, device="cuda") * 0.1
+    ws = router_workspace(EXPERTS, "cuda")
+
+    def split():
+        logits = linear(x, w, False, torch.float32)
+        return moe_topk_sigmoid(logits, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
+
+    def fused():
+        return moe_router_fused(x, w, b, TOP_K, True, 2.446, ws, extra_expert=EXPERTS)
+
+    nbytes, flops = w.numel() * 4 + x.numel() * 2, 2 * n * HIDDEN * EXPERTS
+    record(results, ceil, f"router cast+GEMM+topk N={n}", time_case(split), nbytes, flops)
+    record(results, ceil, f"router fused N={n}", time_case(fused), nbytes, flops)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--tune", action="store_true", help="also sweep tile configs")
-    ap.add_argument("--skip", default="", help="comma list of mla,moe,kda to skip")
+    ap.add_argument("--skip", default="", help="comma list of mla,moe,kda,router to skip")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_layers: needs a CUDA GPU", file=sys.stderr)
@@ -284,6 +314,9 @@ def main(argv=None) -> int:
         del w13, w2
     if "kda" not in skip:
         bench_kda(results, ceil)
+    if "router" not in skip:
+        for n in (1, 4, 8):
+            bench_router(results, ceil, n)
     write_results(args.out, meta, t0, ceil, results)
     return 0
 
