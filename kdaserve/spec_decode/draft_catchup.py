@@ -11,7 +11,9 @@ step runs in the RecoverSSM verify form the target's verification already uses:
   so the padding tokens leave no trace;
 - MLA: one absorbed row per token; a real token j sees its context and tokens 0..j, a padding
   token only its row's context (its output is never used), and padding writes no KV;
-- the logits are taken at each row's last real token.
+- the logits are taken at each row's last real token;
+- each committed state is then copied to the row's scratch slot, where drafts 2..K run (the
+  eager copy was ~24 launches and two host syncs a step).
 Rows past n (up to the capture size) run on the draft's padding slot and commit nothing.
 """
 
@@ -53,6 +55,7 @@ class DraftCatchup:
         self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=device)
         self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
         self.state_indices = torch.full((bs,), pad_slot, dtype=torch.int32, device=device)
+        self.scratch_indices = torch.full((bs,), pad_slot, dtype=torch.long, device=device)
         self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
         self.num_real = torch.zeros(bs, dtype=torch.int64, device=device)       # commit counts
         self.last_row = torch.zeros(bs, dtype=torch.long, device=device)        # logits rows
@@ -104,6 +107,9 @@ class DraftCatchup:
         logits = self.model.compute_logits(hidden.index_select(0, self.last_row[:bs]))
         kda_spec.commit(md.spec, self.caches.kda_recurrent, self.caches.kda_conv,
                         self.num_real[:bs])
+        src, dst = self.state_indices[:bs].long(), self.scratch_indices[:bs]
+        for pool in (*self.caches.kda_recurrent, *self.caches.kda_conv):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
         return logits
 
     @torch.inference_mode()
@@ -128,7 +134,7 @@ class DraftCatchup:
 
     # ---- one step ----
     def fill(self, queries: list[list[int]], num_computed: list[int],
-             block_ids: list[list[int]], slots: list[int]) -> int:
+             block_ids: list[list[int]], slots: list[int], scratch_slots: list[int]) -> int:
         """Write the rows into the buffers; returns the capture size."""
         n, k1 = len(queries), self.k1
         bs = next(s for s in self.sizes if s >= n)
@@ -156,13 +162,16 @@ class DraftCatchup:
         seq[:n] = computed + lens
         state = np.full(bs, self.pad_slot, dtype=np.int32)
         state[:n] = slots
+        scratch = np.full(bs, self.pad_slot, dtype=np.int64)
+        scratch[:n] = scratch_slots
         n_real = np.zeros(bs, dtype=np.int64)
         n_real[:n] = lens
         last = np.arange(bs, dtype=np.int64) * k1
         last[:n] += lens - 1
         for buf, val in ((self.input_ids, ids), (self.slot_mapping, slots_np),
                          (self.mla_seq_lens, mla_seq), (self.seq_lens, seq),
-                         (self.state_indices, state), (self.num_real, n_real),
+                         (self.state_indices, state), (self.scratch_indices, scratch),
+                         (self.num_real, n_real),
                          (self.last_row, last)):
             buf[:val.shape[0]].copy_(torch.from_numpy(val), non_blocking=True)
         self.block_table[:bs, :width].copy_(torch.from_numpy(table), non_blocking=True)
@@ -171,12 +180,14 @@ class DraftCatchup:
 
     @torch.inference_mode()
     def run(self, queries: list[list[int]], num_computed: list[int],
-            block_ids: list[list[int]], slots: list[int]) -> torch.Tensor:
+            block_ids: list[list[int]], slots: list[int], scratch_slots: list[int]
+            ) -> torch.Tensor:
         """The catch-up of len(queries) rows (can_run holds): each row's new tokens go into its
-        committed slot. Returns fp32 logits [n, V] at each row's last new token (a view of a
-        graph output on CUDA: use it before the next run)."""
+        committed slot, and the committed state is copied to its scratch slot. Returns fp32
+        logits [n, V] at each row's last new token (a view of a graph output on CUDA: use it
+        before the next run)."""
         n = len(queries)
-        bs = self.fill(queries, num_computed, block_ids, slots)
+        bs = self.fill(queries, num_computed, block_ids, slots, scratch_slots)
         self.num_runs += 1
         if bs in self.graphs:
             graph, logits = self.graphs[bs]

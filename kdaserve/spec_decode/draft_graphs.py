@@ -88,9 +88,11 @@ class DraftDecodeGraphs:
         table[:n, :width] = block_table
         state = np.full(size, self.scratch_slot, dtype=np.int32)
         state[:n] = state_slots
+        # non_blocking: the host stages the pageable arrays and goes on queueing the draft
+        # steps instead of waiting here for the catch-up
         self.block_table[:size, :table.shape[1]].copy_(torch.from_numpy(table),
-                                                       non_blocking=False)
-        self.state_indices[:size].copy_(torch.from_numpy(state))
+                                                       non_blocking=True)
+        self.state_indices[:size].copy_(torch.from_numpy(state), non_blocking=True)
         self.seq_lens[n:size] = 1
         self.slot_mapping[n:size] = -1
         self._size, self._n = size, n

@@ -196,10 +196,12 @@ class DraftModelProposer:
         # 1. catch-up on the committed slots (decodes first, as build_metadata expects)
         queries = [toks[r.num_computed:] for r, toks in zip(reqs, token_ids)]
         computed = [r.num_computed for r in reqs]
-        if self.catchup is not None and self.catchup.can_run([len(q) for q in queries],
-                                                             computed):
+        windowed = self.catchup is not None and self.catchup.can_run([len(q) for q in queries],
+                                                                     computed)
+        if windowed:   # the window step also copies the committed states to the scratch slots
             logits = self.catchup.run(queries, computed, [r.block_ids for r in reqs],
-                                      [r.slot for r in reqs])                # [n, V]
+                                      [r.slot for r in reqs],
+                                      [r.scratch_slot for r in reqs])        # [n, V]
         else:
             logits = self._catch_up_varlen(queries, reqs)
         for r, toks in zip(reqs, token_ids):
@@ -211,7 +213,8 @@ class DraftModelProposer:
         probs.append(q)
         # 2. K - 1 single-token steps on scratch copies of the committed state
         if self.k > 1:
-            self._copy_slots([r.slot for r in reqs], [r.scratch_slot for r in reqs])
+            if not windowed:
+                self._copy_slots([r.slot for r in reqs], [r.scratch_slot for r in reqs])
             step = self._graph_steps(reqs) if self.graphs is not None and \
                 n <= self.graphs.max_bs else None
             for j in range(1, self.k):
