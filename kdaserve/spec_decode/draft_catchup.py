@@ -28,14 +28,14 @@ from torch import nn
 
 from kdaserve.attention import kda_spec
 from kdaserve.attention.builder import slot_mapping
-from kdaserve.attention.metadata import (AttentionMetadata, ForwardContext, MLAAbsorbedRows,
-                                         ModelCaches, SpecStep)
+from kdaserve.attention.metadata import ForwardContext, ModelCaches
 from kdaserve.worker.cuda_graphs import capture_sizes
+from kdaserve.worker.spec_graphs import WindowBuffers
 
 logger = logging.getLogger(__name__)
 
 
-class DraftCatchup:
+class DraftCatchup(WindowBuffers):
     """Buffers, the step's work, and (CUDA) one graph per capture size. On the CPU, run() does
     the same work eagerly (the test path of everything but the capture)."""
 
@@ -43,27 +43,14 @@ class DraftCatchup:
                  block_size: int, max_blocks: int, max_num_seqs: int, max_seq_len: int,
                  device: torch.device) -> None:
         self.model, self.caches = model, caches
-        self.k1 = k + 1
-        self.pad_slot, self.block_size, self.max_seq_len = pad_slot, block_size, max_seq_len
+        self.pad_slot, self.block_size = pad_slot, block_size
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_bs = self.sizes[-1]
-        bs, tok = self.max_bs, self.max_bs * self.k1
-        self.input_ids = torch.zeros(tok, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(0, (bs + 1) * self.k1, self.k1, dtype=torch.int32,
-                                            device=device)
-        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)       # per request
-        self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
-        self.state_indices = torch.full((bs,), pad_slot, dtype=torch.int32, device=device)
+        super().__init__(self.sizes[-1], k + 1, max_blocks, pad_slot, max_seq_len, device)
+        bs = self.max_bs
         self.scratch_indices = torch.full((bs,), pad_slot, dtype=torch.long, device=device)
-        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
         self.num_real = torch.zeros(bs, dtype=torch.int64, device=device)       # commit counts
         self.last_row = torch.zeros(bs, dtype=torch.long, device=device)        # logits rows
-        self.token_req = torch.arange(tok, device=device) // self.k1            # [tok]
-        self.mla_seq_lens = torch.ones(tok, dtype=torch.int32, device=device)
-        self.mla_block_table = torch.zeros(tok, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._md: dict[int, AttentionMetadata] = {}
         self.num_runs = 0
 
     def can_run(self, new_tokens: list[int], num_computed: list[int]) -> bool:
@@ -72,34 +59,12 @@ class DraftCatchup:
                 and all(1 <= n <= self.k1 for n in new_tokens))
 
     # ---- the step's work ----
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        md = self._md.get(bs)
-        if md is not None:
-            return md
-        t = bs * self.k1
-        md = AttentionMetadata(
-            num_reqs=bs, num_decodes=0, num_actual_tokens=t,
-            query_start_loc=self.query_start_loc[:bs + 1],
-            query_start_loc_cpu=torch.arange(0, (bs + 1) * self.k1, self.k1, dtype=torch.int32),
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.full((bs,), self.k1,
-                                                                 dtype=torch.int32),
-            num_computed_tokens_cpu=torch.ones(bs, dtype=torch.int32),
-            slot_mapping=self.slot_mapping[:t], block_table=self.block_table[:bs],
-            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
-            max_query_len=self.k1, max_seq_len=self.max_seq_len)
-        md.spec = SpecStep("contiguous", False, 0, self.query_start_loc[:bs + 1],
-                           self.state_indices[:bs], None)
-        md.mla_absorbed = MLAAbsorbedRows(list(range(bs)), 0, None, self.mla_seq_lens[:t],
-                                          self.mla_block_table[:t])
-        self._md[bs] = md
-        return md
-
     def _forward(self, bs: int) -> torch.Tensor:
         """Forward over bs * (K+1) rows, commit of the real tokens; fp32 logits [bs, V] at each
         row's last real token."""
         md = self._metadata(bs)
         t = bs * self.k1
-        self.mla_block_table[:t] = self.block_table.index_select(0, self.token_req[:t])
+        self._token_block_tables(bs)
         md.spec.records.clear()
         md.spec.conv_inputs.clear()
         ids = self.input_ids[:t]

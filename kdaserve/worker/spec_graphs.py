@@ -37,66 +37,85 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SpecVerifyGraphs:
+class WindowBuffers:
+    """Device buffers of a step of up to max_bs requests with k1 token rows each, and its
+    metadata: KDA in the RecoverSSM verify form, MLA one absorbed row per token. Shared by the
+    target's verification graphs and the draft model's catch-up windows. Padding requests (up
+    to a capture size) use pad_slot and write no KV (slot_mapping -1)."""
+
+    def __init__(self, max_bs: int, k1: int, max_blocks: int, pad_slot: int, max_seq_len: int,
+                 device: torch.device) -> None:
+        self.max_bs, self.k1, self.max_seq_len = max_bs, k1, max_seq_len
+        tok = max_bs * k1
+        self.input_ids = torch.zeros(tok, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(0, (max_bs + 1) * k1, k1, dtype=torch.int32,
+                                            device=device)
+        self.seq_lens = torch.full((max_bs,), k1, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.state_indices = torch.full((max_bs,), pad_slot, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(max_bs, dtype=torch.bool, device=device)
+        self.token_req = torch.arange(tok, device=device) // k1           # [tok]: its request
+        self.mla_seq_lens = torch.ones(tok, dtype=torch.int32, device=device)
+        self.mla_block_table = torch.zeros(tok, max_blocks, dtype=torch.int32, device=device)
+        self._md: dict[int, AttentionMetadata] = {}
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        """The metadata of bs requests over the buffers (built once per size)."""
+        md = self._md.get(bs)
+        if md is not None:
+            return md
+        t, k1 = bs * self.k1, self.k1
+        md = AttentionMetadata(
+            num_reqs=bs, num_decodes=0, num_actual_tokens=t,
+            query_start_loc=self.query_start_loc[:bs + 1],
+            query_start_loc_cpu=torch.arange(0, (bs + 1) * k1, k1, dtype=torch.int32),
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.full((bs,), k1, dtype=torch.int32),
+            num_computed_tokens_cpu=torch.ones(bs, dtype=torch.int32),
+            slot_mapping=self.slot_mapping[:t], block_table=self.block_table[:bs],
+            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
+            max_query_len=k1, max_seq_len=self.max_seq_len)
+        md.spec = SpecStep("contiguous", False, 0, self.query_start_loc[:bs + 1],
+                           self.state_indices[:bs], None)
+        md.mla_absorbed = MLAAbsorbedRows(list(range(bs)), 0, None, self.mla_seq_lens[:t],
+                                          self.mla_block_table[:t])
+        self._md[bs] = md
+        return md
+
+    def _token_block_tables(self, bs: int) -> None:
+        """Each token row's block table from its request's (inside the captured work)."""
+        t = bs * self.k1
+        self.mla_block_table[:t] = self.block_table.index_select(0, self.token_req[:t])
+
+
+class SpecVerifyGraphs(WindowBuffers):
     def __init__(self, runner: "ModelRunner", pool=None) -> None:
         spec = runner.spec
         if spec.per_position or spec.layout != "contiguous":
             raise ValueError("spec verification graphs need kda_state_mode=recover and "
                              "batch_layout=contiguous")
         self.runner, self.spec, self.pool = runner, spec, pool
-        self.k1 = spec.k + 1
         self.sizes = capture_sizes(runner.config.scheduler_config.max_num_seqs)
-        self.max_bs = self.sizes[-1]
         max_len = runner.config.scheduler_config.max_model_len
-        self.max_seq_len = max_len
-        max_blocks = -(-(max_len + spec.k) // runner.block_size)
-        bs, tok, dev = self.max_bs, self.max_bs * self.k1, runner.device
-        self.input_ids = torch.zeros(tok, dtype=torch.long, device=dev)
-        self.query_start_loc = torch.arange(0, (bs + 1) * self.k1, self.k1, dtype=torch.int32,
-                                            device=dev)
-        self.seq_lens = torch.full((bs,), self.k1, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=dev)
-        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=dev)
-        self.state_indices = torch.full((bs,), runner.num_slots, dtype=torch.int32, device=dev)
-        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=dev)
-        # per token: its request and its offset in the window (for the absorbed MLA rows)
-        self.token_req = torch.arange(tok, device=dev) // self.k1
-        self.token_off = (torch.arange(tok, device=dev) % self.k1).to(torch.int32)
-        self.mla_seq_lens = torch.ones(tok, dtype=torch.int32, device=dev)
-        self.mla_block_table = torch.zeros(tok, max_blocks, dtype=torch.int32, device=dev)
-        self.num_accepted = torch.zeros(bs, dtype=torch.int64, device=dev)
+        super().__init__(self.sizes[-1], spec.k + 1, -(-(max_len + spec.k) // runner.block_size),
+                         runner.num_slots, max_len, runner.device)
+        tok = self.max_bs * self.k1
+        # per token: its offset in the window (for the absorbed MLA rows' sequence lengths)
+        self.token_off = (torch.arange(tok, device=runner.device) % self.k1).to(torch.int32)
+        self.num_accepted = torch.zeros(self.max_bs, dtype=torch.int64, device=runner.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, SpecStep]] = {}
         self.commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
 
     # ---- capture ----
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        t = bs * self.k1
-        md = AttentionMetadata(
-            num_reqs=bs, num_decodes=0, num_actual_tokens=t,
-            query_start_loc=self.query_start_loc[:bs + 1],
-            query_start_loc_cpu=torch.arange(0, (bs + 1) * self.k1, self.k1, dtype=torch.int32),
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.full((bs,), self.k1,
-                                                                 dtype=torch.int32),
-            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
-            slot_mapping=self.slot_mapping[:t], block_table=self.block_table[:bs],
-            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
-            max_query_len=self.k1, max_seq_len=self.max_seq_len)
-        md.spec = SpecStep("contiguous", False, 0, self.query_start_loc[:bs + 1],
-                           self.state_indices[:bs], None)
-        md.mla_absorbed = MLAAbsorbedRows(list(range(bs)), 0, None, self.mla_seq_lens[:t],
-                                          self.mla_block_table[:t])
-        return md
-
     def _forward(self, bs: int, md: AttentionMetadata) -> torch.Tensor:
         """The captured work: per-token MLA inputs from the per-request buffers, then the
         model over bs * (1 + K) tokens."""
         t = bs * self.k1
-        req = self.token_req[:t]
-        self.mla_block_table[:t] = self.block_table.index_select(0, req)
+        self._token_block_tables(bs)
         # token j of a window sees the context before the step plus window tokens 0..j
-        self.mla_seq_lens[:t] = self.seq_lens.index_select(0, req) - (self.k1 - 1) \
-            + self.token_off[:t]
+        self.mla_seq_lens[:t] = self.seq_lens.index_select(0, self.token_req[:t]) \
+            - (self.k1 - 1) + self.token_off[:t]
         md.spec.records.clear()
         md.spec.conv_inputs.clear()
         ids = self.input_ids[:t]
