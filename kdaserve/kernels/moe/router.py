@@ -13,6 +13,19 @@ import torch
 from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
 
 
+def _routing_outputs(N: int, E: int, top_k: int, correction_bias: torch.Tensor | None,
+                     extra_expert: int | None, ids_dtype: torch.dtype, device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks top_k and the bias against E; the empty (weights fp32, ids) [N, top_k (+1)]."""
+    if not 0 < top_k <= E:
+        raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
+    if correction_bias is not None and correction_bias.shape != (E,):
+        raise ValueError(f"correction_bias must be [E={E}], got {tuple(correction_bias.shape)}")
+    width = top_k + (extra_expert is not None)
+    return (torch.empty(N, width, dtype=torch.float32, device=device),
+            torch.empty(N, width, dtype=ids_dtype, device=device))
+
+
 def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                      top_k: int, renormalize: bool, scaling: float,
                      ids_dtype: torch.dtype = torch.int32,
@@ -30,14 +43,9 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
         raise ValueError(f"router_logits must be [N, E] with a contiguous last dim, "
                          f"got {tuple(router_logits.shape)}")
     N, E = router_logits.shape
-    if not 0 < top_k <= E:
-        raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
-    if correction_bias is not None and correction_bias.shape != (E,):
-        raise ValueError(f"correction_bias must be [E={E}], got {tuple(correction_bias.shape)}")
     check_kernel_device(router_logits)
-    width = top_k + (extra_expert is not None)
-    weights = torch.empty(N, width, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(N, width, dtype=ids_dtype, device=router_logits.device)
+    weights, ids = _routing_outputs(N, E, top_k, correction_bias, extra_expert, ids_dtype,
+                                    router_logits.device)
     if N == 0:
         return weights, ids
     block_e = next_power_of_2(E)
@@ -45,7 +53,7 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
         router_logits, correction_bias if correction_bias is not None else router_logits,
         weights, ids, E, router_logits.stride(0), float(scaling),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
-        BLOCK_E=block_e, BLOCK_K=next_power_of_2(width),
+        BLOCK_E=block_e, BLOCK_K=next_power_of_2(ids.shape[1]),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
         num_warps=max(1, min(4, block_e // 128)),
     )
@@ -88,19 +96,14 @@ def moe_router_fused(x: torch.Tensor, weight: torch.Tensor, correction_bias: tor
         raise ValueError(f"weight must be [E, D={D}] with a contiguous last dim, got "
                          f"{tuple(weight.shape)}")
     E = weight.shape[0]
-    if not 0 < top_k <= E:
-        raise ValueError(f"top_k must be in [1, E={E}], got {top_k}")
-    if correction_bias is not None and correction_bias.shape != (E,):
-        raise ValueError(f"correction_bias must be [E={E}], got {tuple(correction_bias.shape)}")
+    weights, ids = _routing_outputs(N, E, top_k, correction_bias, extra_expert, ids_dtype,
+                                    x.device)
     scratch, counter = workspace
     block_e = next_power_of_2(E)
     if scratch.shape != (FUSED_ROUTER_MAX_TOKENS, block_e) or counter.shape != (1,):
         raise ValueError(f"workspace must come from router_workspace({E})")
     for t in (x, weight, scratch, counter):
         check_kernel_device(t)
-    width = top_k + (extra_expert is not None)
-    weights = torch.empty(N, width, dtype=torch.float32, device=x.device)
-    ids = torch.empty(N, width, dtype=ids_dtype, device=x.device)
     if N == 0:
         return weights, ids
     block_ex = 4
@@ -109,7 +112,7 @@ def moe_router_fused(x: torch.Tensor, weight: torch.Tensor, correction_bias: tor
         weights, ids, N, E, D, x.stride(0), weight.stride(0), float(scaling),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_N=next_power_of_2(N), BLOCK_EX=block_ex, BLOCK_D=256, BLOCK_E=block_e,
-        BLOCK_K=next_power_of_2(width),
+        BLOCK_K=next_power_of_2(ids.shape[1]),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert), num_warps=4,
     )
     return weights, ids
