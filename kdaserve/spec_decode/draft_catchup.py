@@ -29,7 +29,7 @@ from torch import nn
 from kdaserve.attention import kda_spec
 from kdaserve.attention.builder import slot_mapping
 from kdaserve.attention.metadata import ForwardContext, ModelCaches
-from kdaserve.worker.cuda_graphs import capture_sizes
+from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes
 from kdaserve.worker.spec_graphs import WindowBuffers
 
 logger = logging.getLogger(__name__)
@@ -84,13 +84,7 @@ class DraftCatchup(WindowBuffers):
         t0 = time.perf_counter()
         pool = None
         for bs in reversed(self.sizes):
-            for _ in range(2):   # autotuning and lazy init stay out of the capture
-                self._forward(bs)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(bs)
-            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
+            graph, logits = capture_graph(lambda: self._forward(bs), pool)
             pool = pool or graph.pool()
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()

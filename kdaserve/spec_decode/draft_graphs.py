@@ -19,7 +19,7 @@ from torch import nn
 
 from kdaserve.attention.builder import slot_mapping
 from kdaserve.attention.metadata import AttentionMetadata, ForwardContext, ModelCaches
-from kdaserve.worker.cuda_graphs import capture_sizes, decode_metadata
+from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes, decode_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,8 @@ class DraftDecodeGraphs:
         for bs in reversed(self.sizes):
             ctx = ForwardContext(self._metadata(bs), self.caches)
             ids = self.input_ids[:bs]
-            for _ in range(2):   # warm up: autotuning and lazy init stay out of the capture
-                self.model.compute_logits(self.model(ids, ids, ctx))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(ids, ids, ctx))
-            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
+            graph, logits = capture_graph(
+                lambda: self.model.compute_logits(self.model(ids, ids, ctx)), pool)
             pool = pool or graph.pool()
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()

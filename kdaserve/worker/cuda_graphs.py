@@ -27,6 +27,21 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
+def capture_graph(work, pool=None, warmups: int = 2):
+    """Run `work` eagerly `warmups` times (autotuning and lazy init stay out of the capture),
+    capture it in a CUDA graph on `pool`, and replay it once so that the graph's upload
+    happens at start-up, not in the first serving step of its size. Returns (graph, what work
+    returned in the capture: the graph's output tensors)."""
+    for _ in range(warmups):
+        work()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = work()
+    graph.replay()
+    return graph, out
+
+
 def decode_metadata(buf, bs: int) -> AttentionMetadata:
     """Metadata of a captured decode step of bs one-token rows over graph input buffers (`buf`
     has query_start_loc, seq_lens, slot_mapping, block_table, state_indices, has_initial_state
@@ -79,15 +94,8 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):
             ctx = ForwardContext(self._metadata(bs), caches)
             ids = self.input_ids[:bs]
-            for _ in range(2):   # warm up: Triton autotuning and lazy init stay out of capture
-                model(ids, ids, ctx)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = model(ids, ids, ctx)
-            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
-            if self.pool is None:
-                self.pool = graph.pool()
+            graph, hidden = capture_graph(lambda: model(ids, ids, ctx), self.pool)
+            self.pool = self.pool or graph.pool()
             self.graphs[bs] = (graph, hidden)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (sizes %s) in %.1f s", len(self.graphs),

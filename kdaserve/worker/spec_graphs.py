@@ -29,7 +29,7 @@ from kdaserve.attention import kda_spec
 from kdaserve.attention.metadata import (AttentionMetadata, ForwardContext, MLAAbsorbedRows,
                                          SpecStep)
 from kdaserve.attention.builder import slot_mapping
-from kdaserve.worker.cuda_graphs import capture_sizes
+from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes
 
 if TYPE_CHECKING:
     from kdaserve.worker.model_runner import CachedRequestState, ModelRunner, StepBatch
@@ -126,23 +126,12 @@ class SpecVerifyGraphs(WindowBuffers):
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):
             md = self._metadata(bs)
-            for _ in range(2):   # warm up: autotuning and lazy init stay out of the capture
-                self._forward(bs, md)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden = self._forward(bs, md)
-            graph.replay()   # the first replay uploads the graph: at start-up, not mid-serving
+            graph, hidden = capture_graph(lambda: self._forward(bs, md), self.pool)
             self.pool = self.pool or graph.pool()
             self.graphs[bs] = (graph, hidden, md.spec)
             # the buffers hold padding rows here: the warm-up commits zero tokens to scratch
-            self._commit_work(bs, md.spec)
-            torch.cuda.synchronize()
-            commit = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(commit, pool=self.pool):
-                self._commit_work(bs, md.spec)
-            commit.replay()   # the first replay uploads the graph: at start-up, not mid-serving
-            self.commit_graphs[bs] = commit
+            self.commit_graphs[bs], _ = capture_graph(lambda: self._commit_work(bs, md.spec),
+                                                      self.pool, warmups=1)
         torch.cuda.synchronize()
         logger.info("captured %d spec-verify CUDA graphs (sizes %s, %d tokens per request) in "
                     "%.1f s", len(self.graphs), self.sizes, self.k1, time.perf_counter() - t0)
