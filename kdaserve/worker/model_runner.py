@@ -186,7 +186,7 @@ class ModelRunner:
                         num_slots, num_ckpt, cache_mod.state_bytes_per_slot(self.args, self.dtype)),
                     min(num_slots, kv_tokens / max_len))
         if self.spec is not None:
-            logger.info("%s", self.spec.memory_line(self.dtype))
+            logger.info("%s", self.spec.memory_line())
         if self.device.type == "cuda":
             self._warmup_mixed_step()
             self._warmup_sampler()

@@ -128,10 +128,9 @@ class SpecDecoder:
         h, d = a.linear_num_heads, a.linear_head_dim
         return len(a.kda_layer_ids), h, d, d, 3 * h * d, a.linear_conv_kernel_dim
 
-    def memory_line(self, dtype: torch.dtype) -> str:
+    def memory_line(self) -> str:
         mode = self.state_mode
-        mem = spec_state_memory(mode, *self._kda_dims, self.k,
-                                torch.empty((), dtype=dtype).element_size())
+        mem = spec_state_memory(mode, *self._kda_dims, self.k, self.conv_dtype_bytes)
         return (f"spec decode ({self.method}, K={self.k}, KDA state {mode}): "
                 f"{mem.state_bytes / 2**20:.2f} MiB state + {mem.record_bytes / 2**20:.2f} MiB "
                 f"verify records per request")
