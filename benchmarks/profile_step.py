@@ -48,7 +48,7 @@ def main() -> None:
                          "minus kernel time)")
     ap.add_argument("--decode-gemv", action="store_true")
     ap.add_argument("--moe-single-token", action="store_true")
-    ap.add_argument("--fused-router", action="store_true")
+    ap.add_argument("--l2-prefetch", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = max(args.context, args.prefill) + args.steps + 16
@@ -63,7 +63,7 @@ def main() -> None:
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
         kernel_config=KernelConfig(decode_gemv=args.decode_gemv,
                                    moe_single_token=args.moe_single_token,
-                                   fused_router=args.fused_router))
+                                   l2_prefetch=args.l2_prefetch))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(args.batch, 1))

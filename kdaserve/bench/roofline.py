@@ -31,8 +31,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
     p.add_argument("--moe-single-token", action="store_true",
                    help="KernelConfig.moe_single_token: two-GEMV MoE at batch 1")
-    p.add_argument("--fused-router", action="store_true",
-                   help="KernelConfig.fused_router: router GEMV + top-k in one launch")
+    p.add_argument("--l2-prefetch", action="store_true",
+                   help="KernelConfig.l2_prefetch: side-stream L2 prefetch of decode weights")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth in bytes/s (default: measured in this run)")
@@ -133,7 +133,7 @@ def main(cli_args: argparse.Namespace) -> int:
         enforce_eager=cli_args.enforce_eager,
         kernel_config=KernelConfig(decode_gemv=cli_args.decode_gemv,
                                    moe_single_token=cli_args.moe_single_token,
-                                   fused_router=cli_args.fused_router))
+                                   l2_prefetch=cli_args.l2_prefetch))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(batches))
@@ -161,7 +161,7 @@ def main(cli_args: argparse.Namespace) -> int:
               "dummy_routing": cli_args.dummy_routing,
               "kernel_config": {"decode_gemv": cli_args.decode_gemv,
                                 "moe_single_token": cli_args.moe_single_token,
-                                "fused_router": cli_args.fused_router}, "rows": rows}
+                                "l2_prefetch": cli_args.l2_prefetch}, "rows": rows}
     from kdaserve.bench.report import git_commit
 
     result["commit"] = git_commit() or "unknown"

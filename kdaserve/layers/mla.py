@@ -10,12 +10,15 @@ from kdaserve.attention.metadata import ForwardContext
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.prefetch import NO_PREFETCH
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
 class MLAttention(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+    prefetch = NO_PREFETCH
+    """KernelConfig.l2_prefetch: the model's WeightPrefetch (set by configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, mla_index: int) -> None:
         super().__init__()
@@ -69,9 +72,18 @@ class MLAttention(nn.Module):
         q_ckv = linear(x, self.q_kva_weight, self.decode_gemv)     # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
+        with self.prefetch(T, self.o_proj.weight):
+            out = self._attend(q, ckv, kv_cache, md)                      # [T, H, v_dim]
+        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv)
+
+    def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,
+                md) -> torch.Tensor:
+        """Stores the new latent rows, then attends: absorbed rows (decodes, spec
+        verification) and prefills. q: [T, H, qk_dim]; ckv: [T, rank + rope]."""
+        T, h = q.shape[0], self.num_heads
         mla_backend.store_latent(kv_cache, md.slot_mapping[:T], ckv,
                                  self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-        out = x.new_empty(T, h, self.v_dim)
+        out = q.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:
             out[:nd] = self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd])
@@ -89,4 +101,4 @@ class MLAttention(nn.Module):
         t1 = md.num_actual_tokens
         if t1 < T:
             out[t1:] = 0
-        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv)
+        return out

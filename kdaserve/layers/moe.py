@@ -4,19 +4,19 @@ shared expert. Parameter names follow transformers' KimiLinearMoE."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.kernels import reference as ref
 from kdaserve.layers.linear import linear
 from kdaserve.layers.mlp import MLP
+from kdaserve.layers.prefetch import NO_PREFETCH
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
 class TopkRouter(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    fused_router = False
-    """KernelConfig.fused_router (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -28,24 +28,16 @@ class TopkRouter(nn.Module):
                                                dtype=torch.float32))
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(args.num_experts, dtype=torch.float32))
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        """moe_router_fused's scratch and done counter (CUDA, fused_router)."""
 
-    def forward(self, x: torch.Tensor, extra_expert: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, extra_expert: int | None = None,
+                x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
-        only) a (1.0, extra_expert) column is appended to every row."""
-        if x.is_cuda and self.fused_router:
-            from kdaserve.kernels.moe.router import (FUSED_ROUTER_MAX_TOKENS, moe_router_fused,
-                                                     router_workspace)
-
-            if x.shape[0] <= FUSED_ROUTER_MAX_TOKENS:
-                if self._workspace is None:   # first forward: before any graph capture
-                    self._workspace = router_workspace(self.weight.shape[0], x.device)
-                return moe_router_fused(x, self.weight, self.e_score_correction_bias,
-                                        self.top_k, self.renormalize, self.scaling,
-                                        self._workspace, extra_expert=extra_expert)
-        logits = linear(x, self.weight, self.decode_gemv, torch.float32)   # [N, E] fp32
+        only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
+        when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM."""
+        if x32 is not None:
+            logits = F.linear(x32, self.weight)                           # [N, E] fp32
+        else:
+            logits = linear(x, self.weight, self.decode_gemv, torch.float32)
         if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
@@ -77,6 +69,8 @@ class SparseMoE(nn.Module):
 
     single_token = False
     """KernelConfig.moe_single_token (set by the model's configure_kernels)."""
+    prefetch = NO_PREFETCH
+    """KernelConfig.l2_prefetch: the model's WeightPrefetch (set by configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -104,11 +98,21 @@ class SparseMoE(nn.Module):
         sh.down_proj.weight.data = w2[-1]
         self.w13_all, self.w2_all = w13, w2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def router_input(self, x: torch.Tensor) -> torch.Tensor | None:
+        """An fp32 buffer like x for the preceding norm to write the router's input into
+        (CUDA, fused path only); None where the router casts x itself."""
+        if self.w13_all is None or self.gate.decode_gemv:
+            return None
+        return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+    def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [N, D]; x32: x in fp32 (from router_input, filled by the norm) or None."""
         if self.w13_all is not None:
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
-            w, ids = self.gate(x, extra_expert=self.num_experts)      # [N, k + 1]
+            # the shared expert's weights are known before routing: read them into L2 meanwhile
+            with self.prefetch(x.shape[0], self.w13_all[-1], self.w2_all[-1]):
+                w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
             if self.single_token and x.shape[0] == 1:
                 from kdaserve.kernels.moe.single_token import fused_moe_single_token
 

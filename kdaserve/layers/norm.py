@@ -17,14 +17,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_residual(x, None)[0]
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, D]; s = x + residual (x alone when None). Returns (norm(s), s)."""
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None,
+                         out32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D]; s = x + residual (x alone when None). Returns (norm(s), s); norm(s) is
+        also written, widened, into out32 (fp32 [N, D]) when given."""
         if x.is_cuda:
             from kdaserve.kernels.norm.rms_norm import add_rms_norm
 
-            return add_rms_norm(x, self.weight, self.eps, residual)
-        return ref.add_rms_norm(x, self.weight, self.eps, residual)
+            return add_rms_norm(x, self.weight, self.eps, residual, out32)
+        out, s = ref.add_rms_norm(x, self.weight, self.eps, residual)
+        if out32 is not None:
+            out32.copy_(out)
+        return out, s
 
 
 class RMSNormGated(nn.Module):

@@ -15,6 +15,7 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.prefetch import WeightPrefetch
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
@@ -39,6 +40,10 @@ class DecoderLayer(nn.Module):
         next norm adds the two (fused on the GPU)."""
         h, residual = self.input_layernorm.forward_residual(x, residual)
         h = self.self_attn(h, ctx)
+        if isinstance(self.mlp, SparseMoE):
+            router_x = self.mlp.router_input(h)        # [T, D] fp32, or None
+            h, residual = self.post_attention_layernorm.forward_residual(h, residual, router_x)
+            return self.mlp(h, router_x), residual
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
         return self.mlp(h), residual
 
@@ -79,13 +84,14 @@ class KimiLinearForCausalLM(nn.Module):
 
     def configure_kernels(self, kernel_config) -> None:
         """Apply a KernelConfig to the layers that have a decode-size kernel choice."""
+        prefetch = WeightPrefetch(kernel_config.l2_prefetch)      # one side stream per model
         for module in self.modules():
+            if hasattr(module, "prefetch"):
+                module.prefetch = prefetch
             if hasattr(module, "decode_gemv"):
                 module.decode_gemv = kernel_config.decode_gemv
             if hasattr(module, "single_token"):
                 module.single_token = kernel_config.moe_single_token
-            if hasattr(module, "fused_router"):
-                module.fused_router = kernel_config.fused_router
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

@@ -29,6 +29,9 @@ def test_add_rms_norm(n, d, dtype):
     assert rel(s, ref_s) <= tol and rel(out, ref_out) <= tol
     out, s = add_rms_norm(x, w, 1e-5)
     assert s is x and rel(out, ref.rms_norm(x, w, 1e-5)) <= tol
+    out32 = torch.full((n, d), float("nan"), device="cuda")           # the router's fp32 input
+    out, s = add_rms_norm(x, w, 1e-5, r, out32=out32)
+    assert torch.equal(out32, out.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

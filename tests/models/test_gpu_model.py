@@ -86,7 +86,8 @@ def test_bf16_gpu_chunked_and_decode_matches_cpu_reference(pair, cpu_ref, gpu_mo
 
 
 def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
-    """The engine on CUDA (graphs on and off) generates the same greedy tokens."""
+    """The engine on CUDA (graphs on and off, and graphs with the side-stream L2 prefetch)
+    generates the same greedy tokens."""
     from tests.engine.conftest import _write_tokenizer
     from tests.models.hf_tiny import make_hf_model
 
@@ -97,12 +98,13 @@ def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
     ps = [{"prompt_token_ids": p} for p in PROMPTS]
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = {}
-    for eager in (True, False):
+    for eager, prefetch in ((True, False), (False, False), (False, True)):
         llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
-                  enforce_eager=eager, dtype="float32")
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+                  enforce_eager=eager, dtype="float32", l2_prefetch=prefetch)
+        outs[eager, prefetch] = [o.outputs[0].token_ids
+                                 for o in llm.generate(ps, sp, use_tqdm=False)]
         del llm
-    assert outs[True] == outs[False]
+    assert outs[True, False] == outs[False, False] == outs[False, True]
 
 
 def run_one_request(runner, extra):
@@ -116,15 +118,14 @@ def run_one_request(runner, extra):
 
 
 def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
-    """KernelConfig(decode_gemv, moe_single_token, fused_router) on: 3-row decode steps (GEMV
-    M=3, one-launch router) and 1-row steps (GEMV M=1, single-token MoE) against the fp32
-    reference."""
+    """KernelConfig(decode_gemv, moe_single_token) on: 3-row decode steps (GEMV M=3, the
+    router reading its fp32 weight with bf16 x) and 1-row steps (GEMV M=1, single-token MoE)
+    against the fp32 reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
     model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True, moe_single_token=True,
-                                         fused_router=True))
+    model.configure_kernels(KernelConfig(decode_gemv=True, moe_single_token=True))
     try:
         ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
         got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)

@@ -11,9 +11,11 @@ from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, require
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 residual: torch.Tensor | None = None, out32: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [N, D]. s = x + residual (rounded to x.dtype, or x alone); returns
-    (weight * rmsnorm(s), s)."""
+    (weight * rmsnorm(s), s). With `out32` ([N, D] fp32) the kernel also writes the normed
+    output there, widened exactly (`out.float()` without the extra launch)."""
     require_triton()
     from kdaserve.kernels.norm.triton_norm import add_rms_norm_kernel
 
@@ -23,13 +25,19 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     check_kernel_device(x)
     N, D = x.shape
+    if out32 is not None and (out32.shape != x.shape or out32.dtype != torch.float32
+                              or out32.stride(1) != 1 or out32.device != x.device):
+        raise ValueError(f"out32 must be fp32 [N, D]={tuple(x.shape)} on {x.device} with a "
+                         f"contiguous last dim, got {out32.dtype} {tuple(out32.shape)}")
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     if N:
         add_rms_norm_kernel[(N,)](
-            x, residual if residual is not None else x, weight, out, res_out, D, float(eps),
+            x, residual if residual is not None else x, weight, out, res_out,
+            out32 if out32 is not None else out, D, float(eps),
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            res_out.stride(0), HAS_RESIDUAL=residual is not None,
+            res_out.stride(0), out32.stride(0) if out32 is not None else 0,
+            HAS_RESIDUAL=residual is not None, OUT32=out32 is not None,
             BLOCK_D=next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
     return out, res_out
 

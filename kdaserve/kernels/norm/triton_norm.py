@@ -5,9 +5,9 @@ import triton.language as tl
 
 
 @triton.jit
-def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
-                        stride_x, stride_res, stride_out, stride_res_out,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr):
+def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, out32_ptr, D, eps,
+                        stride_x, stride_res, stride_out, stride_res_out, stride_out32,
+                        HAS_RESIDUAL: tl.constexpr, OUT32: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -20,8 +20,10 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, D, eps,
     var = tl.sum(xf * xf, axis=0) / D
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + offs, (w.to(tl.float32) * normed.to(tl.float32)
-                                                 ).to(x.dtype), mask=mask)
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+    if OUT32:   # the same values widened: an fp32 GEMM's input without a separate cast
+        tl.store(out32_ptr + row * stride_out32 + offs, y.to(tl.float32), mask=mask)
 
 
 @triton.jit
