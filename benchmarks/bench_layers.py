@@ -196,7 +196,10 @@ def bench_moe(results, ceil, w13, w2, n, same, tune=False, torch_baseline=True):
     if torch_baseline:
         extra["torch_loop_ms"] = bench_ms(lambda: ref.moe_experts(x, w13, w2, weights, ids))
     routing = "same8" if same else "spread"
-    record(results, ceil, f"fused_moe N={n} {routing}", times, nbytes, flops, **extra)
+    row = record(results, ceil, f"fused_moe N={n} {routing}", times, nbytes, flops, **extra)
+    if n == 1:
+        bench_moe_single_sum(results, ceil, row, x, w13, w2, weights, ids, out, nbytes, flops,
+                             tune)
     if not tune:
         return
     C = moe.MoEGemmConfig
@@ -212,8 +215,15 @@ def bench_moe(results, ceil, w13, w2, n, same, tune=False, torch_baseline=True):
                                                 (128, 128, 32, 8, 8, 4), (128, 64, 64, 8, 8, 4)]
                  for bn2, nw2, ns2 in [(256, 8, 3), (128, 8, 4), (128, 4, 4)]]
     best = (times[1] or times[0], "default")
+    # N == 1 runs gemm1 + the fused GEMM 2 + sum: sweep gemm1 with the default gemm2_sum tiles
+    # (gemm2 is unused there, so each gemm1 candidate runs once)
+    gemm2_sum = moe_default_config(w13, n, ids.shape[1]).gemm2_sum if n == 1 else None
+    seen = set()
     for c1, c2 in cands:
-        cfg = moe.FusedMoEConfig(c1, c2)
+        cfg = moe.FusedMoEConfig(c1, c2, gemm2_sum)
+        if (c1, None if gemm2_sum else c2) in seen:
+            continue
+        seen.add((c1, None if gemm2_sum else c2))
         try:
             t = bench_graph_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids, out=out,
                                                      config=cfg))
@@ -223,7 +233,48 @@ def bench_moe(results, ceil, w13, w2, n, same, tune=False, torch_baseline=True):
         if t < best[0]:
             best = (t, str(cfg))
     print(f"  best: {best[0] * 1e3:.1f} us with {best[1]}", flush=True)
-    results[-1]["tune_best"] = {"ms": best[0], "config": best[1]}
+    row["tune_best"] = {"ms": best[0], "config": best[1]}
+
+
+def moe_default_config(w13, n, top_k):
+    """What fused_moe picks for n tokens on these weights (default_config, fitted)."""
+    E, two_i, D = w13.shape
+    return moe.fit_config(moe.default_config(n, top_k, E, w13.dtype), D, two_i // 2)
+
+
+def bench_moe_single_sum(results, ceil, row, x, w13, w2, weights, ids, out, nbytes, flops,
+                         tune):
+    """N == 1: `row` timed the default (gemm1 + the fused GEMM 2 + top-k sum); add a row for the
+    old path (gemm2 + moe_sum, gemm2_sum=None) and the speedup to `row`. --tune sweeps the
+    gemm2_sum tiles and records the best in row["tune_best_gemm2_sum"]."""
+    from dataclasses import replace
+
+    new_cfg = moe_default_config(w13, 1, ids.shape[1])
+    old_cfg = replace(new_cfg, gemm2_sum=None)
+    old = record(results, ceil, row["case"] + " gemm2+moe_sum", time_case(
+        lambda: moe.fused_moe(x, w13, w2, weights, ids, out=out, config=old_cfg)), nbytes, flops)
+    row["gemm2_sum"] = str(new_cfg.gemm2_sum)
+    row["gemm2_sum_speedup"] = old["ms"] / row["ms"]
+    print(f"  gemm2_sum fused vs gemm2 + moe_sum: {row['gemm2_sum_speedup']:.2f}x", flush=True)
+    if not tune:
+        return
+    C = moe.MoEGemmConfig
+    best = (row["ms"], str(new_cfg.gemm2_sum))
+    for bn in (4, 8, 16, 32):
+        for bk in (256, 512, 1024):
+            for nw in (4, 8):
+                for ns in (2, 3, 4):
+                    cfg = replace(new_cfg, gemm2_sum=C(1, bn, bk, 1, nw, ns))
+                    try:
+                        t = bench_graph_ms(lambda: moe.fused_moe(x, w13, w2, weights, ids,
+                                                                 out=out, config=cfg))
+                    except Exception as exc:  # out of resources for a config: skip it
+                        print(f"  skip {cfg.gemm2_sum}: {type(exc).__name__}")
+                        continue
+                    if t < best[0]:
+                        best = (t, str(cfg.gemm2_sum))
+    print(f"  best gemm2_sum: {best[0] * 1e3:.1f} us with {best[1]}", flush=True)
+    row["tune_best_gemm2_sum"] = {"ms": best[0], "config": best[1]}
 
 
 # ---------------------------------------------------------------------------------------------

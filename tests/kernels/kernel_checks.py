@@ -172,6 +172,65 @@ def check_fused_moe(device, dtype, num_tokens, hidden=256, inter=128, num_expert
     assert_close(f"fused_moe N={num_tokens} same={same_experts}", out, want, dtype)
 
 
+def check_fused_moe_single_sum(device, dtype, hidden=64, inter=48, num_experts=8, top_k=3,
+                               bad_id=None, config=None, against_old=False, shared=False,
+                               seed=0):
+    """N == 1 through the fused GEMM 2 + top-k sum kernel (config.gemm2_sum, the default when
+    config is None) against reference.moe_experts; bad_id (-1 or >= E) replaces entry 1's expert
+    (it must contribute nothing). against_old: also compare with gemm2 + moe_sum (gemm2_sum=None).
+    shared: like the model, top_k - 1 routed over E - 1 experts plus expert E - 1 at weight 1."""
+    from dataclasses import replace
+
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.moe.fused_moe import default_config, fit_config, fused_moe
+
+    g = _gen(device, seed)
+    x = torch.randn(1, hidden, generator=g, device=device).to(dtype)                # [1, D]
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g, device=device)
+           * hidden ** -0.5).to(dtype)                                               # [E, 2I, D]
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g, device=device)
+          * inter ** -0.5).to(dtype)                                                 # [E, D, I]
+    if shared:
+        weights, ids = make_routing(device, 1, num_experts - 1, top_k - 1, seed=seed + 1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)        # [1, k]
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], num_experts - 1)], dim=1)
+    else:
+        weights, ids = make_routing(device, 1, num_experts, top_k, seed=seed + 1)    # [1, k]
+    if bad_id is not None:
+        ids[0, 1] = bad_id
+    cfg = config or fit_config(default_config(1, top_k, num_experts, dtype), hidden, inter)
+    assert cfg.gemm2_sum is not None, "the single-sum check needs a gemm2_sum config"
+    out = torch.full((1, hidden), float("nan"), dtype=dtype, device=device)
+    fused_moe(x, w13, w2, weights, ids, out=out, config=cfg)
+    keep = (ids >= 0) & (ids < num_experts)
+    want = ref.moe_experts(x.double(), w13.double(), w2.double(),
+                           torch.where(keep, weights, 0.0), torch.where(keep, ids, 0).long())
+    name = f"fused_moe N=1 gemm2_sum {cfg.gemm2_sum} bad_id={bad_id}"
+    assert_close(name, out, want, dtype)
+    if against_old:
+        old = fused_moe(x, w13, w2, weights, ids, config=replace(cfg, gemm2_sum=None))
+        assert_close(name + " vs gemm2+moe_sum", out, old, dtype)
+
+
+def check_gemm2_sum_rejects_bad_tiles(device):
+    """gemm2_sum tiles are tl.arange sizes: a non-power-of-two one is a ValueError naming it."""
+    from dataclasses import replace
+
+    from kdaserve.kernels.moe.fused_moe import default_config, fused_moe
+
+    cfg = default_config(1, 2, 4, torch.float32)
+    cfg = replace(cfg, gemm2_sum=replace(cfg.gemm2_sum, block_k=24))
+    args = (torch.randn(1, 16, device=device), torch.randn(4, 16, 16, device=device),
+            torch.randn(4, 16, 8, device=device), torch.rand(1, 2, device=device),
+            torch.zeros(1, 2, dtype=torch.int32, device=device))
+    try:
+        fused_moe(*args, config=cfg)
+    except ValueError as exc:
+        assert "gemm2_sum.block_k must be a power of two, got 24" in str(exc), str(exc)
+    else:
+        raise AssertionError("gemm2_sum block_k=24 was accepted")
+
+
 def check_moe_align(device, num_tokens, top_k, num_experts, block_m, seed=0):
     """Every routed entry sits once inside its expert's padded block range; the map is right."""
     from kdaserve.kernels.moe.fused_moe import moe_align_block_size
@@ -299,6 +358,7 @@ def check_router_fused(device, x_dtype, num_tokens, num_experts=256, hidden=2304
 def run_interpreter_suite() -> None:
     """The CPU interpreter subset (fp32; the interpreter's bf16 tl.dot is wrong in Triton 3.6)."""
     from kdaserve.kernels.mla.decode import MLADecodeConfig
+    from kdaserve.kernels.moe.fused_moe import FusedMoEConfig, MoEGemmConfig
 
     patch_triton_interpreter()
     f32 = torch.float32
@@ -313,6 +373,15 @@ def run_interpreter_suite() -> None:
     check_store_latent("cpu", f32)
     check_store_latent("cpu", f32, num_tokens=5, rank=48, rope=16)
     check_fused_moe("cpu", f32, 1, hidden=64, inter=48, num_experts=8, top_k=3)
+    check_fused_moe_single_sum("cpu", f32, against_old=True, shared=True)
+    check_fused_moe_single_sum("cpu", f32, bad_id=-1)
+    check_fused_moe_single_sum("cpu", f32, bad_id=8, seed=2)
+    # D = 60 not a multiple of BLOCK_N = 16, I = 40 not a multiple of BLOCK_K = 16 (masking);
+    # 2 stages so the sm_90 compile test also builds the pipelined loop
+    c = MoEGemmConfig(16, 32, 32, 1, 4, 1)
+    check_fused_moe_single_sum("cpu", f32, hidden=60, inter=40, top_k=4, bad_id=11,
+                               config=FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 16, 1, 4, 2)))
+    check_gemm2_sum_rejects_bad_tiles("cpu")
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
     check_fused_moe("cpu", f32, 30, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
     for n in (8, 9, 50):                         # one-program and atomic align paths

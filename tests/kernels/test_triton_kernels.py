@@ -144,6 +144,19 @@ def test_fused_moe_model_shapes_gpu():
 
 @pytest.mark.gpu
 @gpu
+def test_fused_moe_single_sum_model_shapes_gpu():
+    """N == 1 at the Kimi-Linear-48B shapes (256 routed + the shared expert as id 256, k = 8 + 1):
+    GEMM 2 + top-k sum in one kernel vs the reference and vs gemm2 + moe_sum."""
+    for seed, bad_id in ((0, None), (1, -1), (2, 257)):
+        kc.check_fused_moe_single_sum("cuda", BF16, hidden=2304, inter=1024, num_experts=257,
+                                      top_k=9, bad_id=bad_id, against_old=True, shared=True,
+                                      seed=seed)
+    kc.check_fused_moe_single_sum("cuda", F32, hidden=2304, inter=1024, num_experts=257,
+                                  top_k=9, against_old=True, shared=True)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_causal_conv1d_gpu(dtype):
     kc.check_conv_varlen("cuda", dtype, [5, 0, 1, 2, 700, 3, 64], dim=12288)

@@ -1,4 +1,5 @@
 """Fused routed-experts MoE layer on Triton: align by expert, two grouped GEMMs, top-k sum.
+At one token (N == 1) with a `gemm2_sum` config, the second GEMM and the sum are one GEMV launch.
 
 Same math as `kdaserve.kernels.reference.moe_experts`. No Python loop over experts, no host sync:
 buffers and grids are sized from shapes alone (an upper bound on padded rows), so the call can be
@@ -26,9 +27,14 @@ class MoEGemmConfig:
 
 @dataclass(frozen=True)
 class FusedMoEConfig:
-    """Tile shapes of the two grouped GEMMs (they share block_m: the row blocks are common)."""
+    """Tile shapes of the two grouped GEMMs (they share block_m: the row blocks are common).
+
+    gemm2_sum: tiles of moe_gemm2_sum_kernel (GEMM 2 + top-k sum in one launch), used when
+    N == 1; block_n = output columns per program, block_k = chunk of I (powers of two; block_m,
+    group_m unused). None keeps N == 1 on gemm2 + moe_sum."""
     gemm1: MoEGemmConfig
     gemm2: MoEGemmConfig
+    gemm2_sum: MoEGemmConfig | None = None
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int,
@@ -36,11 +42,14 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
     """Size classes by rows per expert: decode (weight-bandwidth bound), small, large batches."""
     if dtype == torch.float32:
         c = MoEGemmConfig(16, 32, 32, 1, 4, 1)
-        return FusedMoEConfig(c, c)
+        return FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 32, 1, 4, 1))
     rows_per_expert = num_tokens * top_k / max(1, num_experts)
     if num_tokens <= 32:
+        # gemm2_sum: UNMEASURED starting guess (D / 8 = 288 programs at D = 2304); replace with
+        # benchmarks/bench_layers.py --tune (tune_best_gemm2_sum).
         return FusedMoEConfig(MoEGemmConfig(16, 32, 128, 1, 4, 4),
-                              MoEGemmConfig(16, 32, 128, 1, 4, 4))
+                              MoEGemmConfig(16, 32, 128, 1, 4, 4),
+                              MoEGemmConfig(1, 8, 512, 1, 4, 3))
     if rows_per_expert <= 32:
         return FusedMoEConfig(MoEGemmConfig(32, 64, 64, 4, 4, 4),
                               MoEGemmConfig(32, 64, 64, 4, 4, 4))
@@ -51,14 +60,18 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
 
 def fit_config(cfg: FusedMoEConfig, hidden: int, inter_size: int) -> FusedMoEConfig:
     """Shrink tiles that exceed the problem (small test models): GEMM 1 is [.., hidden] x
-    [hidden, inter], GEMM 2 is [.., inter] x [inter, hidden]. Never below 16 (tl.dot)."""
+    [hidden, inter], GEMM 2 is [.., inter] x [inter, hidden]. Never below 16 (tl.dot); the
+    gemm2_sum GEMV (no tl.dot) shrinks to the next power of two of hidden / inter."""
     def cap(n: int) -> int:
         return max(16, next_power_of_2(n))
 
-    g1, g2 = cfg.gemm1, cfg.gemm2
+    g1, g2, gs = cfg.gemm1, cfg.gemm2, cfg.gemm2_sum
     g1 = replace(g1, block_n=min(g1.block_n, cap(inter_size)), block_k=min(g1.block_k, cap(hidden)))
     g2 = replace(g2, block_n=min(g2.block_n, cap(hidden)), block_k=min(g2.block_k, cap(inter_size)))
-    return FusedMoEConfig(g1, g2)
+    if gs is not None:
+        gs = replace(gs, block_n=min(gs.block_n, next_power_of_2(hidden)),
+                     block_k=min(gs.block_k, next_power_of_2(inter_size)))
+    return FusedMoEConfig(g1, g2, gs)
 
 
 @dataclass
@@ -144,6 +157,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x: [N, D]; w13: [E, 2I, D] (rows [0, I) gate, [I, 2I) up); w2: [E, D, I];
     topk_weights: [N, k] (fp32); topk_ids: [N, k] int (ids outside [0, E) contribute nothing).
     Returns [N, D] in x.dtype (into `out` when given). bf16 operands, fp32 accumulation.
+    At N == 1 with config.gemm2_sum set (the default), GEMM 2 and the top-k sum are one launch
+    that sums the k weighted expert outputs in fp32 and rounds once (the gemm2 + moe_sum path
+    rounds each weighted output to x.dtype first).
     """
     require_triton()
     _check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -164,6 +180,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = config or fit_config(default_config(N, top_k, E, x.dtype), D, inter_size)
     if cfg.gemm1.block_m != cfg.gemm2.block_m:
         raise ValueError(f"gemm1/gemm2 block_m differ: {cfg.gemm1.block_m} != {cfg.gemm2.block_m}")
+    _check_gemm2_sum(cfg.gemm2_sum)
     topk_ids = topk_ids.contiguous()
     topk_weights = topk_weights.contiguous()
     # One token: its entries have distinct experts, so each entry is its own row block and the
@@ -189,6 +206,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         DOT_PRECISION=precision, DIRECT=direct, num_warps=c1.num_warps,
         num_stages=c1.num_stages,
     )
+    if direct and cfg.gemm2_sum is not None:
+        return _gemm2_sum(inter, w2, topk_weights, topk_ids, out, cfg.gemm2_sum)
     buf = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)             # [N*k, D]
     c2 = cfg.gemm2
     moe_gemm2_kernel[(blocks * cdiv(D, c2.block_n),)](
@@ -203,4 +222,33 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,
                                           buf.stride(0), out.stride(0), BLOCK_D=block_d,
                                           num_warps=4)
+    return out
+
+
+def _check_gemm2_sum(cfg: MoEGemmConfig | None) -> None:
+    """block_n / block_k of the gemm2_sum GEMV are tl.arange sizes: powers of two."""
+    if cfg is None:
+        return
+    for name in ("block_n", "block_k"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"gemm2_sum.{name} must be a power of two, got {v}")
+
+
+def _gemm2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, out: torch.Tensor, cfg: MoEGemmConfig) -> torch.Tensor:
+    """One token: out[0] = sum_j topk_weights[0, j] * w2[e_j] @ inter[j] in one launch.
+
+    inter: [k, I] (last dim contiguous); w2: [E, D, I]; topk_weights, topk_ids: [1, k]
+    contiguous; out: [1, D]. Inputs and tiles are checked by fused_moe."""
+    from kdaserve.kernels.moe.triton_moe import moe_gemm2_sum_kernel
+
+    E, D, inter_size = w2.shape
+    moe_gemm2_sum_kernel[(cdiv(D, cfg.block_n),)](
+        inter, w2, out, topk_weights, topk_ids,
+        D, inter_size, topk_ids.shape[1], E,
+        inter.stride(0), w2.stride(0), w2.stride(1),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     return out

@@ -8,6 +8,7 @@ Routing entries are the flattened top-k pairs: entry r = n * top_k + j is token 
   4. moe_gemm1_kernel     inter[r] = silu(x[n] @ w_gate[e]^T) * (x[n] @ w_up[e]^T)
   5. moe_gemm2_kernel     buf[r] = topk_weight[r] * (inter[r] @ w2[e]^T)
   6. moe_sum_kernel       out[n] = sum_j buf[n * top_k + j]
+One token (N = 1): moe_gemm2_sum_kernel does steps 5 and 6 in one launch (a GEMV over k * I).
 Entries whose expert id is outside [0, E) are dropped (expert-parallel "not local" convention).
 The order of rows inside an expert's block depends on atomics, but each row's result does not
 (GEMM rows are independent and step 6 sums in a fixed order), so the output is deterministic.
@@ -215,3 +216,46 @@ def moe_sum_kernel(buf_ptr, topk_ids_ptr, out_ptr, hidden, num_experts, top_k,
         ok = (e >= 0) & (e < num_experts)
         acc += tl.load(buf_ptr + r * stride_bm + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def moe_gemm2_sum_kernel(
+    inter_ptr, w2_ptr, out_ptr, topk_weights_ptr, topk_ids_ptr,
+    hidden, inter_size, top_k, num_experts,
+    stride_im, stride_we, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """One token: out[0, cols] = sum_j route_w[j] * w2[e_j, cols, :] @ inter[j] (steps 5 + 6).
+
+    A GEMV over a virtual K = top_k * inter_size. Program p owns output columns
+    [p*BLOCK_N, +BLOCK_N) and walks one flat loop over (entry j, BLOCK_K chunk of inter_size) in a
+    fixed order: deterministic, no atomics, no [k, D] buffer. The loop is a tl.range with
+    num_stages=NUM_STAGES because Triton 3.6 software-pipelines (cp.async) loads that feed no
+    tl.dot only there, not under the launch num_stages alone (seen in the sm_90 PTX).
+    w2 tiles are [BLOCK_N, BLOCK_K], contiguous along inter_size. The routing weight scales the
+    [BLOCK_K] activation chunk in fp32; products accumulate elementwise in a [BLOCK_N, BLOCK_K]
+    fp32 tile, reduced over K once after the loop. No tl.dot, so fp32 operands work too.
+    Entries with ids outside [0, E) contribute nothing (their loads are masked off).
+    Steps 5 + 6 round each weighted expert output to buf's dtype before summing; here the sum
+    stays in fp32 and is rounded once, into out's dtype."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    chunks = tl.cdiv(inter_size, BLOCK_K)
+    row_offs = offs_n[:, None].to(tl.int64) * stride_wn                             # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for t in tl.range(0, top_k * chunks, num_stages=NUM_STAGES):
+        j = t // chunks
+        k0 = (t - j * chunks) * BLOCK_K
+        e = tl.load(topk_ids_ptr + j).to(tl.int64)
+        valid = (e >= 0) & (e < num_experts)
+        e = tl.where(valid, e, 0)
+        route_w = tl.load(topk_weights_ptr + j, mask=valid, other=0.0).to(tl.float32)
+        mask_k = offs_k < inter_size - k0
+        a = tl.load(inter_ptr + j * stride_im + k0 + offs_k, mask=mask_k & valid, other=0.0)
+        a = a.to(tl.float32) * route_w                                               # [BK]
+        w_ptrs = w2_ptr + e * stride_we + row_offs + (k0 + offs_k)[None, :]          # [BN, BK]
+        w = tl.load(w_ptrs, mask=(mask_n[:, None] & mask_k[None, :]) & valid, other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, axis=1)                                                          # [BN]
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
