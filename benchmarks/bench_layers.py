@@ -147,7 +147,9 @@ def bench_mla(results, ceil, batch, ctx=8192, page=16, tune=False):
     best = (times[1] or times[0], "default")
     for bh, bn, nw, ns, tr in [(32, 32, 4, 3, False), (32, 64, 8, 2, False), (32, 32, 8, 2, False),
                                (32, 64, 4, 2, True), (32, 64, 8, 2, True), (32, 128, 8, 2, True),
-                               (32, 128, 4, 2, True), (32, 64, 4, 3, True)]:
+                               (32, 128, 4, 2, True), (32, 64, 4, 3, True),
+                               (16, 64, 4, 2, False), (16, 32, 4, 2, False),
+                               (16, 64, 8, 2, False), (16, 64, 4, 2, True)]:
         cfg = mla.MLADecodeConfig(bh, bn, nw, ns, tr)
         for splits in (None, 16, 32, 64, 128):
             try:
@@ -312,27 +314,28 @@ def bench_kda(results, ceil, T=8192):
 
 
 def bench_router(results, ceil, n):
-    """The decode router: bf16 x cast to fp32, cuBLAS fp32 GEMM, top-k kernel (the default)
-    against moe_router_fused (one launch). Bytes: the fp32 router weight."""
-    from kdaserve.kernels.moe.router import (moe_router_fused, moe_topk_sigmoid,
-                                             router_workspace)
+    """The decode router: cuBLAS fp32 GEMM + top-k kernel, on bf16 x cast to fp32 (the old
+    path) and on the fp32 copy the preceding norm writes (the model's path). Bytes: the fp32
+    router weight."""
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
     from kdaserve.layers.linear import linear
 
     x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    x32 = x.float()
     w = torch.randn(EXPERTS, HIDDEN, device="cuda") / HIDDEN ** 0.5
     b = torch.randn(EXPERTS, device="cuda") * 0.1
-    ws = router_workspace(EXPERTS, "cuda")
 
-    def split():
+    def cast():
         logits = linear(x, w, False, torch.float32)
         return moe_topk_sigmoid(logits, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
 
-    def fused():
-        return moe_router_fused(x, w, b, TOP_K, True, 2.446, ws, extra_expert=EXPERTS)
+    def fp32_in():
+        logits = torch.nn.functional.linear(x32, w)
+        return moe_topk_sigmoid(logits, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
 
     nbytes, flops = w.numel() * 4 + x.numel() * 2, 2 * n * HIDDEN * EXPERTS
-    record(results, ceil, f"router cast+GEMM+topk N={n}", time_case(split), nbytes, flops)
-    record(results, ceil, f"router fused N={n}", time_case(fused), nbytes, flops)
+    record(results, ceil, f"router cast+GEMM+topk N={n}", time_case(cast), nbytes, flops)
+    record(results, ceil, f"router fp32-in GEMM+topk N={n}", time_case(fp32_in), nbytes, flops)
 
 
 def main(argv=None) -> int:
@@ -340,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--tune", action="store_true", help="also sweep tile configs")
     ap.add_argument("--skip", default="", help="comma list of mla,moe,kda,router to skip")
+    ap.add_argument("--moe-tokens", default="1,16,8000",
+                    help="comma list of MoE token counts (default 1,16,8000)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_layers: needs a CUDA GPU", file=sys.stderr)
@@ -358,7 +363,7 @@ def main(argv=None) -> int:
         bench_mla(results, ceil, 16, page=64)
     if "moe" not in skip:
         w13, w2 = moe_weights()
-        for n in (1, 16, 8000):
+        for n in map(int, args.moe_tokens.split(",")):
             for same in (False, True):
                 bench_moe(results, ceil, w13, w2, n, same,
                           tune=args.tune and not same and n != 16)

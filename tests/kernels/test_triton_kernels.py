@@ -123,16 +123,6 @@ def test_router_gpu():
     kc.check_router("cuda", num_tokens=33, num_experts=100, top_k=6)
 
 
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_router_fused_gpu(n):
-    """Many launches on one workspace: the last-program handoff and the counter reset hold
-    under real concurrency (the interpreter runs programs one by one)."""
-    kc.check_router_fused("cuda", torch.bfloat16, n, launches=50, extra=n == 3)
-    kc.check_router_fused("cuda", torch.float32, n, launches=5, bias=False)
-
-
 @pytest.mark.gpu
 @gpu
 def test_fused_moe_model_shapes_gpu():
