@@ -36,6 +36,22 @@ def top_kernels(prof, n: int) -> list[dict]:
     return rows[:n]
 
 
+def graph_replay_ms(runner, batch: int, reps: int = 50) -> float:
+    """GPU time of the captured decode graph (the model forward, without the lm_head, the
+    sampler and the host work of a step): back-to-back replays timed with CUDA events, on the
+    inputs of the last step run."""
+    sizes = runner.graphs.sizes
+    graph, _ = runner.graphs.graphs[next(s for s in sizes if s >= batch)]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -48,7 +64,6 @@ def main() -> None:
                          "minus kernel time)")
     ap.add_argument("--decode-gemv", action="store_true")
     ap.add_argument("--moe-single-token", action="store_true")
-    ap.add_argument("--l2-prefetch", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = max(args.context, args.prefill) + args.steps + 16
@@ -62,8 +77,7 @@ def main() -> None:
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
         kernel_config=KernelConfig(decode_gemv=args.decode_gemv,
-                                   moe_single_token=args.moe_single_token,
-                                   l2_prefetch=args.l2_prefetch))
+                                   moe_single_token=args.moe_single_token))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(args.batch, 1))
@@ -73,6 +87,8 @@ def main() -> None:
               "commit": git_commit()}
     times = run_point(runner, args.batch, args.context, args.steps, vocab, 1)
     result["decode_step_ms_median"] = sorted(times)[len(times) // 2] * 1e3
+    if runner.graphs is not None:
+        result["decode_graph_ms"] = graph_replay_ms(runner, args.batch)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run_point(runner, args.batch, args.context, args.steps, vocab, 1)
     result["decode_top"] = top_kernels(prof, 40)
@@ -82,7 +98,8 @@ def main() -> None:
     result["decode_kernel_us_per_step"] = sum(r["cuda_us"] for r in every) / (args.steps + 1)
     result["graphs"] = args.graphs
     print(f"decode step {result['decode_step_ms_median']:.3f} ms (unprofiled), kernels "
-          f"{result['decode_kernel_us_per_step'] / 1e3:.3f} ms per step", flush=True)
+          f"{result['decode_kernel_us_per_step'] / 1e3:.3f} ms per step, model graph alone "
+          f"{result.get('decode_graph_ms', float('nan')):.3f} ms", flush=True)
     if args.prefill:
         md = build_metadata([args.prefill], [0], [list(range(-(-args.prefill // 16)))], [0],
                             16, runner.device)

@@ -226,10 +226,6 @@ class KernelConfig:
     moe_single_token: bool = False
     """One-token MoE layers (batch-1 decode) through the two-GEMV path with the top-k sum fused
     (kernels/moe/single_token.py) instead of the fused MoE's tensor-core tiles."""
-    l2_prefetch: bool = False
-    """Decode steps (<= 64 tokens) read the next projection's weight into L2 on a side stream
-    while latency-bound kernels run: the KDA and MLA o_proj during attention, the shared
-    expert during routing (layers/prefetch.py)."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

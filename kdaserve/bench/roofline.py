@@ -31,8 +31,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
     p.add_argument("--moe-single-token", action="store_true",
                    help="KernelConfig.moe_single_token: two-GEMV MoE at batch 1")
-    p.add_argument("--l2-prefetch", action="store_true",
-                   help="KernelConfig.l2_prefetch: side-stream L2 prefetch of decode weights")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth in bytes/s (default: measured in this run)")
@@ -132,8 +130,7 @@ def main(cli_args: argparse.Namespace) -> int:
                                dummy_routing=cli_args.dummy_routing),
         enforce_eager=cli_args.enforce_eager,
         kernel_config=KernelConfig(decode_gemv=cli_args.decode_gemv,
-                                   moe_single_token=cli_args.moe_single_token,
-                                   l2_prefetch=cli_args.l2_prefetch))
+                                   moe_single_token=cli_args.moe_single_token))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(batches))
@@ -160,8 +157,7 @@ def main(cli_args: argparse.Namespace) -> int:
               "bandwidth_Bps": bw, "cuda_graphs": runner.graphs is not None,
               "dummy_routing": cli_args.dummy_routing,
               "kernel_config": {"decode_gemv": cli_args.decode_gemv,
-                                "moe_single_token": cli_args.moe_single_token,
-                                "l2_prefetch": cli_args.l2_prefetch}, "rows": rows}
+                                "moe_single_token": cli_args.moe_single_token}, "rows": rows}
     from kdaserve.bench.report import git_commit
 
     result["commit"] = git_commit() or "unknown"

@@ -11,7 +11,6 @@ from kdaserve.kernels import reference as ref
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNormGated
-from kdaserve.layers.prefetch import NO_PREFETCH
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
@@ -39,8 +38,6 @@ class ForgetGate(nn.Module):
 class KimiDeltaAttention(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    prefetch = NO_PREFETCH
-    """KernelConfig.l2_prefetch: the model's WeightPrefetch (set by configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
         super().__init__()
@@ -79,14 +76,13 @@ class KimiDeltaAttention(nn.Module):
         p = 3 * h * d
         qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
-        with self.prefetch(T, self.o_proj.weight):
-            q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
-                                             caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
-            f_g = torch.bmm(small[:, :2 * d].view(T, 2, d).transpose(0, 1),
-                            self.fg_b_weight.transpose(1, 2))        # [2, T, P]: f_b | g_b
-            g_raw = f_g[0].view(T, h, d)                             # gate pre-activation
-            o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
-                                       caches.kda_recurrent[self.kda_index])  # [T, H, V]
-            gate = f_g[1]                                            # [T, P]
-            o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
+        q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
+                                         caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
+        f_g = torch.bmm(small[:, :2 * d].view(T, 2, d).transpose(0, 1),
+                        self.fg_b_weight.transpose(1, 2))            # [2, T, P]: f_b | g_b
+        g_raw = f_g[0].view(T, h, d)                                 # gate pre-activation
+        o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
+                                   caches.kda_recurrent[self.kda_index])  # [T, H, V]
+        gate = f_g[1]                                                # [T, P]
+        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
         return linear(o, self.o_proj.weight, self.decode_gemv)

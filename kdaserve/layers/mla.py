@@ -10,15 +10,12 @@ from kdaserve.attention.metadata import ForwardContext
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.layers.prefetch import NO_PREFETCH
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
 class MLAttention(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    prefetch = NO_PREFETCH
-    """KernelConfig.l2_prefetch: the model's WeightPrefetch (set by configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, mla_index: int) -> None:
         super().__init__()
@@ -72,8 +69,7 @@ class MLAttention(nn.Module):
         q_ckv = linear(x, self.q_kva_weight, self.decode_gemv)     # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
-        with self.prefetch(T, self.o_proj.weight):
-            out = self._attend(q, ckv, kv_cache, md)                      # [T, H, v_dim]
+        out = self._attend(q, ckv, kv_cache, md)                          # [T, H, v_dim]
         return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv)
 
     def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,

@@ -10,7 +10,6 @@ from torch import nn
 from kdaserve.kernels import reference as ref
 from kdaserve.layers.linear import linear
 from kdaserve.layers.mlp import MLP
-from kdaserve.layers.prefetch import NO_PREFETCH
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
@@ -69,8 +68,6 @@ class SparseMoE(nn.Module):
 
     single_token = False
     """KernelConfig.moe_single_token (set by the model's configure_kernels)."""
-    prefetch = NO_PREFETCH
-    """KernelConfig.l2_prefetch: the model's WeightPrefetch (set by configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -110,9 +107,7 @@ class SparseMoE(nn.Module):
         if self.w13_all is not None:
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
-            # the shared expert's weights are known before routing: read them into L2 meanwhile
-            with self.prefetch(x.shape[0], self.w13_all[-1], self.w2_all[-1]):
-                w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
+            w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
             if self.single_token and x.shape[0] == 1:
                 from kdaserve.kernels.moe.single_token import fused_moe_single_token
 

@@ -15,7 +15,6 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.layers.prefetch import WeightPrefetch
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
@@ -84,10 +83,7 @@ class KimiLinearForCausalLM(nn.Module):
 
     def configure_kernels(self, kernel_config) -> None:
         """Apply a KernelConfig to the layers that have a decode-size kernel choice."""
-        prefetch = WeightPrefetch(kernel_config.l2_prefetch)      # one side stream per model
         for module in self.modules():
-            if hasattr(module, "prefetch"):
-                module.prefetch = prefetch
             if hasattr(module, "decode_gemv"):
                 module.decode_gemv = kernel_config.decode_gemv
             if hasattr(module, "single_token"):

@@ -14,7 +14,6 @@ kernel_checks.patch_triton_interpreter()
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402,E501
 from kdaserve.kernels.moe.router import moe_topk_sigmoid  # noqa: E402
-from kdaserve.kernels.linear.prefetch import prefetch_checksum_reference, prefetch_l2  # noqa: E402,E501
 from kdaserve.kernels.norm.rms_norm import add_rms_norm, rms_norm_gated  # noqa: E402
 
 
@@ -68,21 +67,8 @@ def check_norms() -> None:
                                rtol=1e-5, atol=1e-5)
 
 
-def check_prefetch() -> None:
-    """The L2 prefetch reads every word of its tensor exactly once: per-program checksums."""
-    torch.manual_seed(3)
-    for shape, dtype, programs in [((300, 70), torch.bfloat16, 3), ((5000,), torch.float32, 2),
-                                   ((4096 * 2 + 6,), torch.int32, 1)]:
-        t = (torch.randn(shape) * 100).to(dtype)
-        sink = torch.full((programs + 2,), 7, dtype=torch.int32)
-        prefetch_l2(t, sink, num_programs=programs)
-        assert torch.equal(sink[:programs], prefetch_checksum_reference(t, programs)), shape
-        assert bool((sink[programs:] == 7).all())
-
-
 if __name__ == "__main__":
     check_conv_split()
     check_router_extra()
     check_norms()
-    check_prefetch()
     print("ok")

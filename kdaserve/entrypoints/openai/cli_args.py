@@ -124,9 +124,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--moe-single-token", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: batch-1 MoE layers through the two-GEMV single-token path "
                         "(off: the fused MoE). Off by default until measured on the H200.")
-    a.add_argument("--l2-prefetch", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: decode steps read the next projection's weight into L2 on a "
-                        "side stream during latency-bound kernels (off by default).")
     a.add_argument("--sampling-threshold-kernel", action=argparse.BooleanOptionalAction,
                    default=None, help="CUDA: top-k / top-p by a sort-free threshold search "
                                       "(default on; --no-... = a full sort per row).")
@@ -150,7 +147,6 @@ _ENGINE_FLAGS = {
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "decode_gemv": "decode_gemv", "moe_single_token": "moe_single_token",
-    "l2_prefetch": "l2_prefetch",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 
