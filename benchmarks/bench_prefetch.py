@@ -535,6 +535,9 @@ def _xor_all(w: torch.Tensor) -> int:
 
 
 def git_commit() -> str:
+    """KDASERVE_COMMIT first: on the device machine the tree is copied without a current .git."""
+    if os.environ.get("KDASERVE_COMMIT"):
+        return os.environ["KDASERVE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                              check=False, capture_output=True, text=True, timeout=10)
@@ -542,7 +545,7 @@ def git_commit() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("KDASERVE_COMMIT", "unknown")
+    return "unknown"
 
 
 def int_list(s: str) -> list[int]:
