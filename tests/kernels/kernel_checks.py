@@ -231,27 +231,54 @@ def check_gemm2_sum_rejects_bad_tiles(device):
         raise AssertionError("gemm2_sum block_k=24 was accepted")
 
 
-def check_moe_align(device, num_tokens, top_k, num_experts, block_m, seed=0):
-    """Every routed entry sits once inside its expert's padded block range; the map is right."""
-    from kdaserve.kernels.moe.fused_moe import moe_align_block_size
-
-    _, ids = make_routing(device, num_tokens, num_experts, top_k, seed=seed)
-    ids[::4, -1] = -1
-    a = moe_align_block_size(ids, num_experts, block_m)
-    flat = ids.reshape(-1).long().cpu()
-    counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
-    assert torch.equal(a.counts.cpu().long(), counts), "counts differ"
+def align_reference(flat, num_experts, block_m, max_blocks):
+    """Plain-PyTorch alignment of flat entry ids [T] (ids outside [0, E) dropped): a stable sort
+    by expert. Returns counts [E], start [E], rows [V] and order [V] (the V routed entries in
+    expert-then-entry order, order[i] belonging in padded row rows[i]), expert_ids [max_blocks]
+    (-1 tail) and num_rows."""
+    flat = flat.long().cpu()
+    ok = (flat >= 0) & (flat < num_experts)
+    counts = torch.bincount(flat[ok], minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     start = torch.cumsum(padded, 0) - padded
-    assert torch.equal(a.expert_start.cpu().long(), start), "expert starts differ"
-    assert int(a.num_rows) == int(padded.sum())
-    sorted_ids, expert_ids = a.sorted_ids.cpu().long(), a.expert_ids.cpu().long()
-    for e in range(num_experts):
-        got = sorted_ids[start[e]:start[e] + counts[e]].sort().values
-        assert torch.equal(got, torch.nonzero(flat == e).flatten()), f"entries of expert {e}"
-        blocks = expert_ids[start[e] // block_m:(start[e] + padded[e]) // block_m]
-        assert (blocks == e).all(), f"block map of expert {e}"
-    assert (expert_ids[int(padded.sum()) // block_m:] == -1).all(), "blocks past the end"
+    order = torch.sort(torch.where(ok, flat, num_experts), stable=True).indices[:int(ok.sum())]
+    first = torch.cumsum(counts, 0) - counts                    # unpadded start in `order`
+    e_sorted = flat[order]
+    rank = torch.arange(order.numel()) - first[e_sorted]
+    rows = start[e_sorted] + rank                                # [valid] padded row of each
+    blocks = torch.repeat_interleave(torch.arange(num_experts), padded // block_m)
+    expert_ids = torch.full((max_blocks,), -1, dtype=torch.long)
+    expert_ids[:blocks.numel()] = blocks
+    return counts, start, rows, order, expert_ids, int(padded.sum())
+
+
+def check_moe_align(device, num_tokens, top_k, num_experts, block_m, same_experts=False,
+                    seed=0):
+    """moe_align_block_size vs align_reference. Ids -1, E and far past E are dropped. On the
+    one-program path (<= SMALL_ALIGN_ENTRIES entries) an expert's entries must be in entry order;
+    on the atomic path only as a set."""
+    from kdaserve.kernels.moe.fused_moe import SMALL_ALIGN_ENTRIES, moe_align_block_size
+
+    _, ids = make_routing(device, num_tokens, num_experts, top_k, same_experts, seed=seed)
+    ids[::4, -1] = -1
+    ids[1::5, 0] = num_experts
+    ids[2::7, -1] = num_experts + 700                # past next_power_of_2(E) too
+    a = moe_align_block_size(ids, num_experts, block_m)
+    counts, start, rows, order, expert_ids, num_rows = align_reference(
+        ids.reshape(-1), num_experts, block_m, a.max_blocks)
+    where = f"align T={ids.numel()} E={num_experts} block_m={block_m}"
+    assert torch.equal(a.counts.cpu().long(), counts), f"{where}: counts differ"
+    assert torch.equal(a.expert_start.cpu().long(), start), f"{where}: expert starts differ"
+    assert int(a.num_rows) == num_rows, f"{where}: num_rows {int(a.num_rows)} != {num_rows}"
+    assert torch.equal(a.expert_ids.cpu().long(), expert_ids), f"{where}: block -> expert map"
+    got = a.sorted_ids.cpu().long()[rows]
+    if ids.numel() <= SMALL_ALIGN_ENTRIES:
+        assert torch.equal(got, order), f"{where}: sorted_ids not in entry order per expert"
+    else:
+        e_sorted = ids.reshape(-1).long().cpu()[order]
+        key = e_sorted * ids.numel()
+        assert torch.equal((key + got).sort().values, (key + order).sort().values), \
+            f"{where}: entries of an expert differ"
 
 
 def check_conv_varlen(device, dtype, seq_lens, dim=96, width=4, num_slots=None, pad_rows=3,
@@ -352,8 +379,15 @@ def run_interpreter_suite() -> None:
     check_gemm2_sum_rejects_bad_tiles("cpu")
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
     check_fused_moe("cpu", f32, 30, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
-    for n in (8, 9, 50):                         # one-program and atomic align paths
-        check_moe_align("cpu", n, top_k=8, num_experts=40, block_m=16, seed=n)
+    # one-program align path: 9, 64, 144, 300, 576 entries (sorts of 16 .. 1024 keys); then
+    # experts of several blocks (same_experts) and the atomic path (> SMALL_ALIGN_ENTRIES)
+    for n, k in ((1, 9), (8, 8), (16, 9), (50, 6), (64, 9)):
+        for bm in (16, 64):
+            check_moe_align("cpu", n, top_k=k, num_experts=257, block_m=bm, seed=n + bm)
+    check_moe_align("cpu", 60, top_k=9, num_experts=257, block_m=16, same_experts=True)
+    check_moe_align("cpu", 130, top_k=8, num_experts=40, block_m=16, seed=3)
+    check_fused_moe("cpu", f32, 16, hidden=64, inter=32, num_experts=16, top_k=9,
+                    drop_some=True)              # 144 entries through the one-program align
     check_fused_moe("cpu", f32, 24, hidden=64, inter=32, num_experts=8, top_k=2,
                     same_experts=True)
     check_conv_varlen("cpu", f32, [5, 0, 1, 2, 37, 3], dim=40)

@@ -112,6 +112,12 @@ def test_fused_moe_gpu(dtype):
 def test_moe_align_gpu():
     for n, bm in ((1, 16), (8, 16), (16, 16), (700, 64), (5000, 128)):
         kc.check_moe_align("cuda", n, top_k=8, num_experts=256, block_m=bm, seed=n)
+    # decode at the model's routing (256 routed + shared = 257, k = 9): 144, 576, 1017 entries
+    # on the one-program path (entry order checked), 1026 on the atomic one
+    for n in (16, 64, 113, 114):
+        for bm in (16, 64):
+            kc.check_moe_align("cuda", n, top_k=9, num_experts=257, block_m=bm, seed=n + bm)
+    kc.check_moe_align("cuda", 64, top_k=9, num_experts=257, block_m=16, same_experts=True)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Triton kernels of the fused MoE layer (imported lazily by fused_moe.py).
 
 Routing entries are the flattened top-k pairs: entry r = n * top_k + j is token n's j-th expert.
-  (moe_align_small_kernel does steps 1-3 in one program when there are few entries)
+  (moe_align_small_kernel does steps 1-3 in one program, without atomics, for decode batches)
   1. moe_count_kernel     counts[e] = #entries routed to e                        (atomics)
   2. moe_offsets_kernel   expert_start[e] (padded to BLOCK_M), block -> expert map, total rows
   3. moe_scatter_kernel   sorted_ids[expert_start[e] + rank] = r                  (atomics)
@@ -10,8 +10,9 @@ Routing entries are the flattened top-k pairs: entry r = n * top_k + j is token 
   6. moe_sum_kernel       out[n] = sum_j buf[n * top_k + j]
 One token (N = 1): moe_gemm2_sum_kernel does steps 5 and 6 in one launch (a GEMV over k * I).
 Entries whose expert id is outside [0, E) are dropped (expert-parallel "not local" convention).
-The order of rows inside an expert's block depends on atomics, but each row's result does not
-(GEMM rows are independent and step 6 sums in a fixed order), so the output is deterministic.
+On the atomic path the order of rows inside an expert's block depends on atomics (the one-program
+path keeps entry order), but each row's result does not (GEMM rows are independent and step 6 sums
+in a fixed order), so the output is deterministic either way.
 """
 
 import triton
@@ -28,58 +29,72 @@ def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.con
 
 @triton.jit
 def _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_ptr, max_blocks,
-                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Pad each expert's count to BLOCK_M; store starts, the total and the block -> expert map."""
+                    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pad each expert's count to BLOCK_M; store starts, the total and the block -> expert map.
+    Returns start [BLOCK_E] (first padded row of each expert).
+
+    The map is scattered, not searched: for j below the largest per-expert block count, every
+    expert with more than j blocks writes its id into block first[e] + j (one [BLOCK_E] store per
+    j, so decode, where an expert has one or two blocks, loops once or twice); blocks from the
+    total up to max_blocks get -1."""
     offs_e = tl.arange(0, BLOCK_E)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    end = tl.cumsum(padded, axis=0)                                   # inclusive
-    start = end - padded
+    nblk = tl.cdiv(counts, BLOCK_M)                                    # [BLOCK_E] blocks per expert
+    first = tl.cumsum(nblk, axis=0) - nblk                            # [BLOCK_E] exclusive
+    start = first * BLOCK_M
     tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
-    total = tl.sum(padded, axis=0)
-    tl.store(num_rows_ptr, total)
-    # block i (rows [i*BLOCK_M, (i+1)*BLOCK_M)) belongs to the number of experts ending at or before it
-    for b0 in range(0, max_blocks, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        row0 = offs_b * BLOCK_M
-        before = (end[None, :] <= row0[:, None]) & mask_e[None, :]   # [BLOCK_B, BLOCK_E]
-        eid = tl.sum(before.to(tl.int32), axis=1)
-        eid = tl.where(row0 < total, eid, -1)
-        tl.store(expert_ids_ptr + offs_b, eid, mask=offs_b < max_blocks)
+    used = tl.sum(nblk, axis=0)
+    tl.store(num_rows_ptr, used * BLOCK_M)
+    for j in range(0, tl.max(nblk, axis=0)):
+        tl.store(expert_ids_ptr + first + j, offs_e, mask=mask_e & (j < nblk))
+    for b0 in range(used, max_blocks, BLOCK_E):
+        offs_b = b0 + offs_e
+        tl.store(expert_ids_ptr + offs_b, tl.full([BLOCK_E], -1, tl.int32),
+                 mask=offs_b < max_blocks)
     return start
 
 
 @triton.jit
 def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
-                       num_experts, max_blocks,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+                       num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
     start = _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_ptr,
-                            max_blocks, BLOCK_M, BLOCK_E, BLOCK_B)
+                            max_blocks, BLOCK_M, BLOCK_E)
     tl.store(cursor_ptr + offs_e, start, mask=mask_e)
+
+
+@triton.jit
+def _load_experts(topk_ids_ptr, offs, numel, num_experts):
+    """(expert id as int32, -1 where dropped; routed mask) of the entries at offs."""
+    e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+    ok = (offs < numel) & (e >= 0) & (e < num_experts)
+    return tl.where(ok, e, -1).to(tl.int32), ok
 
 
 @triton.jit
 def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_ids_ptr,
                            num_rows_ptr, sorted_ids_ptr, numel, num_experts, max_blocks,
-                           BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_B: tl.constexpr):
-    """Steps 1-3 in one program for a few entries (decode): ranks from pairwise comparisons."""
-    offs = tl.arange(0, BLOCK_T)
-    e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
-    ok = (offs < numel) & (e >= 0) & (e < num_experts)
+                           BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Steps 1-3 in one program for numel <= BLOCK_T entries (decode), no atomics; an expert's
+    entries sit in entry order. counts = histogram of the entries; then one sort of the keys
+    e * BLOCK_T + r (dropped entries last) lists the entries grouped by expert, in entry order
+    within one: sorted position p of expert e goes to padded row start[e] + p - first[e], where
+    first[e] is the number of routed entries of the experts before e."""
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
-    onehot = (e[:, None] == offs_e[None, :]) & ok[:, None]            # [BLOCK_T, BLOCK_E]
-    counts = tl.sum(onehot.to(tl.int32), axis=0)
+    offs = tl.arange(0, BLOCK_T)
+    e, ok = _load_experts(topk_ids_ptr, offs, numel, num_experts)
+    counts = tl.histogram(e, BLOCK_E, mask=ok)                         # [BLOCK_E]
     tl.store(counts_ptr + offs_e, counts, mask=mask_e)
     start = _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_ptr,
-                            max_blocks, BLOCK_M, BLOCK_E, BLOCK_B)
-    earlier = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])   # [BLOCK_T, BLOCK_T]
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    my_start = tl.sum(tl.where(onehot, start[None, :], 0), axis=1)
-    tl.store(sorted_ids_ptr + my_start + rank, offs, mask=ok)
+                            max_blocks, BLOCK_M, BLOCK_E)
+    shift = start - (tl.cumsum(counts, axis=0) - counts)              # [BLOCK_E] start - first
+    key = tl.sort(tl.where(ok, e, BLOCK_E) * BLOCK_T + offs)           # [BLOCK_T] ascending
+    e_p = key // BLOCK_T
+    valid = e_p < num_experts
+    row = tl.gather(shift, tl.where(valid, e_p, 0), 0) + offs         # [BLOCK_T]
+    tl.store(sorted_ids_ptr + row, key % BLOCK_T, mask=valid)
 
 
 @triton.jit
