@@ -315,9 +315,10 @@ def bench_kda(results, ceil, T=8192):
 
 def bench_router(results, ceil, n):
     """The decode router: cuBLAS fp32 GEMM + top-k kernel, on bf16 x cast to fp32 (the old
-    path) and on the fp32 copy the preceding norm writes (the model's path). Bytes: the fp32
-    router weight."""
-    from kdaserve.kernels.moe.router import moe_topk_sigmoid
+    path) and on the fp32 copy the preceding norm writes; and the split-K GEMV whose partials
+    the top-k launch sums (moe_router_splitk, the model's path for <= 64 tokens). Bytes: the
+    fp32 router weight."""
+    from kdaserve.kernels.moe.router import moe_router_splitk, moe_topk_sigmoid
     from kdaserve.layers.linear import linear
 
     x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -333,9 +334,13 @@ def bench_router(results, ceil, n):
         logits = torch.nn.functional.linear(x32, w)
         return moe_topk_sigmoid(logits, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
 
+    def splitk():
+        return moe_router_splitk(x32, w, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
+
     nbytes, flops = w.numel() * 4 + x.numel() * 2, 2 * n * HIDDEN * EXPERTS
     record(results, ceil, f"router cast+GEMM+topk N={n}", time_case(cast), nbytes, flops)
     record(results, ceil, f"router fp32-in GEMM+topk N={n}", time_case(fp32_in), nbytes, flops)
+    record(results, ceil, f"router splitk N={n}", time_case(splitk), nbytes, flops)
 
 
 def main(argv=None) -> int:
@@ -371,7 +376,7 @@ def main(argv=None) -> int:
     if "kda" not in skip:
         bench_kda(results, ceil)
     if "router" not in skip:
-        for n in (1, 4, 8):
+        for n in (1, 4, 8, 16, 64):
             bench_router(results, ceil, n)
     write_results(args.out, meta, t0, ceil, results)
     return 0

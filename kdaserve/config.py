@@ -223,6 +223,10 @@ class KernelConfig:
     decode_gemv: bool = False
     """Projections of 1-4 token rows (decode batches <= 4) through the Triton GEMV
     (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
+    router_splitk: bool = True
+    """MoE routers of <= 64 token rows (decode) through one split-K fp32 GEMV launch whose
+    partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk); off =
+    the cuBLAS fp32 GEMM (+ its split-K reduce kernel at some sizes) then the top-k launch."""
     moe_single_token: bool = False
     """One-token MoE layers (batch-1 decode) through the two-GEMV path with the top-k sum fused
     (kernels/moe/single_token.py) instead of the fused MoE's tensor-core tiles."""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.kernels import reference as ref
+from kdaserve.kernels.moe.router import ROUTER_SPLITK_MAX_TOKENS
 from kdaserve.layers.linear import linear
 from kdaserve.layers.mlp import MLP
 from kdaserve.models.hf_config import KimiLinearArgs
@@ -16,6 +17,8 @@ from kdaserve.models.hf_config import KimiLinearArgs
 class TopkRouter(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+    router_splitk = True
+    """KernelConfig.router_splitk (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -32,7 +35,15 @@ class TopkRouter(nn.Module):
                 x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
         only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
-        when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM."""
+        when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM.
+        On CUDA with <= ROUTER_SPLITK_MAX_TOKENS rows and router_splitk: the split-K GEMV with
+        its partial sums reduced in the top-k launch (moe_router_splitk, no cuBLAS)."""
+        if x.is_cuda and self.router_splitk and x.shape[0] <= ROUTER_SPLITK_MAX_TOKENS:
+            from kdaserve.kernels.moe.router import moe_router_splitk
+
+            return moe_router_splitk(x32 if x32 is not None else x, self.weight,
+                                     self.e_score_correction_bias, self.top_k, self.renormalize,
+                                     self.scaling, extra_expert=extra_expert)
         if x32 is not None:
             logits = F.linear(x32, self.weight)                           # [N, E] fp32
         else:

@@ -86,6 +86,8 @@ class KimiLinearForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "decode_gemv"):
                 module.decode_gemv = kernel_config.decode_gemv
+            if hasattr(module, "router_splitk"):
+                module.router_splitk = kernel_config.router_splitk
             if hasattr(module, "single_token"):
                 module.single_token = kernel_config.moe_single_token
 

@@ -121,6 +121,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: projections of decode batches <= 4 through the Triton GEMV "
                         "(off: cuBLAS). Off by default until measured on the H200.")
+    a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
+                        "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). On by "
+                        "default.")
     a.add_argument("--moe-single-token", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: batch-1 MoE layers through the two-GEMV single-token path "
                         "(off: the fused MoE). Off by default until measured on the H200.")
@@ -146,7 +150,8 @@ _ENGINE_FLAGS = {
     "kda_checkpoint_turn_end": "kda_checkpoint_turn_end",
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
-    "decode_gemv": "decode_gemv", "moe_single_token": "moe_single_token",
+    "decode_gemv": "decode_gemv", "router_splitk": "router_splitk",
+    "moe_single_token": "moe_single_token",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 

@@ -1,4 +1,5 @@
-"""Triton kernel of the sigmoid top-k router (imported lazily by router.py)."""
+"""Triton kernels of the sigmoid top-k router: the split-K logits GEMV and the top-k (imported
+lazily by router.py)."""
 
 import triton
 import triton.language as tl
@@ -40,12 +41,16 @@ def _route_row(logits, mask_e, offs_e, bias_ptr, weights_ptr, ids_ptr, row, scal
 
 @triton.jit
 def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_lt,
-                        scaling,
+                        stride_part, scaling,
                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EXTRA_ID: tl.constexpr = -1):
+                        EXTRA_ID: tl.constexpr = -1, NUM_PARTIALS: tl.constexpr = 1):
     """One token per program: TOP_K (weight, id) pairs; with EXTRA_ID >= 0 one more column
     (weight 1, id EXTRA_ID) follows: the shared expert folded into the routed ones.
+
+    NUM_PARTIALS > 1: the logits are the sum of NUM_PARTIALS split-K partial rows (partial p of
+    the token at logits_ptr + p * stride_part + row * stride_lt), added in fp32 in the fixed
+    order 0, 1, ..., NUM_PARTIALS - 1 (deterministic); NUM_PARTIALS == 1 reads one row as is.
 
     One row per program keeps every reduction inside one or two warps: the 2-D [tokens,
     experts] tile this replaced spent ~25 us per decode step on cross-warp argmax rounds."""
@@ -53,5 +58,63 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     logits = tl.load(logits_ptr + row * stride_lt + offs_e, mask=mask_e, other=0.0)
+    if NUM_PARTIALS > 1:
+        logits = logits.to(tl.float32)                              # [BLOCK_E]
+        for p in tl.static_range(1, NUM_PARTIALS):                  # fixed order: 0, 1, ...
+            part_ptrs = logits_ptr + p * stride_part + row * stride_lt + offs_e
+            logits += tl.load(part_ptrs, mask=mask_e, other=0.0).to(tl.float32)
     _route_row(logits, mask_e, offs_e, bias_ptr, weights_ptr, ids_ptr, row, scaling,
                TOP_K, RENORMALIZE, HAS_BIAS, BLOCK_K, EXTRA_ID)
+
+
+@triton.jit
+def router_logits_splitk_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden,
+                                stride_xn, stride_we, stride_ps,
+                                K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                EVEN_K: tl.constexpr):
+    """Program (pe, s): partials[s, n, e] = sum of x[n, k] * w[e, k] over the K slice
+    [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) for every token n < num_tokens (<= BLOCK_N) and
+    the experts e of block pe; exact fp32 (x read as fp32 whatever its dtype).
+
+    The product is tl.dot with input_precision="ieee": fp32 operands without TF32 never reach
+    the tensor cores, so Triton lowers it to CUDA-core FMAs, one sequential chain per output
+    element over k (acc = fma(x[n, k], w[e, k], acc), k ascending, acc carried across the
+    BLOCK_K chunks). A token's partial therefore depends only on its own x row and on
+    K_PER_SPLIT, never on BLOCK_N, BLOCK_E or the other tokens: the batch invariance of the
+    router. (A broadcast-multiply + tl.sum would reduce k in a tree whose shape follows the
+    register layout, which the compiler picks from the whole tile, BLOCK_N included.) Checked
+    on Triton 3.6's sm_90 PTX: one dependent fma.rn.f32 chain per element. The dot keeps no
+    [BLOCK_N, BLOCK_E, BLOCK_K] product in registers: at BLOCK_N 64, BLOCK_E 32, BLOCK_K 32,
+    4 warps ptxas reports 96 registers (118 for bf16 x), no spills; the loads of every chunk
+    are cp.async-pipelined through shared memory (num_stages from the wrapper).
+    Token rows past num_tokens read row num_tokens - 1 (clamped: no mask) and are not stored;
+    expert rows past num_experts likewise. With EVEN_K (hidden % K_PER_SPLIT == 0) no K mask;
+    otherwise k >= hidden reads 0, and fma(0, 0, acc) == acc keeps the chain exact.
+    """
+    pe = tl.program_id(0)
+    s = tl.program_id(1)
+    offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
+    offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)                    # [BLOCK_E]
+    offs_k = tl.arange(0, BLOCK_K)                                   # [BLOCK_K]
+    rows_n = tl.minimum(offs_n, num_tokens - 1).to(tl.int64)
+    rows_e = tl.minimum(offs_e, num_experts - 1).to(tl.int64)
+    k_lo = s * K_PER_SPLIT
+    x_ptrs = x_ptr + rows_n[:, None] * stride_xn + (k_lo + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
+    w_ptrs = w_ptr + rows_e[:, None] * stride_we + (k_lo + offs_k)[None, :]  # [BLOCK_E, BLOCK_K]
+    acc = tl.zeros([BLOCK_N, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):                       # constexpr trip count
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k_lo + k0 + offs_k) < hidden                   # [BLOCK_K]
+            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                     input_precision="ieee")                         # [BLOCK_N, BLOCK_E]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ptrs = part_ptr + s * stride_ps + offs_n[:, None] * num_experts + offs_e[None, :]
+    mask = (offs_n[:, None] < num_tokens) & (offs_e[None, :] < num_experts)
+    tl.store(out_ptrs, acc.to(part_ptr.dtype.element_ty), mask=mask)
