@@ -64,8 +64,8 @@ def main() -> None:
                          "minus kernel time)")
     ap.add_argument("--decode-gemv", action="store_true")
     ap.add_argument("--moe-single-token", action="store_true")
-    ap.add_argument("--no-router-splitk", action="store_true",
-                    help="router logits by cuBLAS instead of the split-K Triton GEMV")
+    ap.add_argument("--router-splitk", action="store_true",
+                    help="router logits by the split-K Triton GEMV instead of cuBLAS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = max(args.context, args.prefill) + args.steps + 16
@@ -80,7 +80,7 @@ def main() -> None:
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
         kernel_config=KernelConfig(decode_gemv=args.decode_gemv,
                                    moe_single_token=args.moe_single_token,
-                                   router_splitk=not args.no_router_splitk))
+                                   router_splitk=args.router_splitk))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(args.batch, 1))

@@ -223,10 +223,11 @@ class KernelConfig:
     decode_gemv: bool = False
     """Projections of 1-4 token rows (decode batches <= 4) through the Triton GEMV
     (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
-    router_splitk: bool = True
+    router_splitk: bool = False
     """MoE routers of <= 64 token rows (decode) through one split-K fp32 GEMV launch whose
-    partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk); off =
-    the cuBLAS fp32 GEMM (+ its split-K reduce kernel at some sizes) then the top-k launch."""
+    partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk) instead of
+    the cuBLAS fp32 GEMM then the top-k launch. Off: slower on the H200 at 1 row (18.7 against
+    13.4 us) and 64 rows, even at 16, ahead only at 4-8 rows (layers_h200_run8.json)."""
     moe_single_token: bool = False
     """One-token MoE layers (batch-1 decode) through the two-GEMV path with the top-k sum fused
     (kernels/moe/single_token.py) instead of the fused MoE's tensor-core tiles."""

@@ -17,7 +17,7 @@ from kdaserve.models.hf_config import KimiLinearArgs
 class TopkRouter(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    router_splitk = True
+    router_splitk = False
     """KernelConfig.router_splitk (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:

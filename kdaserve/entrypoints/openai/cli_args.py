@@ -123,8 +123,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(off: cuBLAS). Off by default until measured on the H200.")
     a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
-                        "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). On by "
-                        "default.")
+                        "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
+                        "default: slower on the H200 at batch 1.")
     a.add_argument("--moe-single-token", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: batch-1 MoE layers through the two-GEMV single-token path "
                         "(off: the fused MoE). Off by default until measured on the H200.")
