@@ -22,11 +22,11 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
   sampling-threshold-kernel  --sampling-threshold-kernel | --no-...   (sort-free top-k / top-p
                         threshold search; W1 samples with top_p 0.95)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
-engine flag and are not switches here. The engine's `--decode-gemv` and `--moe-single-token`
+engine flag and are not switches here. The engine's `--decode-gemv` and `--router-splitk`
 are kernel candidates that lost on the H200 (benchmarks/results/gemv_h200_v1.json: no faster
-than cuBLAS at 1 row, 2x slower at 4; moe_single_h200_v1.json: 84 us against the fused MoE's
-52 us), off by default, so they are not optimisations to ablate; pass them with --server-args
-to time them end to end. "all-on" is the engine default.
+than cuBLAS at 1 row, 2x slower at 4; layers_h200_run8.json: the split-K router 18.7 against
+13.4 us a layer at batch 1), off by default, so they are not optimisations to ablate; pass them
+with --server-args to time them end to end. "all-on" is the engine default.
 
 `--runs auto` (default) does all-on, all-off and the one-off runs of the switches the workload
 exercises; `--runs all` every one-off run; or a comma list (all-on,all-off,no-batch-layout,...).

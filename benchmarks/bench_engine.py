@@ -57,8 +57,6 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--decode-gemv", action="store_true",
                     help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
-    ap.add_argument("--moe-single-token", action="store_true",
-                    help="KernelConfig.moe_single_token: two-GEMV MoE at batch 1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
@@ -70,8 +68,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv,
-        moe_single_token=args.moe_single_token)
+        gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner
     result["kv_cache_tokens"] = rn.num_blocks * rn.block_size

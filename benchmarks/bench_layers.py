@@ -200,7 +200,7 @@ def bench_moe(results, ceil, w13, w2, n, same, tune=False, torch_baseline=True):
     routing = "same8" if same else "spread"
     row = record(results, ceil, f"fused_moe N={n} {routing}", times, nbytes, flops, **extra)
     if n == 1:
-        bench_moe_single_sum(results, ceil, row, x, w13, w2, weights, ids, out, nbytes, flops,
+        bench_moe_gemm2_sum(results, ceil, row, x, w13, w2, weights, ids, out, nbytes, flops,
                              tune)
     if not tune:
         return
@@ -244,7 +244,7 @@ def moe_default_config(w13, n, top_k):
     return moe.fit_config(moe.default_config(n, top_k, E, w13.dtype), D, two_i // 2)
 
 
-def bench_moe_single_sum(results, ceil, row, x, w13, w2, weights, ids, out, nbytes, flops,
+def bench_moe_gemm2_sum(results, ceil, row, x, w13, w2, weights, ids, out, nbytes, flops,
                          tune):
     """N == 1: `row` timed the default (gemm1 + the fused GEMM 2 + top-k sum); add a row for the
     old path (gemm2 + moe_sum, gemm2_sum=None) and the speedup to `row`. --tune sweeps the

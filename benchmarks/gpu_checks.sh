@@ -5,11 +5,11 @@
 # (fastapi >= 0.165 imports opentelemetry; without it the server cannot start there).
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
-# unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_moe_single,
-# bench_sampler), breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
+# unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_sampler),
+# breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
-# ENGINE_ARGS="--decode-gemv --moe-single-token" times the candidates end to end.
+# ENGINE_ARGS="--decode-gemv" times the candidate end to end.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and
@@ -55,9 +55,8 @@ if [[ $STAGES == *seed* ]]; then   # W1-nospec and W1 tables (issue 5), needs op
   timeout ${SEED_TIMEOUT:-600} python3 benchmarks/seed_table.py /tmp/k48 --draft-model /tmp/k48-draft \
     --out-dir "$OUT/seed" ${SEED_ARGS:-} 2>&1 | grep -v Warning | tail -25 | tee "$OUT/seed.log"
 fi
-if [[ $STAGES == *kbench* ]]; then   # the decode-kernel candidates vs cuBLAS / fused MoE
+if [[ $STAGES == *kbench* ]]; then   # the GEMV candidate vs cuBLAS, the sampler kernels
   timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 | tail -30 | tee "$OUT/gemv.log"
-  timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_moe_single.py --out "$OUT/moe_single.json" ${MOE_SINGLE_ARGS:-} 2>&1 | tail -20 | tee "$OUT/moe_single.log"
   timeout 120 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log"
 fi
 if [[ $STAGES == *breakdown* ]]; then   # per-step wall time + cProfile (plain, then speculative)

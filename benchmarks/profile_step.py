@@ -63,7 +63,6 @@ def main() -> None:
                     help="decode with CUDA graphs (kernels as replayed; the gap is step time "
                          "minus kernel time)")
     ap.add_argument("--decode-gemv", action="store_true")
-    ap.add_argument("--moe-single-token", action="store_true")
     ap.add_argument("--router-splitk", action="store_true",
                     help="router logits by the split-K Triton GEMV instead of cuBLAS")
     ap.add_argument("--out", default=None)
@@ -79,7 +78,6 @@ def main() -> None:
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
         kernel_config=KernelConfig(decode_gemv=args.decode_gemv,
-                                   moe_single_token=args.moe_single_token,
                                    router_splitk=args.router_splitk))
     runner = ModelRunner(config)
     runner.eos_token_ids = []

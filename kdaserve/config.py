@@ -228,9 +228,6 @@ class KernelConfig:
     partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk) instead of
     the cuBLAS fp32 GEMM then the top-k launch. Off: slower on the H200 at 1 row (18.7 against
     13.4 us) and 64 rows, even at 16, ahead only at 4-8 rows (layers_h200_run8.json)."""
-    moe_single_token: bool = False
-    """One-token MoE layers (batch-1 decode) through the two-GEMV path with the top-k sum fused
-    (kernels/moe/single_token.py) instead of the fused MoE's tensor-core tiles."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

@@ -29,8 +29,6 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--decode-gemv", action="store_true",
                    help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
-    p.add_argument("--moe-single-token", action="store_true",
-                   help="KernelConfig.moe_single_token: two-GEMV MoE at batch 1")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth in bytes/s (default: measured in this run)")
@@ -129,8 +127,7 @@ def main(cli_args: argparse.Namespace) -> int:
         load_config=LoadConfig(load_format=cli_args.load_format,
                                dummy_routing=cli_args.dummy_routing),
         enforce_eager=cli_args.enforce_eager,
-        kernel_config=KernelConfig(decode_gemv=cli_args.decode_gemv,
-                                   moe_single_token=cli_args.moe_single_token))
+        kernel_config=KernelConfig(decode_gemv=cli_args.decode_gemv))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(batches))
@@ -156,8 +153,7 @@ def main(cli_args: argparse.Namespace) -> int:
               "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else "none",
               "bandwidth_Bps": bw, "cuda_graphs": runner.graphs is not None,
               "dummy_routing": cli_args.dummy_routing,
-              "kernel_config": {"decode_gemv": cli_args.decode_gemv,
-                                "moe_single_token": cli_args.moe_single_token}, "rows": rows}
+              "kernel_config": {"decode_gemv": cli_args.decode_gemv}, "rows": rows}
     from kdaserve.bench.report import git_commit
 
     result["commit"] = git_commit() or "unknown"

@@ -77,9 +77,6 @@ class SparseMoE(nn.Module):
     """On CUDA with one shared expert, the shared expert is folded into the fused MoE as expert
     E with weight 1 for every token: one grouped kernel pass computes routed + shared."""
 
-    single_token = False
-    """KernelConfig.moe_single_token (set by the model's configure_kernels)."""
-
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
         self.num_experts = args.num_experts
@@ -119,10 +116,6 @@ class SparseMoE(nn.Module):
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
             w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
-            if self.single_token and x.shape[0] == 1:
-                from kdaserve.kernels.moe.single_token import fused_moe_single_token
-
-                return fused_moe_single_token(x, self.w13_all, self.w2_all, w, ids)
             return fused_moe(x, self.w13_all, self.w2_all, w, ids)
         topk_weights, topk_ids = self.gate(x)
         return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)

@@ -15,20 +15,19 @@ def test_switches_reach_engine_config(tmp_path):
         "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
         "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
-        "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv",
-        "--moe-single-token"])
+        "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
             cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
     assert sc.adaptive_spec_budget is False and sc.long_prefill_token_threshold == 64
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
-    assert config.kernel_config.decode_gemv and config.kernel_config.moe_single_token
+    assert config.kernel_config.decode_gemv
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
-    assert not defaults.kernel_config.decode_gemv and not defaults.kernel_config.moe_single_token
+    assert not defaults.kernel_config.decode_gemv
 
 
 def test_kernel_config_reaches_the_layers(tmp_path):
@@ -41,11 +40,10 @@ def test_kernel_config_reaches_the_layers(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = []
     for on in (False, True):
-        llm = LLM(model, max_model_len=256, decode_gemv=on, moe_single_token=on)
+        llm = LLM(model, max_model_len=256, decode_gemv=on)
         mods = list(llm.llm_engine.model_runner.model.modules())
         flags = [m.decode_gemv for m in mods if hasattr(m, "decode_gemv")]
-        single = [m.single_token for m in mods if hasattr(m, "single_token")]
-        assert flags and single and all(f == on for f in flags + single)
+        assert flags and all(f == on for f in flags)
         outs.append(llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0]
                     .outputs[0].token_ids)
         del llm

@@ -172,7 +172,7 @@ def check_fused_moe(device, dtype, num_tokens, hidden=256, inter=128, num_expert
     assert_close(f"fused_moe N={num_tokens} same={same_experts}", out, want, dtype)
 
 
-def check_fused_moe_single_sum(device, dtype, hidden=64, inter=48, num_experts=8, top_k=3,
+def check_fused_moe_gemm2_sum(device, dtype, hidden=64, inter=48, num_experts=8, top_k=3,
                                bad_id=None, config=None, against_old=False, shared=False,
                                seed=0):
     """N == 1 through the fused GEMM 2 + top-k sum kernel (config.gemm2_sum, the default when
@@ -199,7 +199,7 @@ def check_fused_moe_single_sum(device, dtype, hidden=64, inter=48, num_experts=8
     if bad_id is not None:
         ids[0, 1] = bad_id
     cfg = config or fit_config(default_config(1, top_k, num_experts, dtype), hidden, inter)
-    assert cfg.gemm2_sum is not None, "the single-sum check needs a gemm2_sum config"
+    assert cfg.gemm2_sum is not None, "the gemm2_sum check needs a gemm2_sum config"
     out = torch.full((1, hidden), float("nan"), dtype=dtype, device=device)
     fused_moe(x, w13, w2, weights, ids, out=out, config=cfg)
     keep = (ids >= 0) & (ids < num_experts)
@@ -368,13 +368,13 @@ def run_interpreter_suite() -> None:
     check_store_latent("cpu", f32)
     check_store_latent("cpu", f32, num_tokens=5, rank=48, rope=16)
     check_fused_moe("cpu", f32, 1, hidden=64, inter=48, num_experts=8, top_k=3)
-    check_fused_moe_single_sum("cpu", f32, against_old=True, shared=True)
-    check_fused_moe_single_sum("cpu", f32, bad_id=-1)
-    check_fused_moe_single_sum("cpu", f32, bad_id=8, seed=2)
+    check_fused_moe_gemm2_sum("cpu", f32, against_old=True, shared=True)
+    check_fused_moe_gemm2_sum("cpu", f32, bad_id=-1)
+    check_fused_moe_gemm2_sum("cpu", f32, bad_id=8, seed=2)
     # D = 60 not a multiple of BLOCK_N = 16, I = 40 not a multiple of BLOCK_K = 16 (masking);
     # 2 stages so the sm_90 compile test also builds the pipelined loop
     c = MoEGemmConfig(16, 32, 32, 1, 4, 1)
-    check_fused_moe_single_sum("cpu", f32, hidden=60, inter=40, top_k=4, bad_id=11,
+    check_fused_moe_gemm2_sum("cpu", f32, hidden=60, inter=40, top_k=4, bad_id=11,
                                config=FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 16, 1, 4, 2)))
     check_gemm2_sum_rejects_bad_tiles("cpu")
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)

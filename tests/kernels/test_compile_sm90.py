@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py", "moe_single_checks.py",
+SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py",
            "test_top_p_threshold.py", "../spec_decode/recover_checks.py", "router_checks.py"]
 KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel",
            "mla_decode_partial_kernel", "mla_decode_partial_t_kernel", "mla_decode_reduce_kernel",

@@ -140,14 +140,14 @@ def test_fused_moe_model_shapes_gpu():
 
 @pytest.mark.gpu
 @gpu
-def test_fused_moe_single_sum_model_shapes_gpu():
+def test_fused_moe_gemm2_sum_model_shapes_gpu():
     """N == 1 at the Kimi-Linear-48B shapes (256 routed + the shared expert as id 256, k = 8 + 1):
     GEMM 2 + top-k sum in one kernel vs the reference and vs gemm2 + moe_sum."""
     for seed, bad_id in ((0, None), (1, -1), (2, 257)):
-        kc.check_fused_moe_single_sum("cuda", BF16, hidden=2304, inter=1024, num_experts=257,
+        kc.check_fused_moe_gemm2_sum("cuda", BF16, hidden=2304, inter=1024, num_experts=257,
                                       top_k=9, bad_id=bad_id, against_old=True, shared=True,
                                       seed=seed)
-    kc.check_fused_moe_single_sum("cuda", F32, hidden=2304, inter=1024, num_experts=257,
+    kc.check_fused_moe_gemm2_sum("cuda", F32, hidden=2304, inter=1024, num_experts=257,
                                   top_k=9, against_old=True, shared=True)
 
 

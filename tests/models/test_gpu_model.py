@@ -107,7 +107,7 @@ def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
 
 def run_one_request(runner, extra):
     """PROMPTS[0] alone: a prefill, then one-token decode steps (1-row steps: the GEMV's M=1
-    and the single-token MoE)."""
+    and the fused MoE at N = 1)."""
     p = PROMPTS[0]
     got = [runner.step([(0, p, 0)])[0]]
     for j, t in enumerate(extra):
@@ -116,14 +116,14 @@ def run_one_request(runner, extra):
 
 
 def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
-    """KernelConfig(decode_gemv, moe_single_token) on: 3-row decode steps (GEMV M=3, the
-    router reading its fp32 weight with bf16 x) and 1-row steps (GEMV M=1, single-token MoE)
-    against the fp32 reference."""
+    """KernelConfig(decode_gemv) on: 3-row decode steps (GEMV M=3, the router reading its fp32
+    weight with bf16 x) and 1-row steps (GEMV M=1) through the Triton GEMV against the fp32
+    reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
     model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True, moe_single_token=True))
+    model.configure_kernels(KernelConfig(decode_gemv=True))
     try:
         ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
         got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)

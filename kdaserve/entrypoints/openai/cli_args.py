@@ -125,9 +125,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
                         "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
                         "default: slower on the H200 at batch 1.")
-    a.add_argument("--moe-single-token", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: batch-1 MoE layers through the two-GEMV single-token path "
-                        "(off: the fused MoE). Off by default until measured on the H200.")
     a.add_argument("--sampling-threshold-kernel", action=argparse.BooleanOptionalAction,
                    default=None, help="CUDA: top-k / top-p by a sort-free threshold search "
                                       "(default on; --no-... = a full sort per row).")
@@ -151,7 +148,6 @@ _ENGINE_FLAGS = {
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "decode_gemv": "decode_gemv", "router_splitk": "router_splitk",
-    "moe_single_token": "moe_single_token",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 
