@@ -99,11 +99,13 @@ class SamplingMetadata:
                                      f"for {len(params)} rows")
             banned_t = torch.tensor(pairs, dtype=torch.int64).T.contiguous().to(device)
 
+        temperature, top_p, top_k, min_p = _row_tensors(
+            temps, [p.top_p for p in params], top_ks, [p.min_p for p in params], device)
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             generators=generators,
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -115,6 +117,22 @@ class SamplingMetadata:
             max_num_logprobs=max(wanted) if wanted else None,
             banned_token_ids=banned_t,
         )
+
+
+def _row_tensors(temps: list[float], top_ps: list[float], top_ks: list[int],
+                 min_ps: list[float], device: torch.device | str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_p, top_k, min_p) on device from two host->device copies: on CUDA
+    pinned staging copied without blocking, instead of four pageable copies that each make the
+    host wait (about 25 us apiece at batch 1 on the H200, session 4's step profile)."""
+    floats = torch.tensor([temps, top_ps, min_ps], dtype=torch.float32)        # [3, B]
+    ints = torch.tensor(top_ks, dtype=torch.int32)                              # [B]
+    if torch.device(device).type == "cuda":
+        floats = floats.pin_memory().to(device, non_blocking=True)
+        ints = ints.pin_memory().to(device, non_blocking=True)
+    else:
+        floats, ints = floats.to(device), ints.to(device)
+    return floats[0], floats[1], ints, floats[2]
 
 
 def min_tokens_banned_ids(
