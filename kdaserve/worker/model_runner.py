@@ -338,13 +338,18 @@ class ModelRunner:
             internal, spec_exports = self.spec.split_exports(
                 internal, [bool(d) for d in batch.drafts])
         sample_states = [states[i] for i in batch.sample_rows]
-        # Built before the forward: its small host->device copies wait for the stream, so after
-        # the (graph) launch the sampler's kernels queue behind it at once and overlap it.
+        # SamplingMetadata's copies are pinned and non-blocking: built after the (graph) launch,
+        # its host work overlaps the forward. Spec metadata and logits processing (penalties,
+        # logit_bias) still make pageable copies, which would wait for the forward to finish
+        # and leave the GPU idle until the sampler's launches: those are built first.
         sampling = None
-        if sample_states:
+        if sample_states and (batch.has_spec or any(s.sampling_params.processes_logits
+                                                    for s in sample_states)):
             sampling = (self._spec_sampling_metadata(batch, sample_states) if batch.has_spec
                         else self._sampling_metadata(sample_states))
         hidden_rows = self._forward(batch, states, internal, spec_exports)  # [logit rows, D]
+        if sample_states and sampling is None:
+            sampling = self._sampling_metadata(sample_states)
         checkpoints.apply_post_copies(self.caches, exports)
         if not batch.sample_rows:
             return ModelRunnerOutput(req_ids=batch.req_ids,
