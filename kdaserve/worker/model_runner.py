@@ -342,14 +342,11 @@ class ModelRunner:
         # its host work overlaps the forward. Spec metadata and logits processing (penalties,
         # logit_bias) still make pageable copies, which would wait for the forward to finish
         # and leave the GPU idle until the sampler's launches: those are built first.
-        sampling = None
-        if sample_states and (batch.has_spec or any(s.sampling_params.processes_logits
-                                                    for s in sample_states)):
-            sampling = (self._spec_sampling_metadata(batch, sample_states) if batch.has_spec
-                        else self._sampling_metadata(sample_states))
+        early = batch.has_spec or any(s.sampling_params.processes_logits for s in sample_states)
+        sampling = self._prepare_sampling(batch, sample_states) if early else None
         hidden_rows = self._forward(batch, states, internal, spec_exports)  # [logit rows, D]
-        if sample_states and sampling is None:
-            sampling = self._sampling_metadata(sample_states)
+        if not early:
+            sampling = self._prepare_sampling(batch, sample_states)
         checkpoints.apply_post_copies(self.caches, exports)
         if not batch.sample_rows:
             return ModelRunnerOutput(req_ids=batch.req_ids,
@@ -373,6 +370,15 @@ class ModelRunner:
                   else {})
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
                                  logprobs=out_lps, draft_token_ids=drafts)
+
+    def _prepare_sampling(self, batch: StepBatch, states: list[CachedRequestState]):
+        """The sampler's (or the rejection sampler's) inputs for the sampling rows; None when
+        the step samples nothing."""
+        if not states:
+            return None
+        if batch.has_spec:
+            return self._spec_sampling_metadata(batch, states)
+        return self._sampling_metadata(states)
 
     def _spec_sampling_metadata(self, batch: StepBatch, states: list[CachedRequestState]):
         drafts = [batch.drafts[i] for i in batch.sample_rows]

@@ -245,8 +245,9 @@ def moe_gemm2_sum_kernel(
     A GEMV over a virtual K = top_k * inter_size. Program p owns output columns
     [p*BLOCK_N, +BLOCK_N) and walks one flat loop over (entry j, BLOCK_K chunk of inter_size) in a
     fixed order: deterministic, no atomics, no [k, D] buffer. The loop is a tl.range with
-    num_stages=NUM_STAGES because Triton 3.6 software-pipelines (cp.async) loads that feed no
-    tl.dot only there, not under the launch num_stages alone (seen in the sm_90 PTX).
+    num_stages=NUM_STAGES; in the sm_90 PTX that pipelines (cp.async) only the per-entry scalar
+    loads (expert id, routing weight), not the weight tiles: Triton 3.6 does not pipeline loads
+    that feed no tl.dot, so one [BLOCK_N, BLOCK_K] tile per program is in flight at a time.
     w2 tiles are [BLOCK_N, BLOCK_K], contiguous along inter_size. The routing weight scales the
     [BLOCK_K] activation chunk in fp32; products accumulate elementwise in a [BLOCK_N, BLOCK_K]
     fp32 tile, reduced over K once after the loop. No tl.dot, so fp32 operands work too.
