@@ -2,10 +2,13 @@
 
 The fp32 interpreter subset runs in a subprocess with TRITON_INTERPRET=1 (it must be set before
 triton is imported); input checks run without triton; GPU tests (marked gpu) use the
-Kimi-Linear-48B shapes in bf16 and with the router's fp32 weight.
+Kimi-Linear-48B shapes in bf16 and with the router's fp32 weight. The pdl (programmatic
+dependent launch) path: bit-equality with pdl=False under the interpreter and on the GPU (eager
+and in a captured CUDA graph), and its instruction order in sm_90 PTX compiled on the CPU.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -52,6 +55,8 @@ def test_bad_layouts_and_outputs_name_the_value():
         gemv(x, w.to(torch.int8))
     with pytest.raises(ValueError, match="block_n must be a power of two.*got 24"):
         gemv(x, w, config=GemvConfig(24, 128, 4, 2))
+    with pytest.raises(ValueError, match=r"prefetch must be one of \(0, 1, 2\), got 3"):
+        gemv(x, w, config=GemvConfig(16, 128, 4, 2, prefetch=3), pdl=True)
 
 
 def test_cpu_tensors_need_the_interpreter():
@@ -72,6 +77,49 @@ def test_default_config(N, K, dtype):
     assert K % cfg.block_k == 0 or cfg.block_k >= K, cfg         # one masked step at most
     assert all(v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k, cfg.num_warps)), cfg
     assert 1 <= cfg.num_warps <= 8 and cfg.num_stages >= 1, cfg
+
+
+def _ptxas():
+    triton = pytest.importorskip("triton")
+    from pathlib import Path
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("triton's bundled ptxas is missing")
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_pdl_sm90_ptx_order(prefetch):
+    """Compiled for sm_90 (no GPU needed): exactly the prefetched weight tiles' 16-byte loads
+    come before griddepcontrol.wait, launch_dependents right after it, x loads and the store
+    after; the kernel carries the launch_pdl flag. The o_proj default tile: 8 x 512 bf16, 8
+    warps = 2 vector loads a tile per thread."""
+    _ptxas()
+    from kdaserve.kernels.linear.triton_gemv import gemv_kernel
+
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32",
+                 stride_xm="i32", stride_wn="i32", stride_om="i32")
+    consts = dict(M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, PREFETCH=prefetch,
+                  USE_PDL=True)
+    k = gc.sm90_compile(gemv_kernel, types, consts, num_warps=8, launch_pdl=True)
+    assert k.metadata.launch_pdl
+    before, after = gc.split_at_wait(k.asm["ptx"])
+    tile_loads = 8 * 512 * 2 // (8 * 32 * 16)
+    assert len(before) == prefetch * tile_loads, before
+    assert all(op.startswith("ld.global.v4") for op in before), before
+    assert after[0].startswith("griddepcontrol.launch_dependents"), after[:2]
+    assert any(op.startswith("st.global") for op in after), after
+
+
+def test_no_pdl_ptx_has_no_griddepcontrol():
+    _ptxas()
+    from kdaserve.kernels.linear.triton_gemv import gemv_kernel
+
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32",
+                 stride_xm="i32", stride_wn="i32", stride_om="i32")
+    consts = dict(M=2, BLOCK_M=2, BLOCK_N=32, BLOCK_K=256, EVEN_K=True)
+    k = gc.sm90_compile(gemv_kernel, types, consts, num_warps=8, launch_pdl=False)
+    assert not k.metadata.launch_pdl
+    assert not any("griddepcontrol" in op for op in gc.memory_ops(k.asm["ptx"]))
 
 
 def test_reference_twin():
@@ -136,3 +184,72 @@ def test_gemv_graph_replay_is_deterministic_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv(x, w)), "replay did not read the new x"
+
+
+# The KDA layer's fused input projection (q|k|v|f_a|g_a|b: 3 * 4096 + 128 + 128 + 32 rows) and
+# its o_proj: the two decode GEMVs around the attention at batch 1.
+KDA_IN, O_PROJ = (12576, 2304), (2304, 4096)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N,K", [KDA_IN, O_PROJ])
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_pdl_matches_gpu(N, K, M):
+    """pdl=True (prefetch 0, 1, 2 tiles) equals pdl=False bit for bit, and the reference."""
+    for prefetch in (0, 1, 2):
+        cfg = replace(default_config(M, N, K, BF16, torch.device("cuda")), prefetch=prefetch)
+        gc.check_pdl_same("cuda", M, N, K, BF16, config=cfg, seed=prefetch)
+        gc.check_pdl_same("cuda", M, N, K, BF16, config=GemvConfig(16, 1024, 4, 3, prefetch),
+                          strided_in=True, seed=prefetch)   # K=2304: masked tiles
+    gc.check_gemv("cuda", M, N, K, BF16, BF16, seed=M, pdl=True)
+    gc.check_pdl_same("cuda", M, 1000, K + 8, BF16, seed=M)                 # masked K
+
+
+def _chain(h, res, layers, pdl):
+    """add+RMSNorm -> in-proj GEMV -> o_proj GEMV on its first 4096 columns, per layer; the
+    o_proj output is the next layer's norm input. Returns (h [M, 2304], residual)."""
+    from kdaserve.kernels.norm.rms_norm import add_rms_norm
+
+    for norm_w, w_in, w_o in layers:
+        x, res = add_rms_norm(h, norm_w, 1e-5, res, pdl=pdl)          # [M, 2304] each
+        proj = gemv(x, w_in, pdl=pdl)                                   # [M, 12576]
+        h = gemv(proj[:, :O_PROJ[1]], w_o, pdl=pdl)                     # [M, 2304]
+    return h, res
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 2])
+def test_pdl_chain_in_cuda_graph_gpu(M):
+    """norm -> gemv -> gemv x 3 layers captured with PDL launches: every replay equals the
+    eager pdl=False chain bit for bit, and a replay after new inputs reads them."""
+    g = torch.Generator(device="cuda").manual_seed(M)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(BF16)
+
+    layers = [(rnd(2304, scale=0.1) + 1, rnd(*KDA_IN, scale=KDA_IN[1] ** -0.5),
+               rnd(*O_PROJ, scale=O_PROJ[1] ** -0.5)) for _ in range(3)]
+    h_in, res_in = rnd(M, 2304), rnd(M, 2304)
+    want = _chain(h_in, res_in, layers, pdl=False)
+    eager = _chain(h_in, res_in, layers, pdl=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, want)), "eager pdl chain differs"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _chain(h_in, res_in, layers, pdl=True)                         # compile outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(h_in, res_in, layers, pdl=True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want)), "graph replay differs"
+    h_in.copy_(rnd(M, 2304))
+    res_in.copy_(rnd(M, 2304))
+    want = _chain(h_in, res_in, layers, pdl=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(out, want)), "replay did not read new inputs"

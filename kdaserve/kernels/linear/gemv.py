@@ -4,6 +4,13 @@ Twin: `gemv_reference` below (F.linear in fp32, cast to the output dtype). No sp
 atomics: the grid covers N only, so results are deterministic and the launch is CUDA-graph safe
 (the grid depends on shapes only). x and weight may differ in dtype (bf16 x with the MoE router's
 fp32 weight is read as is: no conversion launch).
+
+`pdl=True` launches with programmatic dependent launch (Hopper+): the kernel starts while the
+previous kernel in the stream finishes, loads its first `config.prefetch` weight tiles, then waits
+(griddepcontrol.wait) for that kernel's writes before it reads x or writes out. Same results as
+pdl=False (same reduction order). The overlap needs a PDL-aware previous kernel (one that calls
+griddepcontrol.launch_dependents, as this one does right after its wait); after any other kernel
+the launch starts when that kernel completes, as without pdl.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
 
 MAX_M = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PREFETCH_TILES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class GemvConfig:
     block_k: int        # K elements per loop step
     num_warps: int
     num_stages: int     # software pipelining depth of the K loop
+    prefetch: int = 1   # with pdl: weight tiles (BLOCK_K steps) loaded before the wait, 0..2
 
 
 def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
@@ -34,7 +43,8 @@ def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
     block_n: the largest power of two <= 64 that still gives >= 2 waves of programs on the
     device's SMs (132 without a device); block_k: the largest of 512/256/128 that divides K (no
     K mask), else min(256, next_power_of_2(K)); num_warps: about two 16-byte loads per thread per
-    step, 1..8. M does not enter the guess yet.
+    step, 1..8; prefetch (used with pdl only): 1 tile (benchmarks/bench_pdl.py measures it).
+    M does not enter the guess yet.
     """
     sms = num_sms(device) if device is not None else 132
     block_n = 64
@@ -69,6 +79,8 @@ def check_config(config: GemvConfig) -> None:
     _check_pow2("num_warps", config.num_warps, 1, 32)
     if config.num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {config.num_stages}")
+    if config.prefetch not in PREFETCH_TILES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_TILES}, got {config.prefetch}")
 
 
 def _check_last_dim(name: str, t: torch.Tensor) -> None:
@@ -111,13 +123,18 @@ def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
+         pdl: bool = False) -> torch.Tensor:
     """y = x @ weight.T with fp32 accumulation.
 
     x: [M, K], 1 <= M <= 4, bf16/fp16/fp32, last dim contiguous (rows may be strided).
     weight: [N, K], bf16/fp16/fp32, last dim contiguous. out: [M, N] (last dim contiguous, may
     be a row-strided view) or None; its dtype is out.dtype, else out_dtype, else x.dtype.
-    Returns out ([M, N]).
+    pdl: launch with programmatic dependent launch and prefetch min(config.prefetch, K steps)
+    weight tiles before griddepcontrol.wait (see the module docstring); needs sm_90+ on CUDA.
+    On CPU tensors (the Triton interpreter, which cannot run the PTX) only the prefetch order
+    is kept. weight is read before the wait, so the previous kernel must not write it. Results
+    are the same as with pdl=False. Returns out ([M, N]).
     """
     if config is not None:
         check_config(config)
@@ -132,8 +149,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     from kdaserve.kernels.linear.triton_gemv import gemv_kernel
 
     cfg = config or default_config(M, N, K, weight.dtype, x.device)
+    prefetch = min(cfg.prefetch, cdiv(K, cfg.block_k)) if pdl else 0
+    use_pdl = pdl and x.is_cuda
     gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0),
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, USE_PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}))
     return out

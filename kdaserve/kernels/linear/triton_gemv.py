@@ -5,14 +5,49 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_tile(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at K offset k0, in the weight's dtype (zeros past K)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+    else:
+        w = tl.load(w_ptrs, mask=((k0 + offs_k) < K)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """acc[n, m] += sum_k w[n, k] * x[m, k0 + k] in fp32 for every x row m < M; returns acc."""
+    k_mask = (k0 + offs_k) < K                                       # [BLOCK_K]
+    w = w.to(tl.float32)                                             # [BLOCK_N, BLOCK_K]
+    for m in tl.static_range(M):
+        x_ptrs = x_ptr + m * stride_xm + k0 + offs_k
+        if EVEN_K:
+            xm = tl.load(x_ptrs)
+        else:
+            xm = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)         # [BLOCK_N]
+        acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                 M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                USE_PDL: tl.constexpr = False):
     """One program per BLOCK_N output columns, all M (<= 4) rows, the whole K (no split-K).
 
     Each [BLOCK_N, BLOCK_K] weight tile is loaded once (coalesced along K) and reduced against
     every x row in fp32 on the CUDA cores: M is far below the 16 rows a tensor-core MMA needs.
     Rows past N read row N - 1 (clamped, so weight loads need no N mask) and are not stored.
+
+    PREFETCH (0..2, <= the number of K steps): the first PREFETCH weight tiles are loaded before
+    anything else and held in registers; with USE_PDL (programmatic dependent launch, sm_90+)
+    griddepcontrol.wait follows them, so they stream while the previous kernel finishes, and
+    griddepcontrol.launch_dependents follows the wait. Nothing that another kernel writes (x)
+    is read, and nothing is written, before the wait. The K steps are reduced in the same order
+    whatever PREFETCH is (the prefetched tiles first), so results do not depend on it.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N]
@@ -20,22 +55,23 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     offs_k = tl.arange(0, BLOCK_K)                                   # [BLOCK_K]
     offs_m = tl.arange(0, BLOCK_M)                                   # [BLOCK_M]
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]     # [BLOCK_N, BLOCK_K]
+    if PREFETCH >= 1:   # weights are immutable: safe to read before the wait
+        w0 = _load_tile(w_ptrs, 0, offs_k, K, EVEN_K)                # [BLOCK_N, BLOCK_K]
+    if PREFETCH >= 2:
+        w1 = _load_tile(w_ptrs + BLOCK_K, BLOCK_K, offs_k, K, EVEN_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()     # the next PDL kernel may start its preamble
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)             # acc[n, m]
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K                                   # [BLOCK_K]
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        w = w.to(tl.float32)                                         # [BLOCK_N, BLOCK_K]
-        for m in tl.static_range(M):
-            x_ptrs = x_ptr + m * stride_xm + k0 + offs_k
-            if EVEN_K:
-                xm = tl.load(x_ptrs)
-            else:
-                xm = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)     # [BLOCK_N]
-            acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
+    if PREFETCH >= 1:
+        acc = _accumulate(acc, w0, x_ptr, 0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
+    if PREFETCH >= 2:
+        acc = _accumulate(acc, w1, x_ptr, BLOCK_K, offs_k, offs_m, K, stride_xm, M, EVEN_K)
+    if PREFETCH > 0:
+        w_ptrs += PREFETCH * BLOCK_K
+    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+        w = _load_tile(w_ptrs, k0, offs_k, K, EVEN_K)                # [BLOCK_N, BLOCK_K]
+        acc = _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
         w_ptrs += BLOCK_K
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)

@@ -11,11 +11,16 @@ from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, require
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None, out32: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 residual: torch.Tensor | None = None, out32: torch.Tensor | None = None,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [N, D]. s = x + residual (rounded to x.dtype, or x alone); returns
     (weight * rmsnorm(s), s). With `out32` ([N, D] fp32) the kernel also writes the normed
-    output there, widened exactly (`out.float()` without the extra launch)."""
+    output there, widened exactly (`out.float()` without the extra launch).
+
+    pdl: launch with programmatic dependent launch (sm_90+): the kernel loads `weight` (so the
+    previous kernel must not write it), then waits for the previous kernel (griddepcontrol.wait)
+    before it reads x / residual or writes, then lets the next PDL kernel start. Same results as
+    pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX)."""
     require_triton()
     from kdaserve.kernels.norm.triton_norm import add_rms_norm_kernel
 
@@ -31,6 +36,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                          f"contiguous last dim, got {out32.dtype} {tuple(out32.shape)}")
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
+    use_pdl = pdl and x.is_cuda
     if N:
         add_rms_norm_kernel[(N,)](
             x, residual if residual is not None else x, weight, out, res_out,
@@ -38,7 +44,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             res_out.stride(0), out32.stride(0) if out32 is not None else 0,
             HAS_RESIDUAL=residual is not None, OUT32=out32 is not None,
-            BLOCK_D=next_power_of_2(D), num_warps=8 if D >= 2048 else 4)
+            BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl, num_warps=8 if D >= 2048 else 4,
+            **({"launch_pdl": True} if use_pdl else {}))
     return out, res_out
 
 

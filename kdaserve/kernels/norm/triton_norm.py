@@ -7,10 +7,17 @@ import triton.language as tl
 @triton.jit
 def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, out32_ptr, D, eps,
                         stride_x, stride_res, stride_out, stride_res_out, stride_out32,
-                        HAS_RESIDUAL: tl.constexpr, OUT32: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, OUT32: tl.constexpr, BLOCK_D: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    """One program per row. USE_PDL (programmatic dependent launch): only the norm weight is
+    read before griddepcontrol.wait; x, residual and every store come after it."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
+    if USE_PDL:   # the weight is immutable: load it while the previous kernel finishes
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
@@ -19,7 +26,8 @@ def add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, out32_ptr, 
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / D
     normed = (xf * tl.rsqrt(var + eps)).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if not USE_PDL:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
     if OUT32:   # the same values widened: an fp32 GEMM's input without a separate cast
