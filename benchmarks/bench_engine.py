@@ -31,13 +31,17 @@ from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
 
 
 def run_until_done(engine: LLMEngine) -> list[float]:
-    times = []
+    """Wall time between consecutive step() returns. No device sync in between: with async
+    scheduling a step returns while the next one runs on the device, and in steady state the
+    interval is the time per step that bounds throughput (with synchronous scheduling each
+    step() waits for its own sampled ids, so the interval is the step's own time)."""
+    torch.cuda.synchronize()
+    times, t = [], time.perf_counter()
     while engine.has_unfinished_requests():
-        torch.cuda.synchronize()
-        t = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        now = time.perf_counter()
+        times.append(now - t)
+        t = now
     return times
 
 
@@ -57,6 +61,8 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--decode-gemv", action="store_true",
                     help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
+    ap.add_argument("--no-async-scheduling", action="store_true",
+                    help="one step at a time (the decode rows then have no graphs_sync twin)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
@@ -68,7 +74,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv)
+        gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv,
+        async_scheduling=not args.no_async_scheduling)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner
     result["kv_cache_tokens"] = rn.num_blocks * rn.block_size
@@ -89,6 +96,8 @@ def main() -> None:
     p0 = prompt(rng, args.prompt_len, vocab)
     engine.add_request("p0", p0, sp)
     times = []
+    sched = engine.engine_config.scheduler_config
+    use_async, sched.async_scheduling = sched.async_scheduling, False   # one step = one pass
     while engine.has_unfinished_requests():
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -96,6 +105,7 @@ def main() -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
         graph_tokens = outs[0].outputs[0].token_ids if outs else None
+    sched.async_scheduling = use_async
     saved, rn.graphs = rn.graphs, None
     engine.add_request("p0-eager", p0, sp)
     while engine.has_unfinished_requests():
@@ -119,22 +129,31 @@ def main() -> None:
                            touched, bw, state_bytes_per_slot(engine.engine_config.model_config.arch,
                                                              rn.dtype))
         row = {"batch": b, "context": args.prompt_len, **floor}
-        for graphs in (True, False):
+        sched = engine.engine_config.scheduler_config
+        use_async = sched.async_scheduling
+        runs = [("graphs", True, use_async), ("eager", False, use_async)]
+        if use_async:
+            runs.append(("graphs_sync", True, False))   # the same without async scheduling
+        for key, graphs, async_on in runs:
             saved = rn.graphs
             if not graphs:
                 rn.graphs = None
+            sched.async_scheduling = async_on
             for i, p in enumerate(ps):
-                engine.add_request(f"d{b}-{graphs}-{i}", p, SamplingParams(
+                engine.add_request(f"d{b}-{key}-{i}", p, SamplingParams(
                     temperature=0.0, max_tokens=48, ignore_eos=True))
             times = run_until_done(engine)
             rn.graphs = saved
             decode = times[-40:]          # every request is past its prefill here
-            key = "graphs" if graphs else "eager"
             row[f"step_ms_{key}"] = statistics.median(decode) * 1e3
             row[f"ratio_{key}"] = row[f"step_ms_{key}"] / floor["floor_ms"]
+        sched.async_scheduling = use_async
+        row["async_scheduling"] = use_async
         print(f"batch {b}: graphs {row['step_ms_graphs']:.2f} ms, eager "
-              f"{row['step_ms_eager']:.2f} ms, floor {floor['floor_ms']:.2f} ms "
-              f"(ratio {row['ratio_graphs']:.2f}), experts/layer {touched}", flush=True)
+              f"{row['step_ms_eager']:.2f} ms, graphs without async scheduling "
+              f"{row.get('step_ms_graphs_sync', float('nan')):.2f} ms, floor "
+              f"{floor['floor_ms']:.2f} ms (ratio {row['ratio_graphs']:.2f}), experts/layer "
+              f"{touched}", flush=True)
         result["decode"].append(row)
 
     # 3. Offline throughput: N x (8000 in, 1000 out).

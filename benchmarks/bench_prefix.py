@@ -161,7 +161,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, max_model_len=max_len, max_num_seqs=32,
         max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=0.9,
-        enable_prefix_caching=True)
+        enable_prefix_caching=True,
+        async_scheduling=False)   # one step() = one forward pass: serve() counts them
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner
     result["kv_cache_tokens"] = rn.num_blocks * rn.block_size

@@ -63,9 +63,10 @@ def main() -> None:
         enable_prefix_caching=False)
     runner = engine.model_runner
     runner.model = StubModel(runner.args.hidden_size, runner.args.vocab_size)
-    totals = {"schedule": 0.0, "execute_model": 0.0, "sampler (CPU compute)": 0.0}
+    totals = {"schedule": 0.0, "launch": 0.0, "collect": 0.0, "sampler (CPU compute)": 0.0}
     timed(engine.scheduler, "schedule", totals, "schedule")
-    timed(runner, "execute_model", totals, "execute_model")
+    timed(runner, "launch", totals, "launch")
+    timed(runner, "collect", totals, "collect")
     timed(runner.sampler, "forward", totals, "sampler (CPU compute)")
     sp = SamplingParams(temperature=0.0, max_tokens=args.steps + 10, ignore_eos=True)
     for i in range(args.requests):

@@ -112,6 +112,11 @@ class SchedulerConfig:
     adaptive_spec_budget: bool = True
     """Reserve draft slots only for requests actually scheduled (off: the static rule that
     reserves them for max_num_seqs requests)."""
+    async_scheduling: bool = True
+    """Schedule and launch step N+1 before step N's sampled ids reach the host (they feed N+1
+    on the device), so the host work of one step overlaps the device work of the other. The
+    engine falls back to one step at a time under speculative decoding and while a running
+    request uses penalties (both need the host tokens before the next step)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -104,6 +104,10 @@ class Request:
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that finished the request (None for EOS/length)."""
         self.num_preemptions = 0
+        self.num_output_placeholders = 0
+        """Sampled tokens on their way from the worker (async scheduling: a step scheduled
+        before the previous step's output arrived); each update_from_output that brings one
+        takes one off."""
 
     # ---- sizes ----
     @property

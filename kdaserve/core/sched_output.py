@@ -79,6 +79,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)
+    sampling_req_ids: set[str] = field(default_factory=set)
+    """Requests whose scheduled tokens reach the end of what is known (the worker samples for
+    them this step)."""
     state_copies: list[KDAStateCopy] = field(default_factory=list)
     """Applied in list order before the forward (checkpoint exports of requests that finished
     last step come first: their source slot may be a later copy's destination)."""

@@ -51,6 +51,8 @@ from kdaserve.request import Request, RequestStatus
 
 # Proposers that write their own KV past the verified tokens need lookahead slots.
 _NO_LOOKAHEAD_METHODS = ("ngram",)
+# update_from_output takes tokens for these (PREEMPTED: preempted while its step was in flight).
+_TAKES_OUTPUT = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 class Scheduler:
@@ -247,6 +249,8 @@ class Scheduler:
             num_seqs = sum(self._weight(r) for r in self.running)
             while self.waiting and token_budget > 0 and input_budget > charge:
                 request = self.waiting[0]
+                if request.num_output_placeholders:
+                    break  # preempted with a token in flight: re-admit it once it has landed
                 weight = self._weight(request)
                 if num_seqs + weight > self.max_num_seqs:
                     break
@@ -307,18 +311,29 @@ class Scheduler:
         return request.num_samples if request.is_fork_parent else 1
 
     def _target(self, request: Request) -> int:
-        """Tokens the request wants computed: an n > 1 parent stops one short of its prompt."""
+        """Tokens the request wants computed: an n > 1 parent stops one short of its prompt;
+        tokens still on their way from the worker count (async scheduling)."""
         if request.is_fork_parent:
             return request.num_prompt_tokens - 1
-        return request.num_tokens_with_spec
+        return request.num_tokens_with_spec + request.num_output_placeholders
 
     def _num_new_tokens(self, request: Request, token_budget: int, input_room: int) -> int:
+        if request.num_output_placeholders and self._last_output_in_flight(request):
+            return 0
         num_new = self._target(request) - request.num_computed_tokens
         if self.enable_chunked_prefill and 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         num_new = min(num_new, token_budget, input_room,
                       self.max_model_len - request.num_computed_tokens)
         return max(num_new, 0)
+
+    def _last_output_in_flight(self, request: Request) -> bool:
+        """True when the tokens on their way already reach max_tokens or max_model_len: another
+        step would compute a token that can never be emitted."""
+        num_out = request.num_output_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and num_out >= max_tokens)
+                or request.num_tokens + request.num_output_placeholders >= self.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[Request],
                              scheduled: list[Request]) -> list[int] | None:
@@ -409,6 +424,10 @@ class Scheduler:
             # Advance now (the KV/state of these tokens is written by this step's forward);
             # update_from_output rolls back rejected drafts.
             request.num_computed_tokens += num_new
+            if (not request.is_fork_parent and request.num_computed_tokens
+                    >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1   # this step samples for it
+                out.sampling_req_ids.add(rid)
         out.scheduled_cached_reqs = cached
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.preempted_req_ids = {r.req_id for r in preempted}
@@ -424,20 +443,25 @@ class Scheduler:
         index = {rid: j for j, rid in enumerate(runner_output.req_ids)}
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
+        in_waiting = False    # a finished request was preempted: it sits in the waiting queue
         for rid in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.status not in _TAKES_OUTPUT:
                 continue  # finished or aborted during the step
             j = index.get(rid)
             generated = runner_output.sampled_token_ids[j] if j is not None else []
             logprobs = (runner_output.logprobs[j]
                         if j is not None and j < len(runner_output.logprobs) else None)
-            self._check_runner_output(request, generated, scheduler_output)
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, ())
-            if drafts:
-                request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            if request.status == RequestStatus.RUNNING:
+                self._check_runner_output(request, generated, scheduler_output)
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, ())
+                if drafts:
+                    request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            # else: preempted by a later schedule() while this step was in flight (async
+            # scheduling); its token is kept, and its recompute will include it.
             if not generated:
                 continue
+            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
             status = None
             new_token_ids: list[int] = []
             for token_id in generated:
@@ -447,6 +471,7 @@ class Scheduler:
                 if status is not None:
                     break
             if status is not None:
+                in_waiting |= request.status != RequestStatus.RUNNING
                 request.status = status
                 finished.append(request)
             outputs.append(EngineCoreOutput(
@@ -462,13 +487,15 @@ class Scheduler:
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
+            if in_waiting:
+                self.waiting = deque(r for r in self.waiting if id(r) not in done)
             for request in finished:
                 self._free_request(request)
         return outputs
 
     def _check_runner_output(self, request: Request, generated: list[int],
                              scheduler_output: SchedulerOutput) -> None:
-        in_prefill = request.num_computed_tokens < request.num_tokens
+        in_prefill = request.req_id not in scheduler_output.sampling_req_ids
         if in_prefill and generated:
             raise RuntimeError(
                 f"runner sampled {generated} for request {request.req_id!r} whose prompt is "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from dataclasses import dataclass, fields
@@ -15,6 +16,7 @@ from dataclasses import dataclass, fields
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig, ModelConfig,
                              ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from kdaserve.core.engine_output import EngineCoreOutput
+from kdaserve.core.sched_output import SchedulerOutput
 from kdaserve.core.scheduler import Scheduler
 from kdaserve.engine.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.floor import StepFloor, measure_copy_bandwidth
@@ -23,6 +25,9 @@ from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kdaserve.request import Request, RequestStatus
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker.cache import state_bytes_per_slot
+
+if TYPE_CHECKING:
+    from kdaserve.worker.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +113,16 @@ def _eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
+@dataclass
+class _StepInFlight:
+    so: SchedulerOutput
+    context: int | None
+    """Total context of a decode-only step (for the floor gauge), else None."""
+    t0: float
+    """perf_counter() at launch."""
+    launched: LaunchedStep | None = None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
@@ -129,6 +144,9 @@ class LLMEngine:
                                    num_slots, config.speculative_config,
                                    max_model_len=mc.max_model_len)
         self.requests: dict[str, _EngineRequest] = {}
+        self._in_flight: _StepInFlight | None = None
+        """The launched step whose output has not been processed (async scheduling)."""
+        self._last_collect: float | None = None
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -190,6 +208,8 @@ class LLMEngine:
             self.requests.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
+        if self._in_flight is not None:
+            return True
         return bool(self.requests) or self.scheduler.has_unfinished_requests()
 
     def _make_step_floor(self) -> StepFloor:
@@ -213,19 +233,43 @@ class LLMEngine:
         return total
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. With async scheduling the next step is scheduled and launched
+        before the previous one's output is processed: the host work of one step overlaps the
+        device work of the other, and each token's output comes out one call later."""
+        prev, self._in_flight = self._in_flight, None
+        results: list[RequestOutput] = []
+        if prev is not None and not self._can_overlap():
+            results, prev = self._process(prev), None
         so = self.scheduler.schedule()
-        context = self._decode_context(so)
-        t0 = time.perf_counter()
-        ro = self.model_runner.execute_model(so)      # returns after the sampled ids are read
-        elapsed = time.perf_counter() - t0
-        if context is not None:
-            floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
-            self.step_floor_ratio = elapsed / floor
-        if elapsed > SLOW_STEP_S:
-            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
-                           "JIT compilation or autotuning of a new shape?", elapsed,
-                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
-                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
+        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter())
+        cur.launched = self.model_runner.launch(so)
+        if prev is not None:
+            results += self._process(prev)
+        if cur.launched.output is None and self._can_overlap():
+            self._in_flight = cur
+        else:
+            results += self._process(cur)
+        return results
+
+    def _can_overlap(self) -> bool:
+        """May the next step be scheduled before the last one's output is processed?"""
+        if not self.engine_config.scheduler_config.async_scheduling:
+            return False
+        if self.model_runner.spec is not None:
+            return False
+        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+
+    def _process(self, step: _StepInFlight) -> list[RequestOutput]:
+        """Collect a launched step (waits for its sampled ids), then update the scheduler and
+        the request outputs."""
+        so = step.so
+        ro = self.model_runner.collect(step.launched)
+        now_pc = time.perf_counter()
+        # The device ran this step from its launch or from the previous step's end, whichever
+        # came later (overlapped steps): the time per step that limits throughput.
+        elapsed = now_pc - max(step.t0, self._last_collect or 0.0)
+        self._last_collect = now_pc
+        self._record_step_time(so, step.context, elapsed)
         core_outputs = self.scheduler.update_from_output(so, ro)
         if ro.draft_token_ids:
             self.scheduler.update_draft_token_ids(ro.draft_token_ids)
@@ -249,6 +293,17 @@ class LLMEngine:
                 outputs=[s.output for s in req.samples], finished=finished,
                 num_cached_tokens=req.num_cached_tokens, metrics=req.metrics))
         return results
+
+    def _record_step_time(self, so: SchedulerOutput, context: int | None,
+                          elapsed: float) -> None:
+        if context is not None:
+            floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
+            self.step_floor_ratio = elapsed / floor
+        if elapsed > SLOW_STEP_S:
+            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
+                           "JIT compilation or autotuning of a new shape?", elapsed,
+                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
+                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
 
     def _apply(self, req: _EngineRequest, out: EngineCoreOutput, now: float) -> None:
         sample = req.samples[out.sample_index]

@@ -57,6 +57,19 @@ def decode_metadata(buf, bs: int) -> AttentionMetadata:
         max_query_len=1, max_seq_len=buf.max_seq_len)
 
 
+class _HostStaging:
+    """Pinned host copies of the decode graph's inputs, with numpy views to fill them."""
+
+    def __init__(self, bs: int, max_blocks: int) -> None:
+        self.ids = torch.zeros(bs, dtype=torch.long).pin_memory()
+        self.seq = torch.ones(bs, dtype=torch.int32).pin_memory()
+        self.slot = torch.full((bs,), -1, dtype=torch.int64).pin_memory()
+        self.table = torch.zeros(bs, max_blocks, dtype=torch.int32).pin_memory()
+        self.state = torch.zeros(bs, dtype=torch.int32).pin_memory()
+        self.n_ids, self.n_seq, self.n_slot = self.ids.numpy(), self.seq.numpy(), self.slot.numpy()
+        self.n_state, self.n_table = self.state.numpy(), self.table.numpy()
+
+
 class DecodeGraphs:
     def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
@@ -71,15 +84,11 @@ class DecodeGraphs:
         self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=dev)
         self.state_indices = torch.full((bs,), runner.num_slots, dtype=torch.int32, device=dev)
         self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=dev)
-        # Host staging (pinned): one H2D copy per buffer per step.
-        self.h_ids = torch.zeros(bs, dtype=torch.long).pin_memory()
-        self.h_seq = torch.ones(bs, dtype=torch.int32).pin_memory()
-        self.h_slot = torch.full((bs,), -1, dtype=torch.int64).pin_memory()
-        self.h_table = torch.zeros(bs, max_blocks, dtype=torch.int32).pin_memory()
-        self.h_state = torch.zeros(bs, dtype=torch.int32).pin_memory()
-        self.n_ids, self.n_seq, self.n_slot = (self.h_ids.numpy(), self.h_seq.numpy(),
-                                               self.h_slot.numpy())
-        self.n_state, self.n_table = self.h_state.numpy(), self.h_table.numpy()
+        # Host staging (pinned): one H2D copy per buffer per step. Two sets, used in turn: with
+        # async scheduling a step fills its inputs while the previous step's copies may still
+        # be queued behind the device work before them.
+        self._staging = [_HostStaging(bs, max_blocks) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.max_seq_len = runner.config.scheduler_config.max_model_len
@@ -115,8 +124,9 @@ class DecodeGraphs:
         bs = next(s for s in self.sizes if s >= n)
         bsz = self.runner.block_size
         computed = np.asarray(batch.num_computed, dtype=np.int64)
-        ids, seq, slot = self.n_ids, self.n_seq, self.n_slot
-        state, table = self.n_state, self.n_table
+        self._turn ^= 1
+        h = self._staging[self._turn]
+        ids, seq, slot, state, table = h.n_ids, h.n_seq, h.n_slot, h.n_state, h.n_table
         ids[:n] = batch.input_ids
         ids[n:bs] = 0
         seq[:n] = computed + 1
@@ -137,11 +147,13 @@ class DecodeGraphs:
 
     def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
         bs, width = self.fill_host_inputs(batch, states)
-        self.input_ids[:bs].copy_(self.h_ids[:bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self.h_seq[:bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self.h_slot[:bs], non_blocking=True)
-        self.state_indices[:bs].copy_(self.h_state[:bs], non_blocking=True)
-        self.block_table[:bs, :width].copy_(self.h_table[:bs, :width], non_blocking=True)
+        h = self._staging[self._turn]
+        self.input_ids[:bs].copy_(h.ids[:bs], non_blocking=True)
+        self.runner.patch_pending_inputs(self.input_ids, batch)
+        self.seq_lens[:bs].copy_(h.seq[:bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(h.slot[:bs], non_blocking=True)
+        self.state_indices[:bs].copy_(h.state[:bs], non_blocking=True)
+        self.block_table[:bs, :width].copy_(h.table[:bs, :width], non_blocking=True)
         graph, hidden = self.graphs[bs]
         graph.replay()
         n = len(batch.req_ids)

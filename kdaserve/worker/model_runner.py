@@ -22,7 +22,7 @@ from kdaserve.models.registry import build_model, resolve_architecture
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
 from kdaserve.sample.penalties import PenaltyCache, logits_processing
-from kdaserve.sample.sampler import Sampler, to_logprob_dicts
+from kdaserve.sample.sampler import Sampler, SamplerOutput, to_logprob_dicts
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker import cache as cache_mod
 from kdaserve.worker import checkpoints
@@ -43,6 +43,8 @@ class CachedRequestState:
     num_computed_tokens: int
     block_np: np.ndarray = field(default=None, repr=False)
     """block_ids as int32 with spare capacity: rows of the graph block table copy from it."""
+    num_pending: int = 0
+    """Tokens sampled by launched steps and not yet collected (not in token_ids yet)."""
 
     def __post_init__(self) -> None:
         self.block_np = np.empty(max(16, 2 * len(self.block_ids)), dtype=np.int32)
@@ -70,10 +72,41 @@ class StepBatch:
     """Indices (into req_ids) of requests that sample a token this step."""
     drafts: list[list[int]] = field(default_factory=list)
     """Per request, the draft tokens it verifies ([] for non-spec rows)."""
+    pending_inputs: list[tuple[int, str]] = field(default_factory=list)
+    """(position in input_ids, req_id) of decode inputs that the previous launched step sampled
+    and the host has not seen yet: they are copied on the device from its sampled ids."""
 
     @property
     def has_spec(self) -> bool:
         return any(self.drafts)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device; ModelRunner.collect turns it into its ModelRunnerOutput.
+
+    Either `output` is already final (steps that need the host in the loop: speculative
+    decoding, penalties, steps that sample nothing), or the sampled ids are on their way into
+    pinned host memory and `done` fires when they are there."""
+
+    output: ModelRunnerOutput | None = None
+    batch: StepBatch | None = None
+    states: list[CachedRequestState] = field(default_factory=list)
+    host: SamplerOutput | None = None
+    """The sampler's output in host memory (filled once `done` has fired)."""
+    done: torch.cuda.Event | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)
+
+
+def _to_host(out: SamplerOutput) -> SamplerOutput:
+    """Queue the copies of the sampler's output into pinned host memory (no wait)."""
+    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+    return SamplerOutput(copy(out.sampled_token_ids), copy(out.logprob_token_ids),
+                         copy(out.logprobs), copy(out.ranks))
 
 
 def _use_expandable_segments() -> None:
@@ -123,6 +156,10 @@ class ModelRunner:
         self.spec: SpecDecoder | None = None
         if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
             self.spec = SpecDecoder(config, self.args, self.device, self.dtype)
+        self._last_sampled: torch.Tensor | None = None
+        """[R] sampled ids of the last launched step, on the device."""
+        self._last_rows: dict[str, int] = {}
+        """req_id -> its row in _last_sampled."""
 
     # -----------------------------------------------------------------------------------------
     # Cache sizing and allocation
@@ -307,6 +344,10 @@ class ModelRunner:
             start = state.num_computed_tokens
             drafts = list(specs.get(req_id, ()))
             ids = state.token_ids[start:start + n] + drafts
+            known = len(state.token_ids)
+            if n == 1 and not drafts and start == known and state.num_pending:
+                batch.pending_inputs.append((len(batch.input_ids), req_id))
+                ids = [0]   # a placeholder: the device copies the sampled id in
             if len(ids) != n:
                 raise RuntimeError(f"request {req_id!r}: {n} tokens scheduled but {len(ids)} "
                                    f"known from {start} (drafts {drafts})")
@@ -315,19 +356,40 @@ class ModelRunner:
             batch.query_lens.append(n)
             batch.num_computed.append(start)
             batch.drafts.append(drafts)
-            if start + n >= len(state.token_ids):
+            if start + n >= known + state.num_pending:
                 batch.sample_rows.append(i)
         return batch
+
+    def patch_pending_inputs(self, input_ids: torch.Tensor, batch: StepBatch) -> None:
+        """Copy the previous launched step's sampled ids into the placeholder positions of
+        `input_ids` ([T] on the device), in stream order: no host wait."""
+        if not batch.pending_inputs:
+            return
+        try:
+            rows = [self._last_rows[rid] for _, rid in batch.pending_inputs]
+        except KeyError as exc:
+            raise RuntimeError(f"request {exc.args[0]!r}: its input token was not sampled by the "
+                               "last launched step") from None
+        idx = torch.tensor([[p for p, _ in batch.pending_inputs], rows], dtype=torch.long)
+        if input_ids.is_cuda:
+            idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, idx[0], self._last_sampled[idx[1]].to(input_ids.dtype))
 
     def _is_decode(self, req_id: str, so: SchedulerOutput) -> bool:
         return (so.num_scheduled_tokens[req_id] == 1
                 and self.requests[req_id].num_computed_tokens > 0)
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to completion (launch, then collect)."""
+        return self.collect(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Apply the scheduler's delta and queue the step's forward and sampler on the device.
+        Decode inputs still pending from the previous launched step are read on the device."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return LaunchedStep(output=ModelRunnerOutput())
         batch = self._build_batch(so)
         states = [self.requests[r] for r in batch.req_ids]
         exports = checkpoints.plan_step_exports(
@@ -348,16 +410,45 @@ class ModelRunner:
         if not early:
             sampling = self._prepare_sampling(batch, sample_states)
         checkpoints.apply_post_copies(self.caches, exports)
+        step = LaunchedStep(batch=batch, states=states)
         if not batch.sample_rows:
-            return ModelRunnerOutput(req_ids=batch.req_ids,
-                                     sampled_token_ids=[[] for _ in batch.req_ids],
-                                     logprobs=[None] * len(batch.req_ids))
-        if batch.has_spec:
+            step.output = ModelRunnerOutput(req_ids=batch.req_ids,
+                                            sampled_token_ids=[[] for _ in batch.req_ids],
+                                            logprobs=[None] * len(batch.req_ids))
+        elif batch.has_spec:
             emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states, sampling)
+            step.output = self._finish(batch, states, emitted, logprobs)
         else:
-            sampled, lps = self._sample(hidden_rows, sample_states, sampling)
-            emitted = [[t] for t in sampled]
-            logprobs = [None if lp is None else [lp] for lp in lps]
+            out = self.sampler(self.model.compute_logits(hidden_rows), sampling)
+            self._last_sampled = out.sampled_token_ids                        # [R]
+            self._last_rows = {s.req_id: j for j, s in enumerate(sample_states)}
+            for s in sample_states:
+                s.num_pending += 1
+            step.host = _to_host(out)
+            step.num_logprobs = [s.sampling_params.logprobs for s in sample_states]
+            if out.sampled_token_ids.is_cuda:
+                step.done = torch.cuda.Event()
+                step.done.record()
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids and append them to the request states."""
+        if step.output is not None:
+            return step.output
+        if step.done is not None:
+            step.done.synchronize()
+        batch = step.batch
+        sampled = step.host.sampled_token_ids.tolist()
+        lp_dicts, rank_dicts = to_logprob_dicts(step.host, step.num_logprobs)
+        logprobs = [None if lp is None else [{t: Logprob(v, rk[t]) for t, v in lp.items()}]
+                    for lp, rk in zip(lp_dicts, rank_dicts)]
+        for i in batch.sample_rows:
+            step.states[i].num_pending -= 1
+        return self._finish(batch, step.states, [[t] for t in sampled], logprobs)
+
+    def _finish(self, batch: StepBatch, states: list[CachedRequestState],
+                emitted: list[list[int]], logprobs: list) -> ModelRunnerOutput:
+        """Append the emitted tokens (per sampling row) and build the step's output."""
         out_tokens: list[list[int]] = [[] for _ in batch.req_ids]
         out_lps: list = [None] * len(batch.req_ids)
         for j, i in enumerate(batch.sample_rows):
@@ -366,6 +457,7 @@ class ModelRunner:
             out_lps[i] = logprobs[j]
             if batch.drafts[i]:   # mirror the scheduler's rollback of the rejected drafts
                 states[i].num_computed_tokens = batch.num_computed[i] + len(emitted[j])
+        sample_states = [states[i] for i in batch.sample_rows]
         drafts = (self.spec.propose(sample_states, len(batch.req_ids)) if self.spec is not None
                   else {})
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
@@ -413,6 +505,7 @@ drafts) replay CUDA graphs; other steps run eager."""
             self.spec.build_step(md, [bool(d) for d in batch.drafts],
                                  [s.state_slot for s in states], list(spec_exports))
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        self.patch_pending_inputs(ids, batch)
         hidden = self.model(ids, ids, ForwardContext(md, self.caches))
         qsl = md.query_start_loc_cpu.tolist()
         rows = [t for i in batch.sample_rows
@@ -423,19 +516,9 @@ drafts) replay CUDA graphs; other steps run eager."""
         params = [s.sampling_params for s in states]
         gens = {j: self.generators[s.req_id] for j, s in enumerate(states)
                 if s.req_id in self.generators}
-        banned = min_tokens_banned_ids(params, [len(s.token_ids) - s.num_prompt_tokens
-                                                for s in states], self.args.eos_token_id)
+        banned = min_tokens_banned_ids(
+            params, [len(s.token_ids) + s.num_pending - s.num_prompt_tokens for s in states],
+            self.args.eos_token_id)
         md = SamplingMetadata.build(params, gens, banned, self.device)
         md.processing = logits_processing(range(len(states)), states, self.penalties)
         return md
-
-    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState],
-                md: SamplingMetadata):
-        logits = self.model.compute_logits(hidden)                    # [R, V] fp32
-        params = [s.sampling_params for s in states]
-        out = self.sampler(logits, md)
-        sampled = out.sampled_token_ids.tolist()
-        lp_dicts, rank_dicts = to_logprob_dicts(out, [p.logprobs for p in params])
-        logprobs = [None if lp is None else {t: Logprob(v, rk[t]) for t, v in lp.items()}
-                    for lp, rk in zip(lp_dicts, rank_dicts)]
-        return sampled, logprobs

@@ -12,15 +12,19 @@ from kdaserve.worker.cuda_graphs import DecodeGraphs
 from kdaserve.worker.model_runner import CachedRequestState, StepBatch
 
 
+def _staging(max_bs: int, max_blocks: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        n_ids=np.full(max_bs, -7, np.int64), n_seq=np.full(max_bs, -7, np.int32),
+        n_slot=np.full(max_bs, -7, np.int64), n_state=np.full(max_bs, -7, np.int32),
+        n_table=np.full((max_bs, max_blocks), -7, np.int32))
+
+
 def make_graphs(max_bs: int, max_blocks: int, block_size: int, num_slots: int) -> DecodeGraphs:
     g = DecodeGraphs.__new__(DecodeGraphs)        # no CUDA buffers: only the host side
     g.runner = types.SimpleNamespace(block_size=block_size, num_slots=num_slots)
     g.sizes = [1, 2, 4, 8, 16]
-    g.n_ids = np.full(max_bs, -7, np.int64)
-    g.n_seq = np.full(max_bs, -7, np.int32)
-    g.n_slot = np.full(max_bs, -7, np.int64)
-    g.n_state = np.full(max_bs, -7, np.int32)
-    g.n_table = np.full((max_bs, max_blocks), -7, np.int32)
+    g._staging = [_staging(max_bs, max_blocks) for _ in range(2)]
+    g._turn = 0
     return g
 
 
@@ -38,13 +42,28 @@ def test_fill_host_inputs_matches_the_definition():
     batch = StepBatch([s.req_id for s in states], [rng.randrange(100) for _ in states],
                       [1] * len(states), computed, list(range(len(states))))
     size, width = g.fill_host_inputs(batch, states)
+    h = g._staging[g._turn]
     assert size == 16 and width == max(len(s.block_ids) for s in states)
     for i, (s, c) in enumerate(zip(states, computed)):
-        assert g.n_ids[i] == batch.input_ids[i] and g.n_seq[i] == c + 1
-        assert g.n_slot[i] == s.block_ids[c // bs_tok] * bs_tok + c % bs_tok
-        assert g.n_state[i] == s.state_slot
-        assert list(g.n_table[i, :len(s.block_ids)]) == s.block_ids
+        assert h.n_ids[i] == batch.input_ids[i] and h.n_seq[i] == c + 1
+        assert h.n_slot[i] == s.block_ids[c // bs_tok] * bs_tok + c % bs_tok
+        assert h.n_state[i] == s.state_slot
+        assert list(h.n_table[i, :len(s.block_ids)]) == s.block_ids
     pad = slice(len(states), size)                  # padding rows: scratch slot, no KV write
-    assert (g.n_ids[pad] == 0).all() and (g.n_seq[pad] == 1).all()
-    assert (g.n_slot[pad] == -1).all() and (g.n_state[pad] == 40).all()
-    assert (g.n_table[pad, 0] == 0).all()
+    assert (h.n_ids[pad] == 0).all() and (h.n_seq[pad] == 1).all()
+    assert (h.n_slot[pad] == -1).all() and (h.n_state[pad] == 40).all()
+    assert (h.n_table[pad, 0] == 0).all()
+
+
+def test_consecutive_steps_fill_alternate_staging_buffers():
+    """A step's pinned inputs must not be overwritten by the next step's fill while its copies
+    may still be queued (async scheduling): two buffer sets, used in turn."""
+    g = make_graphs(4, 4, 16, 8)
+    st = CachedRequestState("r", [1, 2, 3], 2, SamplingParams(), [0], 0, 2)
+    batch = StepBatch(["r"], [7], [1], [2], [0])
+    g.fill_host_inputs(batch, [st])
+    first = g._staging[g._turn]
+    batch.input_ids[0] = 9
+    g.fill_host_inputs(batch, [st])
+    second = g._staging[g._turn]
+    assert first is not second and first.n_ids[0] == 7 and second.n_ids[0] == 9

@@ -15,18 +15,21 @@ def test_switches_reach_engine_config(tmp_path):
         "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
         "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
-        "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv"])
+        "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv",
+        "--no-async-scheduling"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
             cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
     assert sc.adaptive_spec_budget is False and sc.long_prefill_token_threshold == 64
+    assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
     assert config.kernel_config.decode_gemv
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
+    assert defaults.scheduler_config.async_scheduling is True
     assert not defaults.kernel_config.decode_gemv
 
 

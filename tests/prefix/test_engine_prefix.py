@@ -29,10 +29,10 @@ def _prompts(seed: int = 0):
 
 
 def _record(llm) -> list:
-    """Keep every SchedulerOutput the runner executes (the runner itself still runs)."""
+    """Keep every SchedulerOutput the runner launches (the runner itself still runs)."""
     runner = llm.llm_engine.model_runner
-    seen, execute = [], runner.execute_model
-    runner.execute_model = lambda so: (seen.append(so), execute(so))[1]
+    seen, launch = [], runner.launch
+    runner.launch = lambda so: (seen.append(so), launch(so))[1]
     return seen
 
 

@@ -39,13 +39,13 @@ def _run(llm, prompts=None, params=None, stagger: int = 3):
     params = params or [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
                         for m in MAX_TOKENS]
     runner = eng.model_runner
-    mixed, execute = [], runner.execute_model
+    mixed, launch = [], runner.launch
 
     def record(so):
         specs = so.scheduled_spec_decode_tokens
         mixed.append(bool(specs) and len(specs) < len(so.num_scheduled_tokens))
-        return execute(so)
-    runner.execute_model = record
+        return launch(so)
+    runner.launch = record
     pending = list(enumerate(prompts))
     outs, step = {}, 0
     while pending or eng.has_unfinished_requests():
@@ -56,7 +56,7 @@ def _run(llm, prompts=None, params=None, stagger: int = 3):
             if o.finished:
                 outs[o.request_id] = o.outputs[0].token_ids
         step += 1
-    runner.execute_model = execute
+    runner.launch = launch
     return [outs[f"r{i}"] for i in range(len(prompts))], any(mixed)
 
 

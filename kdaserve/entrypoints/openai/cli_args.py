@@ -118,6 +118,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--adaptive-spec-budget", action=argparse.BooleanOptionalAction,
                    default=None, help="Reserve draft slots only for scheduled requests "
                                       "(--no-... = the static rule).")
+    a.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="Schedule and launch the next step before the last one's sampled ids "
+                        "reach the host (default on; speculative decoding and penalties run "
+                        "one step at a time).")
     a.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: projections of decode batches <= 4 through the Triton GEMV "
                         "(off: cuBLAS). Off by default until measured on the H200.")
@@ -146,6 +150,7 @@ _ENGINE_FLAGS = {
     "num_kda_checkpoint_slots": "num_kda_checkpoint_slots",
     "kda_checkpoint_turn_end": "kda_checkpoint_turn_end",
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
+    "async_scheduling": "async_scheduling",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "decode_gemv": "decode_gemv", "router_splitk": "router_splitk",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
