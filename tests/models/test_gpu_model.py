@@ -86,7 +86,9 @@ def test_bf16_gpu_chunked_and_decode_matches_cpu_reference(pair, cpu_ref, gpu_mo
 
 
 def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
-    """The engine on CUDA (graphs on and off) generates the same greedy tokens."""
+    """The engine on CUDA generates the same greedy (and seeded) tokens with graphs on and off
+    and with async scheduling on and off (async: decode inputs copied on the device from the
+    previous step's sampled ids, graph staging in two pinned buffer sets)."""
     from tests.engine.conftest import _write_tokenizer
     from tests.models.hf_tiny import make_hf_model
 
@@ -95,14 +97,16 @@ def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
     make_hf_model(seed=0).save_pretrained(str(tmp_path))
     _write_tokenizer(str(tmp_path))
     ps = [{"prompt_token_ids": p} for p in PROMPTS]
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sp = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+          SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)] * len(ps)
     outs = {}
-    for eager in (True, False):
+    for eager, async_on in ((True, False), (False, False), (False, True), (True, True)):
         llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
-                  enforce_eager=eager, dtype="float32")
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+                  enforce_eager=eager, dtype="float32", async_scheduling=async_on)
+        outs[eager, async_on] = [o.outputs[0].token_ids
+                                 for o in llm.generate(ps, sp[:len(ps)], use_tqdm=False)]
         del llm
-    assert outs[True] == outs[False]
+    assert len({str(v) for v in outs.values()}) == 1, outs
 
 
 def run_one_request(runner, extra):
