@@ -233,6 +233,10 @@ class KernelConfig:
     partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk) instead of
     the cuBLAS fp32 GEMM then the top-k launch. Off: slower on the H200 at 1 row (18.7 against
     13.4 us) and 64 rows, even at 16, ahead only at 4-8 rows (layers_h200_run8.json)."""
+    pdl: bool = False
+    """Decode-path Triton kernels launched with programmatic dependent launch (Hopper and
+    newer): each may start while the previous kernel finishes, reading only weights before
+    `griddepcontrol.wait`. Takes effect with decode_gemv for the projections."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

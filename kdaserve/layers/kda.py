@@ -38,6 +38,8 @@ class ForgetGate(nn.Module):
 class KimiDeltaAttention(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+    pdl = False
+    """KernelConfig.pdl (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
         super().__init__()
@@ -72,7 +74,7 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, D] -> [T, D]."""
         md, caches = ctx.attn, ctx.caches
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        proj = linear(x, self.in_weight, self.decode_gemv)           # [T, 3P + 2d + H]
+        proj = linear(x, self.in_weight, self.decode_gemv, pdl=self.pdl)           # [T, 3P + 2d + H]
         p = 3 * h * d
         qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
@@ -85,4 +87,4 @@ class KimiDeltaAttention(nn.Module):
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         gate = f_g[1]                                                # [T, P]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
-        return linear(o, self.o_proj.weight, self.decode_gemv)
+        return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)

@@ -14,15 +14,16 @@ def use_gemv(x: torch.Tensor, enabled: bool) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemv: bool = False,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
     """x: [T, K] @ weight [N, K].T -> [T, N] in out_dtype (default x.dtype), fp32 accumulation.
 
     With `gemv` set, CUDA inputs of 1..4 rows go through kernels/linear/gemv.py (which reads a
     weight of another dtype directly, e.g. the router's fp32 weight with bf16 x); everything else
-    is F.linear on x cast to the weight's dtype."""
+    is F.linear on x cast to the weight's dtype. pdl: the GEMV launches with programmatic
+    dependent launch (kernels/linear/gemv.py)."""
     if use_gemv(x, gemv):
         from kdaserve.kernels.linear.gemv import gemv as triton_gemv
 
-        return triton_gemv(x, weight, out_dtype=out_dtype or x.dtype)
+        return triton_gemv(x, weight, out_dtype=out_dtype or x.dtype, pdl=pdl)
     y = F.linear(x.to(weight.dtype), weight)
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)

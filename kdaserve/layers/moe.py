@@ -17,6 +17,8 @@ from kdaserve.models.hf_config import KimiLinearArgs
 class TopkRouter(nn.Module):
     decode_gemv = False
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
+    pdl = False
+    """KernelConfig.pdl (set by the model's configure_kernels)."""
     router_splitk = False
     """KernelConfig.router_splitk (set by the model's configure_kernels)."""
 
@@ -47,7 +49,7 @@ class TopkRouter(nn.Module):
         if x32 is not None:
             logits = F.linear(x32, self.weight)                           # [N, E] fp32
         else:
-            logits = linear(x, self.weight, self.decode_gemv, torch.float32)
+            logits = linear(x, self.weight, self.decode_gemv, torch.float32, pdl=self.pdl)
         if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 

@@ -9,6 +9,9 @@ from kdaserve.kernels import reference as ref
 
 
 class RMSNorm(nn.Module):
+    pdl = False
+    """KernelConfig.pdl (set by the model's configure_kernels)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -24,7 +27,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda:
             from kdaserve.kernels.norm.rms_norm import add_rms_norm
 
-            return add_rms_norm(x, self.weight, self.eps, residual, out32)
+            return add_rms_norm(x, self.weight, self.eps, residual, out32, pdl=self.pdl)
         out, s = ref.add_rms_norm(x, self.weight, self.eps, residual)
         if out32 is not None:
             out32.copy_(out)

@@ -88,6 +88,8 @@ class KimiLinearForCausalLM(nn.Module):
                 module.decode_gemv = kernel_config.decode_gemv
             if hasattr(module, "router_splitk"):
                 module.router_splitk = kernel_config.router_splitk
+            if hasattr(module, "pdl"):
+                module.pdl = kernel_config.pdl
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

@@ -16,7 +16,7 @@ def test_switches_reach_engine_config(tmp_path):
         "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
         "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv",
-        "--no-async-scheduling"])
+        "--no-async-scheduling", "--pdl"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
@@ -24,13 +24,13 @@ def test_switches_reach_engine_config(tmp_path):
     assert sc.adaptive_spec_budget is False and sc.long_prefill_token_threshold == 64
     assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
-    assert config.kernel_config.decode_gemv
+    assert config.kernel_config.decode_gemv and config.kernel_config.pdl
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
     assert defaults.scheduler_config.async_scheduling is True
-    assert not defaults.kernel_config.decode_gemv
+    assert not defaults.kernel_config.decode_gemv and not defaults.kernel_config.pdl
 
 
 def test_kernel_config_reaches_the_layers(tmp_path):
@@ -43,10 +43,11 @@ def test_kernel_config_reaches_the_layers(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = []
     for on in (False, True):
-        llm = LLM(model, max_model_len=256, decode_gemv=on)
+        llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on)
         mods = list(llm.llm_engine.model_runner.model.modules())
-        flags = [m.decode_gemv for m in mods if hasattr(m, "decode_gemv")]
-        assert flags and all(f == on for f in flags)
+        for name in ("decode_gemv", "pdl"):
+            flags = [getattr(m, name) for m in mods if hasattr(m, name)]
+            assert flags and all(f == on for f in flags), name
         outs.append(llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0]
                     .outputs[0].token_ids)
         del llm

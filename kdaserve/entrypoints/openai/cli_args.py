@@ -125,6 +125,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: projections of decode batches <= 4 through the Triton GEMV "
                         "(off: cuBLAS). Off by default until measured on the H200.")
+    a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA (Hopper+): decode-path Triton kernels with programmatic dependent "
+                        "launch; with --decode-gemv it covers the projections too.")
     a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
                         "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
@@ -152,7 +155,7 @@ _ENGINE_FLAGS = {
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "async_scheduling": "async_scheduling",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
-    "decode_gemv": "decode_gemv", "router_splitk": "router_splitk",
+    "decode_gemv": "decode_gemv", "router_splitk": "router_splitk", "pdl": "pdl",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 
