@@ -88,7 +88,8 @@ def test_bf16_gpu_chunked_and_decode_matches_cpu_reference(pair, cpu_ref, gpu_mo
 def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
     """The engine on CUDA generates the same greedy (and seeded) tokens with graphs on and off
     and with async scheduling on and off (async: decode inputs copied on the device from the
-    previous step's sampled ids, graph staging in two pinned buffer sets)."""
+    previous step's sampled ids, graph staging in two pinned buffer sets), and with the decode
+    kernels launched with PDL in the graphs."""
     from tests.engine.conftest import _write_tokenizer
     from tests.models.hf_tiny import make_hf_model
 
@@ -100,10 +101,12 @@ def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
     sp = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
           SamplingParams(temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)] * len(ps)
     outs = {}
-    for eager, async_on in ((True, False), (False, False), (False, True), (True, True)):
+    for eager, async_on, pdl in ((True, False, False), (False, False, False),
+                                 (False, True, False), (True, True, False), (False, True, True)):
         llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
-                  enforce_eager=eager, dtype="float32", async_scheduling=async_on)
-        outs[eager, async_on] = [o.outputs[0].token_ids
+                  enforce_eager=eager, dtype="float32", async_scheduling=async_on,
+                  decode_gemv=pdl, pdl=pdl)
+        outs[eager, async_on, pdl] = [o.outputs[0].token_ids
                                  for o in llm.generate(ps, sp[:len(ps)], use_tqdm=False)]
         del llm
     assert len({str(v) for v in outs.values()}) == 1, outs
@@ -120,14 +123,14 @@ def run_one_request(runner, extra):
 
 
 def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
-    """KernelConfig(decode_gemv) on: 3-row decode steps (GEMV M=3, the router reading its fp32
+    """KernelConfig(decode_gemv, pdl) on: 3-row decode steps (GEMV M=3, the router reading its fp32
     weight with bf16 x) and 1-row steps (GEMV M=1) through the Triton GEMV against the fp32
     reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
     model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True))
+    model.configure_kernels(KernelConfig(decode_gemv=True, pdl=True))
     try:
         ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
         got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)
