@@ -134,8 +134,8 @@ def main() -> None:
         sched = engine.engine_config.scheduler_config
         use_async = sched.async_scheduling
         runs = [("graphs", True, use_async), ("eager", False, use_async)]
-        if use_async:
-            runs.append(("graphs_sync", True, False))   # the same without async scheduling
+        if use_async:   # the same without async scheduling
+            runs += [("graphs_sync", True, False), ("eager_sync", False, False)]
         for key, graphs, async_on in runs:
             saved = rn.graphs
             if not graphs:
