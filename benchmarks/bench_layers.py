@@ -39,8 +39,8 @@ def bench_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def bench_graph_ms(fn) -> float:
-    """Median time of fn replayed from a CUDA graph (no Python/launch overhead: the decode path)."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn run once on a side stream (compiles, allocates), then captured in a CUDA graph."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -49,7 +49,13 @@ def bench_graph_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench_ms(graph.replay)
+    torch.cuda.synchronize()
+    return graph
+
+
+def bench_graph_ms(fn) -> float:
+    """Median time of fn replayed from a CUDA graph (no Python/launch overhead: the decode path)."""
+    return bench_ms(capture(fn).replay)
 
 
 def time_case(fn) -> tuple[float, float | None]:

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_layers import (HIDDEN, KDA_DIM, KDA_HEADS, bench_meta,  # noqa: E402
+from bench_layers import (HIDDEN, KDA_DIM, KDA_HEADS, bench_meta, capture,  # noqa: E402
                           measure_ceilings, write_results)
 from kdaserve.kernels.linear.gemv import GemvConfig, default_config, gemv  # noqa: E402
 from kdaserve.kernels.norm.rms_norm import add_rms_norm  # noqa: E402
@@ -60,20 +60,6 @@ def mode_prefetch(mode: str) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------------------------
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """fn run once on a side stream (compiles, allocates), then captured in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def time_graph_ms(graph: torch.cuda.CUDAGraph, reps: int, warmup: int = 10) -> float:

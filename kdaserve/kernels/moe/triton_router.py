@@ -6,15 +6,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_row(logits, mask_e, offs_e, bias_ptr, weights_ptr, ids_ptr, row, scaling,
+def _route_row(logits, mask_e, offs_e, bias_ptr, bias, weights_ptr, ids_ptr, row, scaling,
                TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
-               BLOCK_K: tl.constexpr, EXTRA_ID: tl.constexpr):
+               BLOCK_K: tl.constexpr, EXTRA_ID: tl.constexpr, BIAS_LOADED: tl.constexpr):
     """One token's routing from its logits [BLOCK_E]: sigmoid, selection bias, TOP_K rounds of
-    argmax, renormalise, scale; stores TOP_K (weight, id) pairs (+ the extra column)."""
+    argmax, renormalise, scale; stores TOP_K (weight, id) pairs (+ the extra column).
+    BIAS_LOADED: `bias` holds the [BLOCK_E] selection bias already loaded (else it is unused and
+    the bias is loaded from bias_ptr here)."""
     scores = tl.sigmoid(logits.to(tl.float32))                      # [BLOCK_E]
     select = scores
     if HAS_BIAS:
-        select += tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)
+        if not BIAS_LOADED:
+            bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0)
+        select += bias.to(tl.float32)
     select = tl.where(mask_e, select, float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
     w_row = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -44,7 +48,8 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
                         stride_part, scaling,
                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EXTRA_ID: tl.constexpr = -1, NUM_PARTIALS: tl.constexpr = 1):
+                        EXTRA_ID: tl.constexpr = -1, NUM_PARTIALS: tl.constexpr = 1,
+                        USE_PDL: tl.constexpr = False):
     """One token per program: TOP_K (weight, id) pairs; with EXTRA_ID >= 0 one more column
     (weight 1, id EXTRA_ID) follows: the shared expert folded into the routed ones.
 
@@ -53,18 +58,27 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
     order 0, 1, ..., NUM_PARTIALS - 1 (deterministic); NUM_PARTIALS == 1 reads one row as is.
 
     One row per program keeps every reduction inside one or two warps: the 2-D [tokens,
-    experts] tile this replaced spent ~25 us per decode step on cross-warp argmax rounds."""
+    experts] tile this replaced spent ~25 us per decode step on cross-warp argmax rounds.
+
+    USE_PDL (programmatic dependent launch): only the selection bias (immutable) is read before
+    griddepcontrol.wait; the logits / partials and every store come after it."""
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
+    bias = 0.0                                  # unused unless USE_PDL loads it here
+    if USE_PDL:
+        if HAS_BIAS:   # the bias is immutable: load it while the previous kernel finishes
+            bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0)
+        tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()     # the next PDL kernel may start its preamble
     logits = tl.load(logits_ptr + row * stride_lt + offs_e, mask=mask_e, other=0.0)
     if NUM_PARTIALS > 1:
         logits = logits.to(tl.float32)                              # [BLOCK_E]
         for p in tl.static_range(1, NUM_PARTIALS):                  # fixed order: 0, 1, ...
             part_ptrs = logits_ptr + p * stride_part + row * stride_lt + offs_e
             logits += tl.load(part_ptrs, mask=mask_e, other=0.0).to(tl.float32)
-    _route_row(logits, mask_e, offs_e, bias_ptr, weights_ptr, ids_ptr, row, scaling,
-               TOP_K, RENORMALIZE, HAS_BIAS, BLOCK_K, EXTRA_ID)
+    _route_row(logits, mask_e, offs_e, bias_ptr, bias, weights_ptr, ids_ptr, row, scaling,
+               TOP_K, RENORMALIZE, HAS_BIAS, BLOCK_K, EXTRA_ID, USE_PDL)
 
 
 @triton.jit
@@ -72,7 +86,7 @@ def router_logits_splitk_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts,
                                 stride_xn, stride_we, stride_ps,
                                 K_PER_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                                EVEN_K: tl.constexpr):
+                                EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Program (pe, s): partials[s, n, e] = sum of x[n, k] * w[e, k] over the K slice
     [s * K_PER_SPLIT, (s + 1) * K_PER_SPLIT) for every token n < num_tokens (<= BLOCK_N) and
     the experts e of block pe; exact fp32 (x read as fp32 whatever its dtype).
@@ -91,7 +105,13 @@ def router_logits_splitk_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts,
     Token rows past num_tokens read row num_tokens - 1 (clamped: no mask) and are not stored;
     expert rows past num_experts likewise. With EVEN_K (hidden % K_PER_SPLIT == 0) no K mask;
     otherwise k >= hidden reads 0, and fma(0, 0, acc) == acc keeps the chain exact.
+    USE_PDL (programmatic dependent launch): griddepcontrol.wait before any load (the weight
+    chunks are cp.async-pipelined with x's, so none is hoisted above the wait), then
+    griddepcontrol.launch_dependents.
     """
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pe = tl.program_id(0)
     s = tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_N)                                   # [BLOCK_N]
