@@ -1,0 +1,189 @@
+"""A KDA layer's whole one-token decode after its input projection, in one launch:
+causal conv update -> f_b / g_b up-projections -> gate activation -> l2norm(q, k), sigmoid(beta)
+-> gated delta rule on the state slot -> gated RMS norm. The output feeds o_proj directly.
+
+For decode rows only (each row one token continuing its state). Twin:
+`kda_decode_fused_reference` below (composes kernels/reference.py, fp32).
+
+Layouts (the engine's, kdaserve/worker/cache.py):
+    proj          [N, 3P + 2d + H]   q | k | v (3P, P = H * d) | f_a (d) | g_a (d) | beta logits (H)
+    conv_weight   [3P, W]            the depthwise conv taps (conv1d.weight[:, 0])
+    conv_cache    [slots, 3P, W-1]   per slot, the last W-1 pre-conv inputs (oldest first)
+    rec_cache     [slots, H, d, d]   fp32 [K, V] states
+    fg_b_weight   [2, P, d]          f_b_proj.weight | g_b_proj.weight
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.kernels import reference as ref
+from kdaserve.kernels.utils import (check_device, check_kernel_device, next_power_of_2,
+                                    require_triton)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_HEAD_DIM = 128
+"""One program holds a head's [d, d] fp32 state and its two [d, d] gate tiles in registers."""
+
+
+def default_num_warps(head_dim: int) -> int:
+    """8 warps at d = 128 (64 state floats per thread); fewer for small heads. Unmeasured."""
+    return max(1, min(8, head_dim * head_dim // 2048))
+
+
+def _check_gate(lower_bound: float | None, num_heads: int, head_dim: int) -> None:
+    if lower_bound is not None:
+        raise ValueError(f"lower_bound must be None (the bounded gate is not fused), "
+                         f"got {lower_bound}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    if head_dim < 8 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [8, {MAX_HEAD_DIM}], "
+                         f"got {head_dim}")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+
+
+def _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight, A_log,
+                  dt_bias, o_norm_weight, num_heads, head_dim, out) -> int:
+    """Every shape, dtype, layout and device; returns the conv width W."""
+    H, d = num_heads, head_dim
+    P = H * d
+    if proj.dim() != 2 or proj.shape[1] != 3 * P + 2 * d + H:
+        raise ValueError(f"proj must be [N, 3P + 2d + H = {3 * P + 2 * d + H}] (H={H}, d={d}), "
+                         f"got {list(proj.shape)}")
+    if proj.stride(1) != 1:
+        raise ValueError(f"proj must have a contiguous last dim, got strides {proj.stride()}")
+    if proj.dtype not in DTYPES:
+        raise ValueError(f"proj dtype {proj.dtype} not in {DTYPES}")
+    N = proj.shape[0]
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != 3 * P or conv_weight.shape[1] < 2:
+        raise ValueError(f"conv_weight must be [3P = {3 * P}, W >= 2], "
+                         f"got {list(conv_weight.shape)}")
+    W = conv_weight.shape[1]
+    if conv_cache.dim() != 3:
+        raise ValueError(f"conv_cache must be [slots, 3P, W-1], got {list(conv_cache.shape)}")
+    _check_shape("conv_cache", conv_cache, (conv_cache.shape[0], 3 * P, W - 1))
+    if rec_cache.dim() != 4 or rec_cache.shape[1] != H:
+        raise ValueError(f"rec_cache must be [slots, H={H}, K, V], got {list(rec_cache.shape)}")
+    if rec_cache.shape[2] != rec_cache.shape[3]:
+        raise ValueError(f"rec_cache K={rec_cache.shape[2]} != V={rec_cache.shape[3]}: the "
+                         f"fused decode needs K == V == head_dim")
+    _check_shape("rec_cache", rec_cache, (rec_cache.shape[0], H, d, d))
+    if rec_cache.dtype != torch.float32:
+        raise ValueError(f"rec_cache must be fp32, got {rec_cache.dtype}")
+    _check_shape("state_indices", state_indices, (N,))
+    if state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"state_indices must be int32 or int64, got {state_indices.dtype}")
+    _check_shape("fg_b_weight", fg_b_weight, (2, P, d))
+    if fg_b_weight.stride(2) != 1:
+        raise ValueError(f"fg_b_weight must have a contiguous last dim, "
+                         f"got strides {fg_b_weight.stride()}")
+    if A_log.numel() != H:
+        raise ValueError(f"A_log must have H={H} elements, got {list(A_log.shape)}")
+    if dt_bias.numel() != P:
+        raise ValueError(f"dt_bias must have P={P} elements, got {list(dt_bias.shape)}")
+    _check_shape("o_norm_weight", o_norm_weight, (d,))
+    if out is not None:
+        _check_shape("out", out, (N, P))
+        if out.dtype != proj.dtype or out.stride(1) != 1:
+            raise ValueError(f"out must be {proj.dtype} with a contiguous last dim, got "
+                             f"{out.dtype} strides {out.stride()}")
+    for name, t in (("conv_weight", conv_weight), ("conv_cache", conv_cache),
+                    ("rec_cache", rec_cache), ("state_indices", state_indices),
+                    ("fg_b_weight", fg_b_weight), ("A_log", A_log), ("dt_bias", dt_bias),
+                    ("o_norm_weight", o_norm_weight), ("out", out)):
+        if t is not None:
+            check_device(name, t, proj.device)
+    return W
+
+
+def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: torch.Tensor,
+                     rec_cache: torch.Tensor, state_indices: torch.Tensor,
+                     fg_b_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     o_norm_weight: torch.Tensor, eps: float, num_heads: int, head_dim: int,
+                     lower_bound: float | None = None, out: torch.Tensor | None = None,
+                     pdl: bool = False, num_warps: int | None = None) -> torch.Tensor:
+    """One decode token per row through a KDA layer, from its input projection to o_proj's
+    input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
+    may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
+
+    Returns o [N, P] in proj.dtype (or `out`, an [N, P] buffer with a contiguous last dim): the
+    gated-normed attention output. conv_cache and rec_cache are updated in place at
+    state_indices as the unfused path (causal_conv1d_update + fla's fused_recurrent_kda)
+    updates them: the same windows bit for bit; the states up to rounding, since q, k, v, the
+    gates and the delta rule stay in fp32 here (the unfused path rounds q/k/v, the f_b / g_b
+    outputs and o to proj.dtype between its kernels). A row with a state index < 0 computes
+    from a zero window and state and writes neither. Rows sharing a slot (CUDA-graph padding
+    rows on the scratch slot) race on it, as in the unfused path: their outputs and that
+    slot's contents are unspecified.
+
+    A_log: H elements (any shape); dt_bias: P elements; o_norm_weight: [d]; lower_bound must
+    be None (the bounded gate variant is refused, ValueError). head_dim: a power of two in
+    [8, 128]. num_warps: default 8 at head_dim 128 (default_num_warps; 16 also fits, unmeasured).
+    pdl: programmatic dependent launch (sm_90+; ignored on CPU tensors): only weights are read
+    before griddepcontrol.wait, so the previous kernel must not write them; same results as
+    pdl=False. CUDA-graph safe: grid (N, H) from shapes, no host syncs.
+    """
+    _check_gate(lower_bound, num_heads, head_dim)
+    W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
+                      A_log, dt_bias, o_norm_weight, num_heads, head_dim, out)
+    warps = default_num_warps(head_dim) if num_warps is None else num_warps
+    if warps < 1 or warps > 16 or warps & (warps - 1):
+        raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
+    check_kernel_device(proj)
+    N, P = proj.shape[0], num_heads * head_dim
+    if out is None:
+        out = torch.empty(N, P, dtype=proj.dtype, device=proj.device)
+    if N == 0:
+        return out
+    require_triton()
+    from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
+
+    use_pdl = pdl and proj.is_cuda
+    kda_decode_fused_kernel[(N, num_heads)](
+        proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
+        A_log.reshape(-1), dt_bias.reshape(-1), o_norm_weight, out,
+        P, float(eps), head_dim ** -0.5,
+        proj.stride(0), out.stride(0), conv_weight.stride(0), conv_weight.stride(1),
+        conv_cache.stride(0), conv_cache.stride(1), conv_cache.stride(2),
+        rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2), rec_cache.stride(3),
+        fg_b_weight.stride(0), fg_b_weight.stride(1),
+        D=head_dim, W=W, BW=next_power_of_2(W - 1), USE_PDL=use_pdl, num_warps=warps,
+        **({"launch_pdl": True} if use_pdl else {}))
+    return out
+
+
+def kda_decode_fused_reference(proj: torch.Tensor, conv_weight: torch.Tensor,
+                               conv_cache: torch.Tensor, rec_cache: torch.Tensor,
+                               state_indices: torch.Tensor, fg_b_weight: torch.Tensor,
+                               A_log: torch.Tensor, dt_bias: torch.Tensor,
+                               o_norm_weight: torch.Tensor, eps: float, num_heads: int,
+                               head_dim: int, lower_bound: float | None = None) -> torch.Tensor:
+    """The same contract from kernels/reference.py, everything in fp32 (caches updated in
+    place, output in proj.dtype): conv update -> kda_gate -> kda_recurrent -> rms_norm_gated."""
+    _check_gate(lower_bound, num_heads, head_dim)
+    _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight, A_log,
+                  dt_bias, o_norm_weight, num_heads, head_dim, None)
+    H, d = num_heads, head_dim
+    P, N = H * d, proj.shape[0]
+    x = proj.float()                                                   # [N, 3P + 2d + H]
+    qkv = ref.causal_conv1d_update(x[:, :3 * P], conv_weight.float(), conv_cache,
+                                   state_indices)                      # [N, 3P]
+    q, k, v = qkv.view(N, 3, H, d).unbind(1)                           # [N, H, d] each
+    g_raw = x[:, 3 * P:3 * P + d] @ fg_b_weight[0].float().T           # [N, P]
+    gate = x[:, 3 * P + d:3 * P + 2 * d] @ fg_b_weight[1].float().T    # [N, P]
+    g = ref.kda_gate(g_raw.view(N, H, d), A_log, dt_bias, lower_bound)  # [N, H, d]
+    beta = torch.sigmoid(x[:, 3 * P + 2 * d:])                         # [N, H]
+    o = torch.empty(N, H, d, dtype=torch.float32, device=proj.device)
+    for i, slot in enumerate(state_indices.tolist()):
+        init = rec_cache[slot] if slot >= 0 else None
+        o[i:i + 1], state = ref.kda_recurrent(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
+                                              beta[i:i + 1], init)
+        if slot >= 0:
+            rec_cache[slot] = state
+    o = ref.rms_norm_gated(o.view(N * H, d), gate.view(N * H, d), o_norm_weight, eps)
+    return o.view(N, P).to(proj.dtype)

@@ -1,0 +1,136 @@
+"""Triton kernel of the fused KDA decode (imported lazily by decode_fused.py).
+
+One program per (row, head) does the head's whole one-token step: the causal conv of its q, k, v
+channels (and the shift of their windows), the f_b / g_b up-projections of its D gate rows, the
+gate activation, l2norm, sigmoid beta, the gated delta rule on its [D, D] fp32 state and the
+gated RMS norm of its D outputs. Every conv channel and every state tile belongs to exactly one
+program, so in-place updates cannot race between programs.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _conv_taps(w_ptr, ch, offs_j, stride_wd, stride_wj, W: tl.constexpr):
+    """Conv weights of channels ch [D]: the taps on the window [D, BW] (zeros past W-1) and the
+    tap on the new input [D], fp32."""
+    w_win = tl.load(w_ptr + ch[:, None] * stride_wd + offs_j[None, :] * stride_wj,
+                    mask=(offs_j < W - 1)[None, :], other=0.0)
+    w_new = tl.load(w_ptr + ch * stride_wd + (W - 1) * stride_wj)
+    return w_win.to(tl.float32), w_new.to(tl.float32)
+
+
+@triton.jit
+def _conv_load(cache_ptr, ch, offs_j, live, stride_cd, stride_cj, W: tl.constexpr):
+    """The old window of channels ch ([D, BW], zeros for a dead slot or past W-1) and the same
+    window read one column later (column j holds old column j+1; column W-2 is replaced by the
+    new input before it is stored)."""
+    ptrs = cache_ptr + ch[:, None] * stride_cd + offs_j[None, :] * stride_cj   # [D, BW]
+    win = tl.load(ptrs, mask=(offs_j < W - 1)[None, :] & live, other=0.0)
+    nxt = tl.load(ptrs + stride_cj, mask=(offs_j < W - 2)[None, :] & live, other=0.0)
+    return win, nxt
+
+
+@triton.jit
+def _conv_out(win, w_win, x, w_new):
+    """SiLU(causal conv) of one token [D] fp32 from its window [D, BW] and input x [D]."""
+    return _silu(tl.sum(win.to(tl.float32) * w_win, axis=1) + x * w_new)
+
+
+@triton.jit
+def _conv_store(cache_ptr, ch, offs_j, live, nxt, x, stride_cd, stride_cj, W: tl.constexpr):
+    """Window <- old columns 1..W-2 then x (in the cache's dtype)."""
+    new = tl.where((offs_j == W - 2)[None, :], x[:, None].to(nxt.dtype), nxt)   # [D, BW]
+    tl.store(cache_ptr + ch[:, None] * stride_cd + offs_j[None, :] * stride_cj, new,
+             mask=(offs_j < W - 1)[None, :] & live)
+
+
+@triton.jit
+def _l2norm(x):
+    return x / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
+def kda_decode_fused_kernel(
+    proj_ptr, conv_w_ptr, conv_ptr, rec_ptr, idx_ptr, fgb_ptr, a_log_ptr, dt_bias_ptr,
+    norm_w_ptr, out_ptr,
+    P, eps, scale,
+    stride_pn, stride_on, stride_wd, stride_wj, stride_cs, stride_cd, stride_cj,
+    stride_rs, stride_rh, stride_rk, stride_rv, stride_fg, stride_fp,
+    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Program (n, h): row n's token through head h. proj row n = [q | k | v (3P) | f_a (D) |
+    g_a (D) | beta logits (H)]; the conv cache slot holds [3P, W-1] windows, the recurrent
+    slot [H, D, D] fp32 states. A row whose state index is < 0 computes from a zero window and
+    a zero state and writes neither (its output is still written).
+
+    USE_PDL (programmatic dependent launch, sm_90+): only weights (conv taps, f_b / g_b rows,
+    dt_bias, A_log, norm weight) are read before griddepcontrol.wait; proj, the state index,
+    both caches and every store come after it, then launch_dependents.
+    All loads of a window / state precede one CTA barrier and all stores follow it: a shifted
+    window's column j is old column j+1, which another thread of this program may still read.
+    """
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, D)                                          # [D] channel in the head
+    offs_j = tl.arange(0, BW)                                       # [BW] window column
+    ch_q = h * D + offs
+    ch_k = P + ch_q
+    ch_v = 2 * P + ch_q
+    # ---- weights: safe to read before the wait (nothing in the step writes them)
+    fb_ptrs = fgb_ptr + (h * D + offs)[:, None].to(tl.int64) * stride_fp + offs[None, :]
+    f_b = tl.load(fb_ptrs)                                          # [D, D] gate rows of f_b
+    g_b = tl.load(fb_ptrs + stride_fg)                              # [D, D] gate rows of g_b
+    wq_win, wq_new = _conv_taps(conv_w_ptr, ch_q, offs_j, stride_wd, stride_wj, W)
+    wk_win, wk_new = _conv_taps(conv_w_ptr, ch_k, offs_j, stride_wd, stride_wj, W)
+    wv_win, wv_new = _conv_taps(conv_w_ptr, ch_v, offs_j, stride_wd, stride_wj, W)
+    dt_b = tl.load(dt_bias_ptr + h * D + offs).to(tl.float32)       # [D]
+    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)              # [D]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
+        tl.extra.cuda.gdc_launch_dependents()
+    # ---- activations and state
+    slot = tl.load(idx_ptr + n).to(tl.int64)
+    live = slot >= 0
+    row = proj_ptr + n * stride_pn
+    x_q = tl.load(row + ch_q).to(tl.float32)                        # [D] pre-conv inputs
+    x_k = tl.load(row + ch_k).to(tl.float32)
+    x_v = tl.load(row + ch_v).to(tl.float32)
+    f_a = tl.load(row + 3 * P + offs).to(tl.float32)                # [D] low-rank gate input
+    g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
+    b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
+    cache = conv_ptr + tl.maximum(slot, 0) * stride_cs
+    win_q, nxt_q = _conv_load(cache, ch_q, offs_j, live, stride_cd, stride_cj, W)
+    win_k, nxt_k = _conv_load(cache, ch_k, offs_j, live, stride_cd, stride_cj, W)
+    win_v, nxt_v = _conv_load(cache, ch_v, offs_j, live, stride_cd, stride_cj, W)
+    s_ptrs = (rec_ptr + tl.maximum(slot, 0) * stride_rs + h * stride_rh
+              + offs[:, None] * stride_rk + offs[None, :] * stride_rv)      # [D(k), D(v)]
+    S = tl.load(s_ptrs, mask=live, other=0.0)                       # [D, D] fp32
+    # ---- conv, gates, l2norm
+    q = _l2norm(_conv_out(win_q, wq_win, x_q, wq_new)) * scale      # [D]
+    k = _l2norm(_conv_out(win_k, wk_win, x_k, wk_new))
+    v = _conv_out(win_v, wv_win, x_v, wv_new)
+    g = tl.sum(f_b.to(tl.float32) * f_a[None, :], axis=1) + dt_b    # [D] gate pre-activation
+    g = neg_a * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))      # log decay (<= 0)
+    gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)        # [D] output gate
+    beta = tl.sigmoid(b_logit)
+    # ---- gated delta rule: decay key rows, rank-1 write, read after write
+    S = S * tl.exp(g)[:, None]
+    u = (v - tl.sum(S * k[:, None], axis=0)) * beta                 # [D(v)]
+    S = S + k[:, None] * u[None, :]
+    o = tl.sum(S * q[:, None], axis=0)                              # [D(v)]
+    # ---- gated RMS norm over the head's outputs
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * norm_w * tl.sigmoid(gate)
+    tl.debug_barrier()                            # every window / state load before any store
+    _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
+    _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+    _conv_store(cache, ch_v, offs_j, live, nxt_v, x_v, stride_cd, stride_cj, W)
+    tl.store(s_ptrs, S, mask=live)
+    tl.store(out_ptr + n * stride_on + h * D + offs, o.to(out_ptr.dtype.element_ty))
