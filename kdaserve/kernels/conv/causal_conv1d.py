@@ -4,6 +4,12 @@ Twins: `kdaserve.kernels.reference.causal_conv1d_varlen` / `causal_conv1d_update
 State layout: conv_states [num_slots, D, W-1] holds, per slot, the last W-1 inputs of its request
 (oldest first). A state index < 0 marks a padding sequence: it is computed with a zero window and
 its slot is left alone. Both calls are CUDA-graph safe (grids from shapes, no host syncs).
+
+`pdl=True` launches every kernel with programmatic dependent launch (sm_90+): a kernel may start
+while the previous one in the stream finishes and waits for it (griddepcontrol.wait) before it
+reads x, the states or the indices, or stores anything (causal_conv1d_update reads the weight
+before the wait, so the previous kernel must not write it), then lets the next PDL kernel start.
+Same results as pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ def _out_layout(out: torch.Tensor | None, x: torch.Tensor):
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                          conv_states: torch.Tensor, state_indices: torch.Tensor,
                          has_initial_state: torch.Tensor, activation: str | None = "silu",
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Prefill over packed sequences; updates conv_states in place.
 
     x: [T, D] packed tokens; weight: [D, W]; cu_seqlens: [B+1] int32 (rows past cu_seqlens[-1]
@@ -58,6 +64,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     has_initial_state: [B] bool (False: the window before the sequence is zeros).
     Returns y [T, D] in x.dtype. Afterwards conv_states[state_indices[b]] holds the last W-1
     inputs of sequence b (earlier state columns shift in when the sequence is shorter than W-1).
+    pdl: both launches with programmatic dependent launch (module docstring).
     """
     require_triton()
     from kdaserve.kernels.conv.triton_conv import conv_varlen_kernel, conv_varlen_state_kernel
@@ -77,6 +84,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     out, stride_yt, stride_ysplit, split = _out_layout(out, x)
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.uint8)
+    use_pdl = pdl and x.is_cuda
+    launch = {"launch_pdl": True} if use_pdl else {}
     if T > 0:
         block_t, block_d = 32, min(256, next_power_of_2(D))
         conv_varlen_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
@@ -85,24 +94,26 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
             x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
             W=W, SEARCH_STEPS=max(1, (B - 1).bit_length()), SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, num_warps=4,
+            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, USE_PDL=use_pdl, num_warps=4,
+            **launch,
         )
     block_d = min(512, next_power_of_2(D))
     conv_varlen_state_kernel[(B, cdiv(D, block_d))](
         x, cu_seqlens, conv_states, state_indices, has_initial_state, D,
         x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-        W=W, BLOCK_W=next_power_of_2(W - 1), BLOCK_D=block_d, num_warps=4,
+        W=W, BLOCK_W=next_power_of_2(W - 1), BLOCK_D=block_d, USE_PDL=use_pdl, num_warps=4,
+        **launch,
     )
     return out
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,
                          state_indices: torch.Tensor, activation: str | None = "silu",
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """One decode token per sequence; shifts x into conv_states[state_indices[b]] in place.
 
     x: [B, D]; weight: [D, W]; conv_states: [num_slots, D, W-1]; state_indices: [B] int32.
-    Returns y [B, D] in x.dtype.
+    Returns y [B, D] in x.dtype. pdl: programmatic dependent launch (module docstring).
     """
     require_triton()
     from kdaserve.kernels.conv.triton_conv import conv_update_kernel
@@ -119,11 +130,12 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     if B == 0:
         return out
     block_d = min(256, next_power_of_2(D))
+    use_pdl = pdl and x.is_cuda
     conv_update_kernel[(B, cdiv(D, block_d))](
         x, weight, out, conv_states, state_indices, D,
         x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
         W=W, BLOCK_W=next_power_of_2(W - 1), SILU=activation == "silu", BLOCK_D=block_d,
-        SPLIT=split, num_warps=4,
+        SPLIT=split, USE_PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -3,10 +3,24 @@
 Varlen prefill runs in two launches: `conv_varlen_kernel` reads the initial windows from the state
 slots, then `conv_varlen_state_kernel` overwrites those slots with each sequence's last W-1
 inputs (a later launch, so no program reads a slot another program already rewrote).
+
+USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait, then
+griddepcontrol.launch_dependents, before any load of x, the states, the indices or lengths and
+before any store; only conv_update_kernel reads the conv weight (immutable) before the wait.
+USE_PDL=False generates the same code as before the flag existed.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _pdl_wait(USE_PDL: tl.constexpr):
+    """With USE_PDL: wait for the previous kernel's writes (griddepcontrol.wait), then let the
+    next PDL kernel start its preamble (launch_dependents). Nothing without it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -31,7 +45,9 @@ def conv_varlen_kernel(
     stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
     W: tl.constexpr, SEARCH_STEPS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):
+    _pdl_wait(USE_PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
@@ -82,7 +98,9 @@ def conv_varlen_state_kernel(
     x_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr, dim,
     stride_xt, stride_ss, stride_sd, stride_sj,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    _pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     slot = tl.load(state_idx_ptr + seq).to(tl.int64)
     if slot < 0:
@@ -111,15 +129,34 @@ def conv_varlen_state_kernel(
 
 
 @triton.jit
+def _update_weights(w_ptr, offs_d, mask_d, stride_wd, stride_wj, W: tl.constexpr,
+                    BLOCK_W: tl.constexpr):
+    """(the taps applied to the W-1 state columns [BLOCK_D, BLOCK_W], the tap applied to x
+    [BLOCK_D]) of channels offs_d, in fp32."""
+    j = tl.arange(0, BLOCK_W)
+    w_win = tl.load(w_ptr + offs_d[:, None] * stride_wd + j[None, :] * stride_wj,
+                    mask=mask_d[:, None] & (j < W - 1)[None, :], other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=mask_d,
+                     other=0.0).to(tl.float32)
+    return w_win, w_last
+
+
+@triton.jit
 def conv_update_kernel(
     x_ptr, w_ptr, y_ptr, states_ptr, state_idx_ptr, dim,
     stride_xb, stride_yb, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
     W: tl.constexpr, BLOCK_W: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr = 0,
+    SPLIT: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
+    """Program (b, channel block): y[b] = the window of W-1 state columns and x[b] times the
+    weight (+ SiLU), then the state shifted left by one with x[b] appended. USE_PDL: the weight
+    (immutable) is loaded before griddepcontrol.wait; the index, state, x and stores after it."""
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
+    if USE_PDL:   # the weight is immutable: load it while the previous kernel finishes
+        w_win, w_last = _update_weights(w_ptr, offs_d, mask_d, stride_wd, stride_wj, W, BLOCK_W)
+        _pdl_wait(USE_PDL)
     slot = tl.load(state_idx_ptr + b).to(tl.int64)
     live = slot >= 0                               # slot < 0: padding row, zero window, no write
     j = tl.arange(0, BLOCK_W)
@@ -128,10 +165,8 @@ def conv_update_kernel(
     m2 = mask_d[:, None] & mask_j[None, :] & live
     win = tl.load(base + j[None, :] * stride_sj, mask=m2, other=0.0).to(tl.float32)  # [BD, BW]
     xv = tl.load(x_ptr + b.to(tl.int64) * stride_xb + offs_d, mask=mask_d, other=0.0)
-    w_win = tl.load(w_ptr + offs_d[:, None] * stride_wd + j[None, :] * stride_wj,
-                    mask=mask_d[:, None] & mask_j[None, :], other=0.0).to(tl.float32)
-    w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=mask_d,
-                     other=0.0).to(tl.float32)
+    if not USE_PDL:
+        w_win, w_last = _update_weights(w_ptr, offs_d, mask_d, stride_wd, stride_wj, W, BLOCK_W)
     acc = tl.sum(win * w_win, axis=1) + xv.to(tl.float32) * w_last
     if SILU:
         acc = _silu(acc)

@@ -3,6 +3,12 @@
 Same contracts as `kdaserve.kernels.reference.mla_decode` / `store_kv`. Both are CUDA-graph safe:
 no host syncs, and the launch grid depends only on tensor shapes (batch size, block-table width)
 and the optional `num_kv_splits`, never on the values of `seq_lens`.
+
+`pdl=True` launches every kernel with programmatic dependent launch (sm_90+): a kernel may start
+while the previous one in the stream finishes and waits for it (griddepcontrol.wait) before it
+reads anything a kernel writes or stores anything (store_latent reads its norm weight before the
+wait, so the previous kernel must not write it), then lets the next PDL kernel start. Same
+results as pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX).
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                max_seq_len: int | None = None,
                config: MLADecodeConfig | None = None,
-               q_pe: torch.Tensor | None = None) -> torch.Tensor:
+               q_pe: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Absorbed MLA decode, one query token per sequence.
 
     q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK) -- or, with q_pe
@@ -99,6 +105,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
     num_kv_splits: context partitions per sequence; default from the shapes (batch size and
     max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
+    pdl: both launches (partial, reduce) with programmatic dependent launch (module docstring).
     """
     require_triton()
     if q_pe is not None:
@@ -144,6 +151,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_c = next_power_of_2(kv_lora_rank)
     block_r = max(16, next_power_of_2(rope)) if rope > 0 else 1   # tl.dot needs K >= 16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    use_pdl = pdl and q.is_cuda
+    launch = {"launch_pdl": True} if use_pdl else {}
     partial = mla_decode_partial_t_kernel if cfg.transposed else mla_decode_partial_kernel
     partial[(B, num_kv_splits, head_groups)](
         q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse,
@@ -156,8 +165,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         H, num_kv_splits,
         KV_RANK=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=block_r,
         PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=precision, USE_PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     block_s = next_power_of_2(num_kv_splits)
     block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program
@@ -167,16 +176,18 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         num_kv_splits,
-        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s,
-        num_warps=4,
+        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s, USE_PDL=use_pdl,
+        num_warps=4, **launch,
     )
     return out
 
 
-def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor) -> None:
+def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor,
+             pdl: bool = False) -> None:
     """kv_cache.view(-1, D)[slot_mapping] = kv, in place; slots < 0 are skipped (padding).
 
     kv_cache: [num_blocks, block_size, D] contiguous; slot_mapping: [T] int; kv: [T, D].
+    pdl: programmatic dependent launch (module docstring).
     """
     require_triton()
     from kdaserve.kernels.mla.triton_decode import store_kv_kernel
@@ -193,15 +204,18 @@ def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tenso
         check_kernel_device(t)
     if kv.shape[0] == 0:
         return
+    use_pdl = pdl and kv.is_cuda
     store_kv_kernel[(kv.shape[0],)](kv_cache, slot_mapping, kv, kv.stride(0), D,
-                                    BLOCK_D=next_power_of_2(D), num_warps=4)
+                                    BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl, num_warps=4,
+                                    **({"launch_pdl": True} if use_pdl else {}))
 
 
 def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
-                 norm_weight: torch.Tensor, eps: float) -> None:
+                 norm_weight: torch.Tensor, eps: float, pdl: bool = False) -> None:
     """Twin of reference.store_latent in one launch: RMS-norm the first rank = norm_weight
     channels of each ckv row [T, rank + rope] and write the row into its slot (< 0 skipped).
-    ckv may be a row-strided view (the q|kv_a projection's output)."""
+    ckv may be a row-strided view (the q|kv_a projection's output). pdl: programmatic
+    dependent launch (module docstring; norm_weight is read before the wait)."""
     require_triton()
     from kdaserve.kernels.mla.triton_decode import store_latent_kernel
 
@@ -222,6 +236,8 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.
         check_kernel_device(t)
     if ckv.shape[0] == 0:
         return
+    use_pdl = pdl and ckv.is_cuda
     store_latent_kernel[(ckv.shape[0],)](kv_cache, slot_mapping, ckv, norm_weight, ckv.stride(0),
                                          D, rank, float(eps), BLOCK_D=next_power_of_2(D),
-                                         num_warps=4)
+                                         USE_PDL=use_pdl, num_warps=4,
+                                         **({"launch_pdl": True} if use_pdl else {}))

@@ -4,12 +4,26 @@ Stage 1 (`mla_decode_partial_kernel`): program (b, split, head group) reads the 
 context partition once and attends with every head of its group (flash-decoding, online softmax in
 base 2). Stage 2 (`mla_decode_reduce_kernel`): program (b, head) merges the partitions by their
 log-sum-exp. `store_kv_kernel` writes new latent rows into their slots.
+
+USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait, then
+griddepcontrol.launch_dependents, before any load of something another kernel writes (q, the
+cache, block table, lengths, partials) and before any store; only store_latent_kernel's norm
+weight is read before the wait. USE_PDL=False generates the same code as before the flag existed.
 """
 
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _pdl_wait(USE_PDL: tl.constexpr):
+    """With USE_PDL: wait for the previous kernel's writes (griddepcontrol.wait), then let the
+    next PDL kernel start its preamble (launch_dependents). Nothing without it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -25,8 +39,9 @@ def mla_decode_partial_kernel(
     KV_RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    _pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -98,11 +113,12 @@ def mla_decode_partial_t_kernel(
     KV_RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Same contract as mla_decode_partial_kernel, computed transposed (tokens and latent
     channels as the matrix rows, heads as columns): both products then have >= 64 rows, which
     lets Hopper use its warpgroup MMA although a sequence has only 16-32 heads."""
+    _pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -170,9 +186,11 @@ def mla_decode_reduce_kernel(
     stride_ob, stride_oh,
     num_splits,
     KV_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program (b, h, channel chunk): all partitions' partial outputs in one [BLOCK_S, BLOCK_C]
     load (no serial loop over partitions), weighted by exp2(lse - max lse)."""
+    _pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -193,7 +211,9 @@ def mla_decode_reduce_kernel(
 
 
 @triton.jit
-def store_kv_kernel(kv_ptr, slot_ptr, src_ptr, stride_src, dim, BLOCK_D: tl.constexpr):
+def store_kv_kernel(kv_ptr, slot_ptr, src_ptr, stride_src, dim, BLOCK_D: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):
+    _pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     slot = tl.load(slot_ptr + pid).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -204,10 +224,15 @@ def store_kv_kernel(kv_ptr, slot_ptr, src_ptr, stride_src, dim, BLOCK_D: tl.cons
 
 @triton.jit
 def store_latent_kernel(kv_ptr, slot_ptr, src_ptr, w_ptr, stride_src, dim, rank, eps,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One token: RMS-norm its first `rank` channels (fp32, cast back, times the weight, as
-    HF's norm), keep the rest (k_pe), write the row into its cache slot."""
+    HF's norm), keep the rest (k_pe), write the row into its cache slot. USE_PDL: the norm
+    weight (immutable) is loaded before griddepcontrol.wait, the slot and the row after it."""
     pid = tl.program_id(0)
+    if USE_PDL:   # the weight is immutable: load it while the previous kernel finishes
+        offs_w = tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + offs_w, mask=offs_w < rank, other=1.0)
+        _pdl_wait(USE_PDL)
     slot = tl.load(slot_ptr + pid).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = (offs < dim) & (slot >= 0)
@@ -216,6 +241,7 @@ def store_latent_kernel(kv_ptr, slot_ptr, src_ptr, w_ptr, stride_src, dim, rank,
     is_c = offs < rank
     var = tl.sum(tl.where(is_c, xf * xf, 0.0), axis=0) / rank
     normed = (xf * tl.rsqrt(var + eps)).to(row.dtype)
-    w = tl.load(w_ptr + offs, mask=is_c, other=1.0)
+    if not USE_PDL:
+        w = tl.load(w_ptr + offs, mask=is_c, other=1.0)
     out = tl.where(is_c, (w * normed).to(row.dtype), row)
     tl.store(kv_ptr + slot * dim + offs, out.to(kv_ptr.dtype.element_ty), mask=mask)

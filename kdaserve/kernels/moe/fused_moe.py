@@ -4,6 +4,11 @@ At one token (N == 1) with a `gemm2_sum` config, the second GEMM and the sum are
 Same math as `kdaserve.kernels.reference.moe_experts`. No Python loop over experts, no host sync:
 buffers and grids are sized from shapes alone (an upper bound on padded rows), so the call can be
 captured in a CUDA graph.
+
+`pdl=True` (fused_moe, moe_align_block_size) launches every kernel with programmatic dependent
+launch (sm_90+): a kernel may start while the previous one in the stream finishes, waits for it
+(griddepcontrol.wait) before its first load, then lets the next PDL kernel start. Same results as
+pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX).
 """
 
 from __future__ import annotations
@@ -99,12 +104,14 @@ def _small_align_tiles(numel: int) -> tuple[int, int]:
     return block_t, 4 if block_t <= 256 else 8
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         pdl: bool = False) -> MoEAlignment:
     """Group the flattened top-k entries by expert, each expert padded to a multiple of block_m.
 
     Up to SMALL_ALIGN_ENTRIES entries: one launch, an expert's entries in entry order. More: three
     launches with atomics (order inside an expert unspecified). Both fill every MoEAlignment field
-    except the padding rows of sorted_ids."""
+    except the padding rows of sorted_ids. pdl: programmatic dependent launch (module docstring);
+    on the atomic path the workspace's zero fill is an ordinary launch before the first kernel."""
     require_triton()
     from kdaserve.kernels.moe.triton_moe import (moe_align_small_kernel, moe_count_kernel,
                                                  moe_offsets_kernel, moe_scatter_kernel)
@@ -123,19 +130,24 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     expert_ids = ws[3 * num_experts + 1:3 * num_experts + 1 + max_blocks]
     sorted_ids = ws[3 * num_experts + 1 + max_blocks:]
     block_e = next_power_of_2(num_experts)
+    use_pdl = pdl and ids.is_cuda
+    launch = {"launch_pdl": True} if use_pdl else {}
     if small:
         block_t, warps = _small_align_tiles(numel)
         moe_align_small_kernel[(1,)](ids, counts, expert_start, expert_ids, num_rows, sorted_ids,
                                      numel, num_experts, max_blocks, BLOCK_M=block_m,
-                                     BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
+                                     BLOCK_T=block_t, BLOCK_E=block_e, USE_PDL=use_pdl,
+                                     num_warps=warps, **launch)
     else:
         block = 256
         grid = (max(1, cdiv(numel, block)),)
-        moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block)
+        moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block, USE_PDL=use_pdl,
+                               **launch)
         moe_offsets_kernel[(1,)](counts, expert_start, cursor, expert_ids, num_rows,
                                  num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-                                 num_warps=4)
-        moe_scatter_kernel[grid](ids, cursor, sorted_ids, numel, num_experts, BLOCK=block)
+                                 USE_PDL=use_pdl, num_warps=4, **launch)
+        moe_scatter_kernel[grid](ids, cursor, sorted_ids, numel, num_experts, BLOCK=block,
+                                 USE_PDL=use_pdl, **launch)
     return MoEAlignment(sorted_ids, expert_ids, expert_start, counts, num_rows, max_blocks)
 
 
@@ -166,7 +178,7 @@ def _check_moe_inputs(x, w13, w2, topk_weights, topk_ids):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, out: torch.Tensor | None = None,
-              config: FusedMoEConfig | None = None) -> torch.Tensor:
+              config: FusedMoEConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """Routed SwiGLU experts: out[n] = sum_j w[n, j] * w2[e] @ (silu(gate_e x_n) * up_e x_n).
 
     x: [N, D]; w13: [E, 2I, D] (rows [0, I) gate, [I, 2I) up); w2: [E, D, I];
@@ -175,6 +187,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     At N == 1 with config.gemm2_sum set (the default), GEMM 2 and the top-k sum are one launch
     that sums the k weighted expert outputs in fp32 and rounds once (the gemm2 + moe_sum path
     rounds each weighted output to x.dtype first).
+    pdl: every launch (align, GEMM 1, GEMM 2 + sum or GEMM 2 and moe_sum) with programmatic
+    dependent launch (module docstring); same results as pdl=False.
     """
     require_triton()
     _check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -201,11 +215,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # One token: its entries have distinct experts, so each entry is its own row block and the
     # alignment pass (one launch per layer at decode) is skipped.
     direct = N == 1
+    use_pdl = pdl and x.is_cuda
+    launch = {"launch_pdl": True} if use_pdl else {}
     if direct:
         blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
             top_k, topk_ids, topk_ids, topk_ids, topk_ids, topk_ids
     else:
-        align = moe_align_block_size(topk_ids, E, cfg.gemm1.block_m)
+        align = moe_align_block_size(topk_ids, E, cfg.gemm1.block_m, pdl=pdl)
         blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
             align.max_blocks, align.sorted_ids, align.expert_ids, align.expert_start, \
             align.counts, align.num_rows
@@ -218,11 +234,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         inter_size, D, top_k, blocks, E,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, GROUP_M=c1.group_m,
-        DOT_PRECISION=precision, DIRECT=direct, num_warps=c1.num_warps,
-        num_stages=c1.num_stages,
+        DOT_PRECISION=precision, DIRECT=direct, USE_PDL=use_pdl, num_warps=c1.num_warps,
+        num_stages=c1.num_stages, **launch,
     )
     if direct and cfg.gemm2_sum is not None:
-        return _gemm2_sum(inter, w2, topk_weights, topk_ids, out, cfg.gemm2_sum)
+        return _gemm2_sum(inter, w2, topk_weights, topk_ids, out, cfg.gemm2_sum, use_pdl)
     buf = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)             # [N*k, D]
     c2 = cfg.gemm2
     moe_gemm2_kernel[(blocks * cdiv(D, c2.block_n),)](
@@ -230,13 +246,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         D, inter_size, blocks, E,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), buf.stride(0),
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, GROUP_M=c2.group_m,
-        DOT_PRECISION=precision, DIRECT=direct, num_warps=c2.num_warps,
-        num_stages=c2.num_stages,
+        DOT_PRECISION=precision, DIRECT=direct, USE_PDL=use_pdl, num_warps=c2.num_warps,
+        num_stages=c2.num_stages, **launch,
     )
     block_d = min(1024, next_power_of_2(D))
     moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,
                                           buf.stride(0), out.stride(0), BLOCK_D=block_d,
-                                          num_warps=4)
+                                          USE_PDL=use_pdl, num_warps=4, **launch)
     return out
 
 
@@ -251,11 +267,13 @@ def _check_gemm2_sum(cfg: MoEGemmConfig | None) -> None:
 
 
 def _gemm2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, out: torch.Tensor, cfg: MoEGemmConfig) -> torch.Tensor:
+               topk_ids: torch.Tensor, out: torch.Tensor, cfg: MoEGemmConfig,
+               use_pdl: bool = False) -> torch.Tensor:
     """One token: out[0] = sum_j topk_weights[0, j] * w2[e_j] @ inter[j] in one launch.
 
     inter: [k, I] (last dim contiguous); w2: [E, D, I]; topk_weights, topk_ids: [1, k]
-    contiguous; out: [1, D]. Inputs and tiles are checked by fused_moe."""
+    contiguous; out: [1, D]. Inputs and tiles are checked by fused_moe. use_pdl: launch with
+    programmatic dependent launch (CUDA tensors only: the caller decides)."""
     from kdaserve.kernels.moe.triton_moe import moe_gemm2_sum_kernel
 
     E, D, inter_size = w2.shape
@@ -263,7 +281,8 @@ def _gemm2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor
         inter, w2, out, topk_weights, topk_ids,
         D, inter_size, topk_ids.shape[1], E,
         inter.stride(0), w2.stride(0), w2.stride(1),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, USE_PDL=use_pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if use_pdl else {}),
     )
     return out

@@ -4,6 +4,11 @@ too, split over K with the partial sums reduced inside the top-k launch (moe_rou
 
 Twin: `kdaserve.kernels.reference.moe_topk_sigmoid` (ids come out in descending order of
 score + bias; the reference's order is unspecified, the set is the same).
+
+`pdl=True` launches with programmatic dependent launch (sm_90+): each kernel may start while the
+previous kernel in the stream finishes, reads only immutable inputs (the top-k's selection bias)
+before griddepcontrol.wait, and lets the next PDL kernel start right after its wait. Same results
+as pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX).
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ def _routing_outputs(N: int, E: int, top_k: int, correction_bias: torch.Tensor |
 def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                      top_k: int, renormalize: bool, scaling: float,
                      ids_dtype: torch.dtype = torch.int32,
-                     extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     extra_expert: int | None = None, pdl: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [N, E] (any float dtype); correction_bias: [E] or None (selection only).
 
     Returns (weights fp32 [N, top_k], ids [N, top_k] of ids_dtype). With extra_expert set, one
     more column follows every row: id extra_expert with weight 1 (a shared expert run by the
-    same fused MoE call).
+    same fused MoE call). pdl: programmatic dependent launch (module docstring); the bias is
+    read before the wait, so the previous kernel must not write it.
     """
     require_triton()
     from kdaserve.kernels.moe.triton_router import topk_sigmoid_kernel
@@ -57,13 +64,14 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     if N == 0:
         return weights, ids
     block_e = next_power_of_2(E)
+    use_pdl = pdl and router_logits.is_cuda
     topk_sigmoid_kernel[(N,)](
         router_logits, correction_bias if correction_bias is not None else router_logits,
         weights, ids, E, router_logits.stride(0), 0, float(scaling),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_E=block_e, BLOCK_K=next_power_of_2(ids.shape[1]),
-        EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
-        num_warps=max(1, min(4, block_e // 128)),
+        EXTRA_ID=-1 if extra_expert is None else int(extra_expert), USE_PDL=use_pdl,
+        num_warps=max(1, min(4, block_e // 128)), **({"launch_pdl": True} if use_pdl else {}),
     )
     return weights, ids
 
@@ -106,7 +114,8 @@ def _check_splitk_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
                       correction_bias: torch.Tensor | None, top_k: int, renormalize: bool,
                       scaling: float, ids_dtype: torch.dtype = torch.int32,
-                      extra_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      extra_expert: int | None = None, pdl: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole router of a decode batch in two launches: fp32 logits x @ weight.T split over
     K (router_logits_splitk_kernel, partials [SPLIT_K, N, E]), then moe_topk_sigmoid's kernel
     summing each token's SPLIT_K partial rows in a fixed order before its top-k.
@@ -115,6 +124,8 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
     weight: [E, D] fp32. Outputs as moe_topk_sigmoid (ids in descending score + bias order,
     the extra_expert column last). Deterministic, and batch invariant: a token's outputs do
     not depend on N or on the other tokens (router_splitk_plan, router_logits_splitk_kernel).
+    pdl: both launches with programmatic dependent launch (module docstring); the logits GEMV
+    waits before its first load, the top-k reads the bias before its wait.
     """
     require_triton()
     from kdaserve.kernels.moe.triton_router import (router_logits_splitk_kernel,
@@ -129,11 +140,13 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
     block_e, k_per_split, split_k = router_splitk_plan(E, D, num_sms(x.device))
     partials = torch.empty(split_k, N, E, dtype=torch.float32, device=x.device)  # [S, N, E]
     chunks = k_per_split // _SPLITK_BLOCK_K
+    use_pdl = pdl and x.is_cuda
+    launch = {"launch_pdl": True} if use_pdl else {}
     router_logits_splitk_kernel[(cdiv(E, block_e), split_k)](
         x, weight, partials, N, E, D, x.stride(0), weight.stride(0), N * E,
         K_PER_SPLIT=k_per_split, BLOCK_N=next_power_of_2(N), BLOCK_E=block_e,
-        BLOCK_K=_SPLITK_BLOCK_K, EVEN_K=D % k_per_split == 0,
-        num_warps=4, num_stages=min(chunks, 4) + 1,       # <= 4 chunks: all loads in flight
+        BLOCK_K=_SPLITK_BLOCK_K, EVEN_K=D % k_per_split == 0, USE_PDL=use_pdl,
+        num_warps=4, num_stages=min(chunks, 4) + 1, **launch,   # <= 4 chunks: all in flight
     )
     block_e_topk = next_power_of_2(E)
     topk_sigmoid_kernel[(N,)](
@@ -142,6 +155,6 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_E=block_e_topk, BLOCK_K=next_power_of_2(ids.shape[1]),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert), NUM_PARTIALS=split_k,
-        num_warps=max(1, min(4, block_e_topk // 128)),
+        USE_PDL=use_pdl, num_warps=max(1, min(4, block_e_topk // 128)), **launch,
     )
     return weights, ids

@@ -13,6 +13,12 @@ Entries whose expert id is outside [0, E) are dropped (expert-parallel "not loca
 On the atomic path the order of rows inside an expert's block depends on atomics (the one-program
 path keeps entry order), but each row's result does not (GEMM rows are independent and step 6 sums
 in a fixed order), so the output is deterministic either way.
+
+USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait comes before
+the kernel's first load, then griddepcontrol.launch_dependents. Every input here is either
+written by the previous kernels (routing ids, alignment, activations) or addressed through them
+(expert weights): nothing is read early; the gain is the overlapped launch. USE_PDL=False
+generates the same code as before the flag existed.
 """
 
 import triton
@@ -20,7 +26,18 @@ import triton.language as tl
 
 
 @triton.jit
-def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr):
+def _pdl_wait(USE_PDL: tl.constexpr):
+    """With USE_PDL: wait for the previous kernel's writes (griddepcontrol.wait), then let the
+    next PDL kernel start its preamble (launch_dependents). Nothing without it."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    _pdl_wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
     ok = (offs < numel) & (e >= 0) & (e < num_experts)
@@ -55,7 +72,9 @@ def _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_p
 
 @triton.jit
 def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
-                       num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+                       num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
+    _pdl_wait(USE_PDL)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
@@ -75,12 +94,14 @@ def _load_experts(topk_ids_ptr, offs, numel, num_experts):
 @triton.jit
 def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_ids_ptr,
                            num_rows_ptr, sorted_ids_ptr, numel, num_experts, max_blocks,
-                           BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """Steps 1-3 in one program for numel <= BLOCK_T entries (decode), no atomics; an expert's
     entries sit in entry order. counts = histogram of the entries; then one sort of the keys
     e * BLOCK_T + r (dropped entries last) lists the entries grouped by expert, in entry order
     within one: sorted position p of expert e goes to padded row start[e] + p - first[e], where
     first[e] is the number of routed entries of the experts before e."""
+    _pdl_wait(USE_PDL)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     offs = tl.arange(0, BLOCK_T)
@@ -99,7 +120,8 @@ def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_id
 
 @triton.jit
 def moe_scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, numel, num_experts,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    _pdl_wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
     ok = (offs < numel) & (e >= 0) & (e < num_experts)
@@ -150,7 +172,9 @@ def moe_gemm1_kernel(
     stride_xm, stride_we, stride_wn, stride_wk, stride_im,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    _pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
                                 GROUP_M)
     if not DIRECT:
@@ -191,7 +215,9 @@ def moe_gemm2_kernel(
     stride_im, stride_we, stride_wn, stride_wk, stride_bm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    _pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -220,7 +246,8 @@ def moe_gemm2_kernel(
 
 @triton.jit
 def moe_sum_kernel(buf_ptr, topk_ids_ptr, out_ptr, hidden, num_experts, top_k,
-                   stride_bm, stride_om, BLOCK_D: tl.constexpr):
+                   stride_bm, stride_om, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+    _pdl_wait(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < hidden
@@ -239,6 +266,7 @@ def moe_gemm2_sum_kernel(
     hidden, inter_size, top_k, num_experts,
     stride_im, stride_we, stride_wn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One token: out[0, cols] = sum_j route_w[j] * w2[e_j, cols, :] @ inter[j] (steps 5 + 6).
 
@@ -254,6 +282,7 @@ def moe_gemm2_sum_kernel(
     Entries with ids outside [0, E) contribute nothing (their loads are masked off).
     Steps 5 + 6 round each weighted expert output to buf's dtype before summing; here the sum
     stays in fp32 and is rounded once, into out's dtype."""
+    _pdl_wait(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)

@@ -50,8 +50,13 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> torch.Tensor:
-    """x, gate: [N, D] (any row strides); fp32 norm * weight * sigmoid(gate), in x.dtype."""
+                   eps: float, pdl: bool = False) -> torch.Tensor:
+    """x, gate: [N, D] (any row strides); fp32 norm * weight * sigmoid(gate), in x.dtype.
+
+    pdl: launch with programmatic dependent launch (sm_90+): the kernel loads `weight` (so the
+    previous kernel must not write it), waits for the previous kernel (griddepcontrol.wait)
+    before it reads x / gate or writes, then lets the next PDL kernel start. Same results as
+    pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX)."""
     require_triton()
     from kdaserve.kernels.norm.triton_norm import rms_norm_gated_kernel
 
@@ -61,8 +66,11 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     check_kernel_device(x)
     N, D = x.shape
     out = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    use_pdl = pdl and x.is_cuda
     if N:
         rms_norm_gated_kernel[(N,)](x, gate, weight, out, D, float(eps), x.stride(0),
                                     gate.stride(0), out.stride(0),
-                                    BLOCK_D=next_power_of_2(D), num_warps=1 if D <= 256 else 4)
+                                    BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl,
+                                    num_warps=1 if D <= 256 else 4,
+                                    **({"launch_pdl": True} if use_pdl else {}))
     return out
