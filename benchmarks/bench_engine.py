@@ -63,6 +63,8 @@ def main() -> None:
                     help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
     ap.add_argument("--pdl", action="store_true",
                     help="KernelConfig.pdl: programmatic dependent launch in the decode path")
+    ap.add_argument("--fused-kda-decode", action="store_true",
+                    help="KernelConfig.fused_kda_decode: one launch per KDA layer in decode steps")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="one step at a time (the decode rows then have no graphs_sync twin)")
     ap.add_argument("--out", default=None)
@@ -77,6 +79,7 @@ def main() -> None:
         model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv, pdl=args.pdl,
+        fused_kda_decode=args.fused_kda_decode,
         async_scheduling=not args.no_async_scheduling)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner

@@ -237,6 +237,9 @@ class KernelConfig:
     """Decode-path Triton kernels launched with programmatic dependent launch (Hopper and
     newer): each may start while the previous kernel finishes, reading only weights before
     `griddepcontrol.wait`. Takes effect with decode_gemv for the projections."""
+    fused_kda_decode: bool = False
+    """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
+    gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

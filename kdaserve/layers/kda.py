@@ -40,6 +40,8 @@ class KimiDeltaAttention(nn.Module):
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
     pdl = False
     """KernelConfig.pdl (set by the model's configure_kernels)."""
+    fused_decode = False
+    """KernelConfig.fused_kda_decode (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
         super().__init__()
@@ -74,7 +76,10 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, D] -> [T, D]."""
         md, caches = ctx.attn, ctx.caches
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        proj = linear(x, self.in_weight, self.decode_gemv, pdl=self.pdl)           # [T, 3P + 2d + H]
+        proj = linear(x, self.in_weight, self.decode_gemv, pdl=self.pdl)  # [T, 3P + 2d + H]
+        if self._can_fuse(x, md):
+            o = self._fused_decode(proj, md, caches)                          # [T, P]
+            return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
         p = 3 * h * d
         qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
@@ -88,3 +93,22 @@ class KimiDeltaAttention(nn.Module):
         gate = f_g[1]                                                # [T, P]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
         return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
+
+    def _can_fuse(self, x: torch.Tensor, md) -> bool:
+        """Decode-only step (every row one token on its state), no spec rows, no checkpoint
+        exports, the unbounded gate, a power-of-two head_dim <= 128: the one-launch path
+        applies."""
+        return (self.fused_decode and x.is_cuda and md.num_decodes == md.num_reqs == x.shape[0]
+                and md.spec is None and md.kda_checkpoints is None
+                and self.forget_gate.lower_bound is None
+                and 8 <= self.head_dim <= 128 and not self.head_dim & (self.head_dim - 1))
+
+    def _fused_decode(self, proj: torch.Tensor, md, caches) -> torch.Tensor:
+        from kdaserve.kernels.kda.decode_fused import kda_decode_fused
+
+        gate = self.forget_gate
+        return kda_decode_fused(
+            proj, self.conv1d.weight[:, 0], caches.kda_conv[self.kda_index],
+            caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
+            self.fg_b_weight, gate.A_log, gate.dt_bias, self.o_norm.weight, self.o_norm.eps,
+            self.num_heads, self.head_dim, pdl=self.pdl)

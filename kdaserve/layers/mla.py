@@ -68,11 +68,13 @@ class MLAttention(nn.Module):
         md = ctx.attn
         kv_cache = ctx.caches.mla_kv[self.mla_index]
         T, h = x.shape[0], self.num_heads
-        q_ckv = linear(x, self.q_kva_weight, self.decode_gemv, pdl=self.pdl)     # [T, H*qk + rank + rope]
+        q_ckv = linear(x, self.q_kva_weight, self.decode_gemv,
+                       pdl=self.pdl)                               # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
         out = self._attend(q, ckv, kv_cache, md)                          # [T, H, v_dim]
-        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
+        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv,
+                      pdl=self.pdl)
 
     def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,
                 md) -> torch.Tensor:

@@ -90,6 +90,8 @@ class KimiLinearForCausalLM(nn.Module):
                 module.router_splitk = kernel_config.router_splitk
             if hasattr(module, "pdl"):
                 module.pdl = kernel_config.pdl
+            if hasattr(module, "fused_decode"):
+                module.fused_decode = kernel_config.fused_kda_decode
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

@@ -16,7 +16,7 @@ def test_switches_reach_engine_config(tmp_path):
         "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
         "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv",
-        "--no-async-scheduling", "--pdl"])
+        "--no-async-scheduling", "--pdl", "--fused-kda-decode"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
@@ -24,7 +24,8 @@ def test_switches_reach_engine_config(tmp_path):
     assert sc.adaptive_spec_budget is False and sc.long_prefill_token_threshold == 64
     assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
-    assert config.kernel_config.decode_gemv and config.kernel_config.pdl
+    kc = config.kernel_config
+    assert kc.decode_gemv and kc.pdl and kc.fused_kda_decode
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"

@@ -105,7 +105,7 @@ def test_gpu_engine_greedy_with_cuda_graphs(tmp_path):
                                  (False, True, False), (True, True, False), (False, True, True)):
         llm = LLM(str(tmp_path), max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
                   enforce_eager=eager, dtype="float32", async_scheduling=async_on,
-                  decode_gemv=pdl, pdl=pdl)
+                  decode_gemv=pdl, pdl=pdl, fused_kda_decode=pdl)
         outs[eager, async_on, pdl] = [o.outputs[0].token_ids
                                  for o in llm.generate(ps, sp[:len(ps)], use_tqdm=False)]
         del llm
@@ -123,14 +123,14 @@ def run_one_request(runner, extra):
 
 
 def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
-    """KernelConfig(decode_gemv, pdl) on: 3-row decode steps (GEMV M=3, the router reading its fp32
-    weight with bf16 x) and 1-row steps (GEMV M=1) through the Triton GEMV against the fp32
-    reference."""
+    """KernelConfig(decode_gemv, pdl, fused_kda_decode) on: 3-row decode steps (GEMV M=3, the
+    router reading its fp32 weight with bf16 x) and 1-row steps (GEMV M=1; the fused KDA
+    decode) against the fp32 reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
     model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True, pdl=True))
+    model.configure_kernels(KernelConfig(decode_gemv=True, pdl=True, fused_kda_decode=True))
     try:
         ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
         got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)

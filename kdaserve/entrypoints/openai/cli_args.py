@@ -128,6 +128,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA (Hopper+): decode-path Triton kernels with programmatic dependent "
                         "launch; with --decode-gemv it covers the projections too.")
+    a.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
+                        "and gated norm in one Triton launch.")
     a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
                         "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
@@ -156,6 +159,7 @@ _ENGINE_FLAGS = {
     "async_scheduling": "async_scheduling",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "decode_gemv": "decode_gemv", "router_splitk": "router_splitk", "pdl": "pdl",
+    "fused_kda_decode": "fused_kda_decode",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 
