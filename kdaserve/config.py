@@ -226,8 +226,9 @@ class KernelConfig:
     """Kernel choices on CUDA (no effect on the CPU reference path). Off = the baseline:
     cuBLAS projections, the tensor-core fused MoE, a sorting top-k / top-p."""
     decode_gemv: bool = False
-    """Projections of 1-4 token rows (decode batches <= 4) through the Triton GEMV
-    (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
+    """Projections of 1-2 token rows (decode batches <= 2, layers/linear.py GEMV_MAX_ROWS)
+    through the Triton GEMV (kernels/linear/gemv.py) instead of cuBLAS; the router reads its
+    fp32 weight directly."""
     router_splitk: bool = False
     """MoE routers of <= 64 token rows (decode) through one split-K fp32 GEMV launch whose
     partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk) instead of

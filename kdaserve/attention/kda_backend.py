@@ -27,7 +27,7 @@ def _spans(md: AttentionMetadata):
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
-               conv_cache: torch.Tensor, num_heads: int, head_dim: int):
+               conv_cache: torch.Tensor, num_heads: int, head_dim: int, pdl: bool = False):
     """x: [T, 3P] projections (q|k|v channels); weight: [3P, W]; conv_cache: [slots, 3P, W-1].
     Returns SiLU(causal depthwise conv) as q, k, v [T, H, K] views; each request's window is
     updated in its slot. On CUDA the kernels write three contiguous planes, so q, k, v feed the
@@ -37,15 +37,16 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
     if md.spec is not None:
         kda_spec.short_conv(x, weight, md.spec, conv_cache, out, _short_conv_into)
     else:
-        _short_conv_into(x, weight, md, conv_cache, out)
+        _short_conv_into(x, weight, md, conv_cache, out, pdl)
     if x.is_cuda:
         return tuple(plane.view(T, num_heads, head_dim) for plane in out)
     return out.view(T, 3, num_heads, head_dim).unbind(1)
 
 
 def _short_conv_into(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadata,
-                     conv_cache: torch.Tensor, out: torch.Tensor) -> None:
-    """out: [3, T, P] planes on CUDA, [T, 3P] on the CPU."""
+                     conv_cache: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> None:
+    """out: [3, T, P] planes on CUDA, [T, 3P] on the CPU. pdl: launch the CUDA kernels with
+    programmatic dependent launch."""
     kda_checkpoint.export_conv_windows(x, md, conv_cache)  # prefix checkpoints (no-op if none)
     if x.is_cuda:
         from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
@@ -53,13 +54,13 @@ def _short_conv_into(x: torch.Tensor, weight: torch.Tensor, md: AttentionMetadat
         nd = md.num_decodes
         if nd:
             causal_conv1d_update(x[:nd], weight, conv_cache, md.state_indices[:nd],
-                                 out=out[:, :nd])
+                                 out=out[:, :nd], pdl=pdl)
         if md.num_prefills:
             qsl = md.query_start_loc[nd:] - md.query_start_loc[nd]
             t0 = int(md.query_start_loc_cpu[nd])
             t1 = md.num_actual_tokens
             causal_conv1d_varlen(x[t0:t1], weight, qsl, conv_cache, md.state_indices[nd:],
-                                 md.has_initial_state[nd:], out=out[:, t0:t1])
+                                 md.has_initial_state[nd:], out=out[:, t0:t1], pdl=pdl)
         return
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()

@@ -19,20 +19,20 @@ from kdaserve.kernels import reference as ref
 
 
 def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
-                 norm_weight: torch.Tensor, eps: float) -> None:
+                 norm_weight: torch.Tensor, eps: float, pdl: bool = False) -> None:
     """kv_cache: [num_blocks, block_size, D]; slot_mapping: [T]; ckv: [T, D] = [c | k_pe] before
     the kv_a norm (applied to c here, fused into the store on CUDA)."""
     if ckv.is_cuda:
         from kdaserve.kernels.mla.decode import store_latent as store
 
-        store(kv_cache, slot_mapping, ckv, norm_weight, eps)
+        store(kv_cache, slot_mapping, ckv, norm_weight, eps, pdl=pdl)
     else:
         ref.store_latent(kv_cache, slot_mapping, ckv, norm_weight, eps)
 
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                       block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float
-                       ) -> torch.Tensor:
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                       pdl: bool = False) -> torch.Tensor:
     """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
     cached latents: q_nope [R, H, rank] (W_UK applied), q_pe [R, H, rope] -> [R, H, rank].
     The CUDA kernel reads the two strided inputs directly (no concatenation)."""
@@ -40,7 +40,8 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     if q_nope.is_cuda:
         from kdaserve.kernels.mla.decode import mla_decode
 
-        return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe)
+        return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe,
+                          pdl=pdl)
     q_latent = torch.cat([q_nope, q_pe], dim=-1)                          # [R, H, rank + rope]
     return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 

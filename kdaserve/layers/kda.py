@@ -84,14 +84,16 @@ class KimiDeltaAttention(nn.Module):
         qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
         q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
-                                         caches.kda_conv[self.kda_index], h, d)  # [T, H, K]
+                                         caches.kda_conv[self.kda_index], h, d,
+                                         pdl=self.pdl)                  # [T, H, K]
         f_g = torch.bmm(small[:, :2 * d].view(T, 2, d).transpose(0, 1),
                         self.fg_b_weight.transpose(1, 2))            # [2, T, P]: f_b | g_b
         g_raw = f_g[0].view(T, h, d)                                 # gate pre-activation
         o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         gate = f_g[1]                                                # [T, P]
-        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d)).view(T, h * d)
+        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d),
+                        pdl=self.pdl).view(T, h * d)
         return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
 
     def _can_fuse(self, x: torch.Tensor, md) -> bool:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GEMV_MAX_ROWS = 4
-"""The Triton GEMV handles 1..GEMV_MAX_ROWS rows; larger inputs stay on cuBLAS."""
+GEMV_MAX_ROWS = 2
+"""Rows up to which decode_gemv routes projections to the Triton GEMV (the kernel takes 1..4);
+larger inputs stay on cuBLAS. At 4 rows the GEMV loses: the b4 decode graph took 3.87 ms with
+it against 3.28 ms on cuBLAS (decode_variants_h200_v1.json)."""
 
 
 def use_gemv(x: torch.Tensor, enabled: bool) -> bool:
@@ -17,9 +19,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, gemv: bool = False,
            out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
     """x: [T, K] @ weight [N, K].T -> [T, N] in out_dtype (default x.dtype), fp32 accumulation.
 
-    With `gemv` set, CUDA inputs of 1..4 rows go through kernels/linear/gemv.py (which reads a
-    weight of another dtype directly, e.g. the router's fp32 weight with bf16 x); everything else
-    is F.linear on x cast to the weight's dtype. pdl: the GEMV launches with programmatic
+    With `gemv` set, CUDA inputs of 1..GEMV_MAX_ROWS rows go through kernels/linear/gemv.py
+    (which reads a weight of another dtype directly, e.g. the router's fp32 weight with bf16 x);
+    everything else is F.linear on x cast to the weight's dtype. pdl: the GEMV launches with programmatic
     dependent launch (kernels/linear/gemv.py)."""
     if use_gemv(x, gemv):
         from kdaserve.kernels.linear.gemv import gemv as triton_gemv

@@ -57,7 +57,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)   # [R, H, rank]
         o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
-                                               block_table, seq_lens, self.scale)  # [R, H, rank]
+                                               block_table, seq_lens, self.scale,
+                                               pdl=self.pdl)               # [R, H, rank]
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
     def process_weights_after_loading(self) -> None:
@@ -82,7 +83,8 @@ class MLAttention(nn.Module):
         verification) and prefills. q: [T, H, qk_dim]; ckv: [T, rank + rope]."""
         T, h = q.shape[0], self.num_heads
         mla_backend.store_latent(kv_cache, md.slot_mapping[:T], ckv,
-                                 self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
+                                 self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                 pdl=self.pdl)
         out = q.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:

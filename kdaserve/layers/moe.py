@@ -45,7 +45,7 @@ class TopkRouter(nn.Module):
 
             return moe_router_splitk(x32 if x32 is not None else x, self.weight,
                                      self.e_score_correction_bias, self.top_k, self.renormalize,
-                                     self.scaling, extra_expert=extra_expert)
+                                     self.scaling, extra_expert=extra_expert, pdl=self.pdl)
         if x32 is not None:
             logits = F.linear(x32, self.weight)                           # [N, E] fp32
         else:
@@ -54,7 +54,8 @@ class TopkRouter(nn.Module):
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
             return moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
-                                    self.renormalize, self.scaling, extra_expert=extra_expert)
+                                    self.renormalize, self.scaling, extra_expert=extra_expert,
+                                    pdl=self.pdl)
         return ref.moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
                                     self.renormalize, self.scaling)
 
@@ -118,6 +119,6 @@ class SparseMoE(nn.Module):
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
             w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
-            return fused_moe(x, self.w13_all, self.w2_all, w, ids)
+            return fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=self.gate.pdl)
         topk_weights, topk_ids = self.gate(x)
         return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)

@@ -42,10 +42,10 @@ class RMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate: [N, D]."""
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """x, gate: [N, D]; pdl: the CUDA kernel launches with programmatic dependent launch."""
         if x.is_cuda:
             from kdaserve.kernels.norm.rms_norm import rms_norm_gated
 
-            return rms_norm_gated(x, gate, self.weight, self.eps)
+            return rms_norm_gated(x, gate, self.weight, self.eps, pdl=pdl)
         return ref.rms_norm_gated(x, gate, self.weight, self.eps)

@@ -123,9 +123,9 @@ def run_one_request(runner, extra):
 
 
 def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
-    """KernelConfig(decode_gemv, pdl, fused_kda_decode) on: 3-row decode steps (GEMV M=3, the
-    router reading its fp32 weight with bf16 x) and 1-row steps (GEMV M=1; the fused KDA
-    decode) against the fp32 reference."""
+    """KernelConfig(decode_gemv, pdl, fused_kda_decode) on: 3-row decode steps (cuBLAS
+    projections, PDL kernels, the fused KDA decode) and 1-row steps (the GEMV at M=1, the router
+    reading its fp32 weight with bf16 x) against the fp32 reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
