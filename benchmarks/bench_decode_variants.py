@@ -39,7 +39,8 @@ def kernel_config(variant: str) -> KernelConfig:
     bad = [n for n in names if n not in FLAGS]
     if bad:
         raise ValueError(f"unknown variant flags {bad} in {variant!r}; known: {sorted(FLAGS)}")
-    return KernelConfig(**{FLAGS[n]: True for n in names})
+    off = {flag: False for flag in FLAGS.values()}        # the defaults turn some on
+    return KernelConfig(**{**off, **{FLAGS[n]: True for n in names}})
 
 
 def recapture(runner: ModelRunner, kc: KernelConfig) -> None:

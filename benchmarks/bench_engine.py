@@ -45,6 +45,12 @@ def run_until_done(engine: LLMEngine) -> list[float]:
     return times
 
 
+def kernel_flags(args) -> dict:
+    """The KernelConfig flags given on the command line (the others keep their defaults)."""
+    names = ("decode_gemv", "pdl", "fused_kda_decode")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
 
@@ -59,12 +65,12 @@ def main() -> None:
     ap.add_argument("--throughput-requests", type=int, default=16)
     ap.add_argument("--throughput-output", type=int, default=1000)
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--decode-gemv", action="store_true",
-                    help="KernelConfig.decode_gemv: Triton GEMV for decode batches <= 4")
-    ap.add_argument("--pdl", action="store_true",
-                    help="KernelConfig.pdl: programmatic dependent launch in the decode path")
-    ap.add_argument("--fused-kda-decode", action="store_true",
-                    help="KernelConfig.fused_kda_decode: one launch per KDA layer in decode steps")
+    ap.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
+                    help="KernelConfig.decode_gemv (default: the engine's)")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                    help="KernelConfig.pdl (default: the engine's)")
+    ap.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
+                    help="KernelConfig.fused_kda_decode (default: the engine's)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="one step at a time (the decode rows then have no graphs_sync twin)")
     ap.add_argument("--out", default=None)
@@ -78,8 +84,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9, decode_gemv=args.decode_gemv, pdl=args.pdl,
-        fused_kda_decode=args.fused_kda_decode,
+        gpu_memory_utilization=0.9, **kernel_flags(args),
         async_scheduling=not args.no_async_scheduling)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner

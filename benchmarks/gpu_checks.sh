@@ -9,7 +9,7 @@
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
-# ENGINE_ARGS="--decode-gemv" times the candidate end to end.
+# ENGINE_ARGS="--no-pdl" (or --no-decode-gemv, --no-fused-kda-decode) times the engine without a default kernel choice.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and

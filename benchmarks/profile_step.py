@@ -62,7 +62,9 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="decode with CUDA graphs (kernels as replayed; the gap is step time "
                          "minus kernel time)")
-    ap.add_argument("--decode-gemv", action="store_true")
+    ap.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--router-splitk", action="store_true",
                     help="router logits by the split-K Triton GEMV instead of cuBLAS")
     ap.add_argument("--out", default=None)
@@ -77,7 +79,8 @@ def main() -> None:
                                          max_num_batched_tokens=max(8192, args.prefill),
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
-        kernel_config=KernelConfig(decode_gemv=args.decode_gemv,
+        kernel_config=KernelConfig(decode_gemv=args.decode_gemv, pdl=args.pdl,
+                                   fused_kda_decode=args.fused_kda_decode,
                                    router_splitk=args.router_splitk))
     runner = ModelRunner(config)
     runner.eos_token_ids = []

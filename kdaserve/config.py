@@ -223,9 +223,11 @@ class LoadConfig:
 
 @dataclass
 class KernelConfig:
-    """Kernel choices on CUDA (no effect on the CPU reference path). Off = the baseline:
-    cuBLAS projections, the tensor-core fused MoE, a sorting top-k / top-p."""
-    decode_gemv: bool = False
+    """Kernel choices on CUDA (no effect on the CPU reference path). All off = the baseline:
+    cuBLAS projections, the tensor-core fused MoE, a sorting top-k / top-p, five launches per
+    KDA decode, ordinary launches. The defaults are the fastest measured set
+    (decode_variants_h200_v2.json, engine_h200_v6.json)."""
+    decode_gemv: bool = True
     """Projections of 1-2 token rows (decode batches <= 2, layers/linear.py GEMV_MAX_ROWS)
     through the Triton GEMV (kernels/linear/gemv.py) instead of cuBLAS; the router reads its
     fp32 weight directly."""
@@ -234,11 +236,12 @@ class KernelConfig:
     partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk) instead of
     the cuBLAS fp32 GEMM then the top-k launch. Off: slower on the H200 at 1 row (18.7 against
     13.4 us) and 64 rows, even at 16, ahead only at 4-8 rows (layers_h200_run8.json)."""
-    pdl: bool = False
+    pdl: bool = True
     """Decode-path Triton kernels launched with programmatic dependent launch (Hopper and
-    newer): each may start while the previous kernel finishes, reading only weights before
-    `griddepcontrol.wait`. Takes effect with decode_gemv for the projections."""
-    fused_kda_decode: bool = False
+    newer; the runner turns it off on older GPUs): each may start while the previous kernel
+    finishes, reading only weights before `griddepcontrol.wait`. Takes effect with
+    decode_gemv for the projections."""
+    fused_kda_decode: bool = True
     """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
     gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""
     sampling_threshold_kernel: bool = True

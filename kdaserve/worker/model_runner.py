@@ -6,6 +6,7 @@ seeded generator) keyed by req_id; each step applies the scheduler's delta to it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ import torch
 
 from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.metadata import ForwardContext, ModelCaches
-from kdaserve.config import EngineConfig
+from kdaserve.config import EngineConfig, KernelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
@@ -109,6 +110,15 @@ def _to_host(out: SamplerOutput) -> SamplerOutput:
                          copy(out.logprobs), copy(out.ranks))
 
 
+def _supported_kernels(kc: KernelConfig, device: torch.device) -> KernelConfig:
+    """kc less what this device cannot run: PDL needs compute capability 9.0 (Hopper)."""
+    if kc.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        logger.info("pdl off: compute capability %s < 9.0",
+                    torch.cuda.get_device_capability(device))
+        return dataclasses.replace(kc, pdl=False)
+    return kc
+
+
 def _use_expandable_segments() -> None:
     """Expandable allocator segments unless the user configured the allocator: loading folds
     and merges weights (new tensors, old ones freed), which otherwise leaves tens of GiB of
@@ -142,7 +152,7 @@ class ModelRunner:
         cls = resolve_architecture(mc.hf_config)
         self.model = build_model(self.args, self.dtype, self.device, cls)
         load_weights(self.model, mc.model, config.load_config)
-        self.model.configure_kernels(config.kernel_config)
+        self.model.configure_kernels(_supported_kernels(config.kernel_config, self.device))
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
                     self.device)
         self.sampler = Sampler(config.kernel_config.sampling_threshold_kernel)

@@ -15,8 +15,9 @@ def test_switches_reach_engine_config(tmp_path):
         "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
         "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
-        "--long-prefill-token-threshold", "64", "--max-model-len", "1k", "--decode-gemv",
-        "--no-async-scheduling", "--pdl", "--fused-kda-decode"])
+        "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
+        "--no-async-scheduling", "--pdl", "--fused-kda-decode",
+        "--no-decode-gemv"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
@@ -25,13 +26,14 @@ def test_switches_reach_engine_config(tmp_path):
     assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
     kc = config.kernel_config
-    assert kc.decode_gemv and kc.pdl and kc.fused_kda_decode
+    assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
     assert defaults.scheduler_config.async_scheduling is True
-    assert not defaults.kernel_config.decode_gemv and not defaults.kernel_config.pdl
+    dk = defaults.kernel_config
+    assert dk.decode_gemv and dk.pdl and dk.fused_kda_decode
 
 
 def test_kernel_config_reaches_the_layers(tmp_path):

@@ -123,14 +123,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reach the host (default on; speculative decoding and penalties run "
                         "one step at a time).")
     a.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: projections of decode batches <= 4 through the Triton GEMV "
-                        "(off: cuBLAS). Off by default until measured on the H200.")
+                   help="CUDA: projections of decode batches <= 2 through the Triton GEMV "
+                        "(off: cuBLAS). On by default.")
     a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA (Hopper+): decode-path Triton kernels with programmatic dependent "
-                        "launch; with --decode-gemv it covers the projections too.")
+                        "launch (on by default; off below compute capability 9.0); with "
+                        "--decode-gemv it covers the projections too.")
     a.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
-                        "and gated norm in one Triton launch.")
+                        "and gated norm in one Triton launch (on by default).")
     a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
                         "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
