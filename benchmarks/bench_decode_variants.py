@@ -2,8 +2,8 @@
 
     python benchmarks/bench_decode_variants.py MODEL_DIR --variants base,gemv,gemv+pdl --out v.json
 
-One model load; for each variant the kernel flags are set on the layers (configure_kernels) and
-the decode graphs are captured again. Per batch (8K context by default) it reports the model
+One model load; for each variant the kernel flags are set on the layers and the decode graphs
+are captured again (ModelRunner._capture_graphs). Per batch (8K context by default) it reports the model
 graph alone (CUDA events around back-to-back replays: no lm_head, sampler or host work) and
 `runner.execute_model` per step (synchronous: graph + lm_head + sampler + host). Variant names
 join KernelConfig flags with '+': gemv = decode_gemv, pdl, splitk = router_splitk,
@@ -27,7 +27,6 @@ from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
                              ModelConfig, SchedulerConfig)
-from kdaserve.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
 
 FLAGS = {"gemv": "decode_gemv", "pdl": "pdl", "splitk": "router_splitk",
@@ -47,9 +46,8 @@ def recapture(runner: ModelRunner, kc: KernelConfig) -> None:
     runner.graphs = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    runner.model.configure_kernels(kc)
-    runner.graphs = DecodeGraphs(runner)
-    runner.graphs.capture()
+    runner.kernel_config = kc
+    runner._capture_graphs()        # as at start-up: PDL (if on) in the graphs only
 
 
 def main() -> None:

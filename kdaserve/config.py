@@ -237,10 +237,10 @@ class KernelConfig:
     the cuBLAS fp32 GEMM then the top-k launch. Off: slower on the H200 at 1 row (18.7 against
     13.4 us) and 64 rows, even at 16, ahead only at 4-8 rows (layers_h200_run8.json)."""
     pdl: bool = True
-    """Decode-path Triton kernels launched with programmatic dependent launch (Hopper and
-    newer; the runner turns it off on older GPUs): each may start while the previous kernel
-    finishes, reading only weights before `griddepcontrol.wait`. Takes effect with
-    decode_gemv for the projections."""
+    """Triton kernels inside the captured CUDA graphs launched with programmatic dependent
+    launch (Hopper and newer; the runner turns it off on older GPUs): each may start while the
+    previous kernel finishes, reading only weights before `griddepcontrol.wait`. Takes effect
+    with decode_gemv for the projections. Eager steps launch without it."""
     fused_kda_decode: bool = True
     """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
     gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""

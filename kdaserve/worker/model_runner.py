@@ -152,7 +152,8 @@ class ModelRunner:
         cls = resolve_architecture(mc.hf_config)
         self.model = build_model(self.args, self.dtype, self.device, cls)
         load_weights(self.model, mc.model, config.load_config)
-        self.model.configure_kernels(_supported_kernels(config.kernel_config, self.device))
+        self.kernel_config = _supported_kernels(config.kernel_config, self.device)
+        self.model.configure_kernels(dataclasses.replace(self.kernel_config, pdl=False))
         logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
                     self.device)
         self.sampler = Sampler(config.kernel_config.sampling_threshold_kernel)
@@ -240,8 +241,17 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.warmup()
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            from kdaserve.worker.cuda_graphs import DecodeGraphs
+            self._capture_graphs()
 
+    def _capture_graphs(self) -> None:
+        """Decode (and spec verification) graphs, captured with the PDL launches when
+        KernelConfig.pdl is on. Eager steps launch without PDL: it saves ~1 us per kernel
+        boundary, nothing against eager launch overhead, and each prefill shape would JIT its
+        own PDL kernel variants on first use."""
+        from kdaserve.worker.cuda_graphs import DecodeGraphs
+
+        self.model.configure_kernels(self.kernel_config)
+        try:
             self.graphs = DecodeGraphs(self)
             self.graphs.capture()
             if self.spec is not None:
@@ -251,6 +261,8 @@ class ModelRunner:
 
                     self.spec_graphs = SpecVerifyGraphs(self, self.graphs.pool)
                     self.spec_graphs.capture()
+        finally:
+            self.model.configure_kernels(dataclasses.replace(self.kernel_config, pdl=False))
 
     def _warmup_mixed_step(self) -> None:
         """One eager forward mixing decodes, a prefill chunk over a cached prefix and a fresh

@@ -46,11 +46,14 @@ def test_kernel_config_reaches_the_layers(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = []
     for on in (False, True):
-        llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on)
+        llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on, fused_kda_decode=on)
         mods = list(llm.llm_engine.model_runner.model.modules())
-        for name in ("decode_gemv", "pdl"):
+        for name in ("decode_gemv", "fused_decode"):
             flags = [getattr(m, name) for m in mods if hasattr(m, name)]
             assert flags and all(f == on for f in flags), name
+        # PDL is for captured graphs only: eager steps (all of them on the CPU) launch without.
+        assert llm.llm_engine.model_runner.kernel_config.pdl == on
+        assert not any(getattr(m, "pdl", False) for m in mods)
         outs.append(llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0]
                     .outputs[0].token_ids)
         del llm
