@@ -21,21 +21,35 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
                         K+1-row catch-up windows in CUDA graphs vs an eager varlen prefill)
   sampling-threshold-kernel  --sampling-threshold-kernel | --no-...   (sort-free top-k / top-p
                         threshold search; W1 samples with top_p 0.95)
+  async-scheduling      --async-scheduling | --no-...   (step N+1 scheduled before step N's ids
+                        reach the host; CPU too; no spec config: the engine steps one at a
+                        time under speculative decoding)
+  fused-kda-decode      --fused-kda-decode | --no-...   (one launch per KDA layer in a plain
+                        decode step; CUDA; no spec rows: a draft model drafts every step)
+  pdl                   --pdl | --no-pdl   (programmatic dependent launch in the captured decode
+                        and verify graphs; CUDA, sm_90+)
+  decode-gemv           --decode-gemv | --no-...   (Triton GEMV projections of 1-2 row plain
+                        decode steps, i.e. concurrency 1-2; CUDA; no spec rows)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
-engine flag and are not switches here. The engine's `--decode-gemv` and `--router-splitk`
-are kernel candidates that lost on the H200 (benchmarks/results/gemv_h200_v1.json: no faster
-than cuBLAS at 1 row, 2x slower at 4; layers_h200_run8.json: the split-K router 18.7 against
-13.4 us a layer at batch 1), off by default, so they are not optimisations to ablate; pass them
-with --server-args to time them end to end. "all-on" is the engine default.
+engine flag and are not switches here. --decode-gemv is on by default since, with PDL, it won at
+batch 1 (benchmarks/results/decode_variants_h200_v2.json: b1 decode graph 2.347 ms with
+gemv+pdl+fused-kda-decode against 2.441 ms without the GEMV); it routes 1-2 rows only (it lost
+at 4). The engine's `--router-splitk` remains a kernel candidate that lost on the H200
+(layers_h200_run8.json: 18.7 against 13.4 us a layer at batch 1), off by default, so it is not
+an optimisation to ablate; pass it with --server-args to time it end to end. "all-on" is the
+engine default.
 
 `--runs auto` (default) does all-on, all-off and the one-off runs of the switches the workload
-exercises; `--runs all` every one-off run; or a comma list (all-on,all-off,no-batch-layout,...).
+exercises (W1 with a draft model leaves out async-scheduling, fused-kda-decode and decode-gemv:
+every target step is a verify step; `--spec-method none`, W1-nospec, exercises them); `--runs
+all` every one-off run; or a comma list (all-on,all-off,no-batch-layout,...).
 `--time-budget` bounds the whole invocation: it is split over runs and levels, each level's
 request count and duration cap shrink to fit; prompt and output lengths never do.
 
     kdaserve make-model /tmp/k48 --preset kimi-linear-48b-a3b
     # /tmp/k48-draft is made on first use (small preset, the target's vocabulary)
     python benchmarks/ablation.py /tmp/k48 --workload W1 --draft-model /tmp/k48-draft
+    python benchmarks/ablation.py /tmp/k48 --workload W1 --spec-method none   # W1-nospec
     python benchmarks/ablation.py /tmp/k48 --workload W3
 """
 
@@ -85,8 +99,11 @@ class Switch:
     workload: str
     """The workload that exercises it."""
     needs: str
-    """"spec" (a speculative config), "prefix" (prefix caching + a shared prefix) or "decode"
-    (any workload: decode steps; kernel switches that only act on a CUDA server)."""
+    """"spec" (a speculative config), "draft" (a draft-model spec config), "prefix" (prefix
+    caching + a shared prefix), "decode" (any workload: decode steps; kernel switches that only
+    act on a CUDA server), "plain-decode" (decode steps without spec rows: no spec config, or
+    ngram, whose steps without drafts are plain decode steps; CUDA) or "nospec" (no spec config
+    at all)."""
     flag_on: tuple[str, ...] = ()
     flag_off: tuple[str, ...] = ()
     spec_key: str | None = None
@@ -128,6 +145,22 @@ SWITCHES: tuple[Switch, ...] = (
            baseline="top-k / top-p by a full sort of the vocabulary per row (CUDA only; the "
                     "CPU always sorts)",
            flag_on=("--sampling-threshold-kernel",), flag_off=("--no-sampling-threshold-kernel",)),
+    Switch("async-scheduling", workload="W1", needs="nospec",
+           baseline="one step at a time: the next step is scheduled only after the last step's "
+                    "sampled ids reached the host (the host work of each step no longer "
+                    "overlaps the device work)",
+           flag_on=("--async-scheduling",), flag_off=("--no-async-scheduling",)),
+    Switch("fused-kda-decode", workload="W1", needs="plain-decode",
+           baseline="five launches per KDA layer in a decode step (conv update, f_b/g_b bmm, "
+                    "fla fused recurrent, beta copy, gated norm) instead of one",
+           flag_on=("--fused-kda-decode",), flag_off=("--no-fused-kda-decode",)),
+    Switch("pdl", workload="W1", needs="decode",
+           baseline="the decode graphs' Triton kernels launched without programmatic dependent "
+                    "launch",
+           flag_on=("--pdl",), flag_off=("--no-pdl",)),
+    Switch("decode-gemv", workload="W1", needs="plain-decode",
+           baseline="projections of 1-2 row decode batches on cuBLAS instead of the Triton GEMV",
+           flag_on=("--decode-gemv",), flag_off=("--no-decode-gemv",)),
 )
 SWITCH_NAMES = tuple(s.name for s in SWITCHES)
 RESERVED_SERVER_FLAGS = ("--speculative-config", "-sc", "--enable-prefix-caching",
@@ -191,6 +224,10 @@ def exercised(switch: Switch, spec: dict | None, prefix_caching: bool,
     """Whether the workload reaches the code the switch changes."""
     if switch.needs == "decode":
         return True
+    if switch.needs == "nospec":      # the engine steps one at a time under spec decoding
+        return spec is None
+    if switch.needs == "plain-decode":  # verify rows take the other path; a draft model
+        return spec is None or spec.get("method") != "draft_model"  # drafts every step
     if switch.needs == "spec":
         return spec is not None
     if switch.needs == "draft":

@@ -17,7 +17,9 @@ from kdaserve.entrypoints.openai import cli_args
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ablation.py")
 ALL = ["kda-checkpoint-mode", "adaptive-spec-budget", "kda-state-mode", "batch-layout",
-       "draft-catchup", "sampling-threshold-kernel"]
+       "draft-catchup", "sampling-threshold-kernel", "async-scheduling", "fused-kda-decode",
+       "pdl", "decode-gemv"]
+DECODE_SWITCHES = ["async-scheduling", "fused-kda-decode", "pdl", "decode-gemv"]
 NGRAM = ('{"num_speculative_tokens": 8, "rejection_sample_method": "synthetic", '
          '"synthetic_acceptance_length": 4.0}')
 
@@ -54,15 +56,18 @@ def switch_values(kwargs: dict) -> dict[str, object]:
             "kda-state-mode": spec.get("kda_state_mode"),
             "batch-layout": spec.get("batch_layout"),
             "draft-catchup": spec.get("draft_catchup"),
-            "sampling-threshold-kernel": kwargs.get("sampling_threshold_kernel")}
+            "sampling-threshold-kernel": kwargs.get("sampling_threshold_kernel"),
+            "async-scheduling": kwargs.get("async_scheduling"),
+            "fused-kda-decode": kwargs.get("fused_kda_decode"),
+            "pdl": kwargs.get("pdl"), "decode-gemv": kwargs.get("decode_gemv")}
 
 
 ON = {"kda-checkpoint-mode": "internal", "adaptive-spec-budget": True,
       "kda-state-mode": "recover", "batch-layout": "contiguous", "draft-catchup": "window",
-      "sampling-threshold-kernel": True}
+      "sampling-threshold-kernel": True, **{s: True for s in DECODE_SWITCHES}}
 OFF = {"kda-checkpoint-mode": "split", "adaptive-spec-budget": False,
        "kda-state-mode": "per_position", "batch-layout": "gather", "draft-catchup": "varlen",
-       "sampling-threshold-kernel": False}
+       "sampling-threshold-kernel": False, **{s: False for s in DECODE_SWITCHES}}
 
 
 def test_run_matrix(ablation):
@@ -98,31 +103,44 @@ def test_each_run_passes_exactly_its_switch_values(ablation):
     # Without a speculative config the spec keys go nowhere; the server-flag switches still do.
     flags, run_spec = ablation.run_server_args(ablation.run_matrix(["all-off"])[0], [], None)
     assert run_spec is None and "--speculative-config" not in flags
-    assert switch_values(serve_kwargs(flags))["kda-checkpoint-mode"] == "split"
+    values = switch_values(serve_kwargs(flags))
+    assert values["kda-checkpoint-mode"] == "split"
+    assert [values[s] for s in DECODE_SWITCHES] == [False] * 4
 
 
 def test_auto_runs_follow_the_workload(ablation, tmp_path):
     w1 = ablation.parse_args(["/m", "--out-dir", str(tmp_path)])
     assert [r.name for r in w1.run_list] == ["all-on", "all-off", "no-adaptive-spec-budget",
                                              "no-kda-state-mode", "no-batch-layout",
-                                             "no-sampling-threshold-kernel"]
+                                             "no-sampling-threshold-kernel",
+                                             "no-fused-kda-decode", "no-pdl", "no-decode-gemv"]
     assert w1.spec["method"] == "ngram" and (w1.input_len, w1.output_len) == (8000, 1000)
     assert w1.concurrency == (1, 4, 16) and not w1.prefix_caching
     w1d = ablation.parse_args(["/m", "--draft-model", "/d", "--runs", "all"])
     assert w1d.spec["method"] == "draft_model" and w1d.spec["model"] == "/d"
     auto_d = ablation.parse_args(["/m", "--draft-model", "/d"])
-    assert "no-draft-catchup" in [r.name for r in auto_d.run_list]
-    assert len(w1d.run_list) == 8 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
+    assert [r.name for r in auto_d.run_list] == [
+        "all-on", "all-off", "no-adaptive-spec-budget", "no-kda-state-mode", "no-batch-layout",
+        "no-draft-catchup", "no-sampling-threshold-kernel", "no-pdl"]  # every step verifies
+    assert len(w1d.run_list) == 12 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
+    nospec = ablation.parse_args(["/m", "--spec-method", "none"])
+    assert nospec.spec is None and [r.name for r in nospec.run_list] == [
+        "all-on", "all-off", "no-sampling-threshold-kernel",
+        *(f"no-{s}" for s in DECODE_SWITCHES)]
     w3 = ablation.parse_args(["/m", "--workload", "W3"])
     assert w3.spec is None and w3.prefix_caching and w3.shared_prefix_len == 7680
     assert [r.name for r in w3.run_list] == ["all-on", "all-off", "no-kda-checkpoint-mode",
-                                             "no-sampling-threshold-kernel"]
+                                             "no-sampling-threshold-kernel",
+                                             *(f"no-{s}" for s in DECODE_SWITCHES)]
     assert "--enable-prefix-caching" in ablation.base_flags(w3)
 
 
 @pytest.mark.parametrize("argv,match", [
     (["--server-args=--no-adaptive-spec-budget"], "set by the driver"),
     (["--server-args=--kda-checkpoint-mode=split"], "set by the driver"),
+    (["--server-args=--no-async-scheduling"], "set by the driver"),
+    (["--base-server-args", "--max-num-seqs 4 --pdl"], "set by the driver"),
+    (["--server-args=--decode-gemv --no-fused-kda-decode"], "set by the driver"),
     (["--base-server-args", "--speculative-config {}"], "set by the driver"),
     (["--spec-config", '{"batch_layout": "gather"}'], "switch keys"),
     (["--spec-method", "draft_model"], "needs --draft-model"),
@@ -185,11 +203,15 @@ def test_w1_shaped_cpu_end_to_end(ablation, tiny_model, tmp_path, capsys):
     on = {"kda-checkpoint-mode": ["--kda-checkpoint-mode", "internal"],
           "adaptive-spec-budget": ["--adaptive-spec-budget"],
           "kda-state-mode": "recover", "batch-layout": "contiguous", "draft-catchup": "window",
-          "sampling-threshold-kernel": ["--sampling-threshold-kernel"]}
+          "sampling-threshold-kernel": ["--sampling-threshold-kernel"],
+          **{s: [f"--{s}"] for s in DECODE_SWITCHES}}
     rec = check_run(tmp_path, "all-on", on, [1, 2], 8)
     assert rec["speculative_config"]["kda_state_mode"] == "recover"
     assert rec["switches"]["batch-layout"]["exercised"]
     assert not rec["switches"]["kda-checkpoint-mode"]["exercised"]
+    assert not rec["switches"]["async-scheduling"]["exercised"]  # spec: one step at a time
+    assert rec["switches"]["fused-kda-decode"]["exercised"]      # ngram: plain decode steps
+    assert "--no-pdl" not in rec["server_flags"] and "--pdl" in rec["server_flags"]
     off = check_run(tmp_path, "no-kda-state-mode", {**on, "kda-state-mode": "per_position"},
                     [1, 2], 8)
     assert '"kda_state_mode": "per_position"' in off["server_command"]
@@ -220,8 +242,10 @@ def test_w3_shaped_cpu_checkpoint_switch(ablation, tiny_model, tmp_path):
         "kda-checkpoint-mode": ["--kda-checkpoint-mode", "split"],
         "adaptive-spec-budget": ["--adaptive-spec-budget"],
         "kda-state-mode": None, "batch-layout": None, "draft-catchup": None,
-        "sampling-threshold-kernel": ["--sampling-threshold-kernel"]}, [1], 4)
+        "sampling-threshold-kernel": ["--sampling-threshold-kernel"],
+        **{s: [f"--{s}"] for s in DECODE_SWITCHES}}, [1], 4)
     assert rec["speculative_config"] is None and rec["switches"]["kda-checkpoint-mode"]["exercised"]
+    assert all(rec["switches"][s]["exercised"] for s in DECODE_SWITCHES)
     assert "--enable-prefix-caching" in rec["server_flags"]
     counters = rec["levels"][0]["server_counters"]
     assert counters["prefix_cache_hits"] > 0
