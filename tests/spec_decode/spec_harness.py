@@ -289,7 +289,8 @@ class _patched_backend:
     def __enter__(self):
         self.orig = (kda_backend.short_conv, kda_backend.delta_rule)
         oc, od = self.orig
-        kda_backend.short_conv = lambda *a: self.h.short_conv(oc, *a)
+        # pdl only changes how CUDA kernels launch: the harness's CPU path ignores it
+        kda_backend.short_conv = lambda *a, pdl=False: self.h.short_conv(oc, *a)
         kda_backend.delta_rule = lambda *a: self.h.delta_rule(od, *a)
 
     def __exit__(self, *exc):

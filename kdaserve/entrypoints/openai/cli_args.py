@@ -126,9 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: projections of decode batches <= 2 through the Triton GEMV "
                         "(off: cuBLAS). On by default.")
     a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA (Hopper+): decode-path Triton kernels with programmatic dependent "
-                        "launch (on by default; off below compute capability 9.0); with "
-                        "--decode-gemv it covers the projections too.")
+                   help="CUDA (Hopper+): the Triton kernels of the captured decode graphs "
+                        "with programmatic dependent launch (on by default; off below compute "
+                        "capability 9.0); with --decode-gemv it covers the projections too.")
     a.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
                         "and gated norm in one Triton launch (on by default).")

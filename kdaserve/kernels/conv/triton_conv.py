@@ -13,14 +13,7 @@ USE_PDL=False generates the same code as before the flag existed.
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _pdl_wait(USE_PDL: tl.constexpr):
-    """With USE_PDL: wait for the previous kernel's writes (griddepcontrol.wait), then let the
-    next PDL kernel start its preamble (launch_dependents). Nothing without it."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+from kdaserve.kernels.triton_pdl import pdl_wait
 
 
 @triton.jit
@@ -47,7 +40,7 @@ def conv_varlen_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
 ):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < dim
@@ -100,7 +93,7 @@ def conv_varlen_state_kernel(
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     slot = tl.load(state_idx_ptr + seq).to(tl.int64)
     if slot < 0:
@@ -156,7 +149,7 @@ def conv_update_kernel(
     mask_d = offs_d < dim
     if USE_PDL:   # the weight is immutable: load it while the previous kernel finishes
         w_win, w_last = _update_weights(w_ptr, offs_d, mask_d, stride_wd, stride_wj, W, BLOCK_W)
-        _pdl_wait(USE_PDL)
+        pdl_wait(USE_PDL)
     slot = tl.load(state_idx_ptr + b).to(tl.int64)
     live = slot >= 0                               # slot < 0: padding row, zero window, no write
     j = tl.arange(0, BLOCK_W)

@@ -14,16 +14,9 @@ weight is read before the wait. USE_PDL=False generates the same code as before 
 import triton
 import triton.language as tl
 
+from kdaserve.kernels.triton_pdl import pdl_wait
+
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _pdl_wait(USE_PDL: tl.constexpr):
-    """With USE_PDL: wait for the previous kernel's writes (griddepcontrol.wait), then let the
-    next PDL kernel start its preamble (launch_dependents). Nothing without it."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -41,7 +34,7 @@ def mla_decode_partial_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -118,7 +111,7 @@ def mla_decode_partial_t_kernel(
     """Same contract as mla_decode_partial_kernel, computed transposed (tokens and latent
     channels as the matrix rows, heads as columns): both products then have >= 64 rows, which
     lets Hopper use its warpgroup MMA although a sequence has only 16-32 heads."""
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -190,7 +183,7 @@ def mla_decode_reduce_kernel(
 ):
     """Program (b, h, channel chunk): all partitions' partial outputs in one [BLOCK_S, BLOCK_C]
     load (no serial loop over partitions), weighted by exp2(lse - max lse)."""
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -213,7 +206,7 @@ def mla_decode_reduce_kernel(
 @triton.jit
 def store_kv_kernel(kv_ptr, slot_ptr, src_ptr, stride_src, dim, BLOCK_D: tl.constexpr,
                     USE_PDL: tl.constexpr = False):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     pid = tl.program_id(0)
     slot = tl.load(slot_ptr + pid).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -232,7 +225,7 @@ def store_latent_kernel(kv_ptr, slot_ptr, src_ptr, w_ptr, stride_src, dim, rank,
     if USE_PDL:   # the weight is immutable: load it while the previous kernel finishes
         offs_w = tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + offs_w, mask=offs_w < rank, other=1.0)
-        _pdl_wait(USE_PDL)
+        pdl_wait(USE_PDL)
     slot = tl.load(slot_ptr + pid).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = (offs < dim) & (slot >= 0)

@@ -24,20 +24,13 @@ generates the same code as before the flag existed.
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _pdl_wait(USE_PDL: tl.constexpr):
-    """With USE_PDL: wait for the previous kernel's writes (griddepcontrol.wait), then let the
-    next PDL kernel start its preamble (launch_dependents). Nothing without it."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+from kdaserve.kernels.triton_pdl import pdl_wait
 
 
 @triton.jit
 def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
     ok = (offs < numel) & (e >= 0) & (e < num_experts)
@@ -74,7 +67,7 @@ def _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_p
 def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
                        num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                        USE_PDL: tl.constexpr = False):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     counts = tl.load(counts_ptr + offs_e, mask=mask_e, other=0)
@@ -101,7 +94,7 @@ def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_id
     e * BLOCK_T + r (dropped entries last) lists the entries grouped by expert, in entry order
     within one: sorted position p of expert e goes to padded row start[e] + p - first[e], where
     first[e] is the number of routed entries of the experts before e."""
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
     offs = tl.arange(0, BLOCK_T)
@@ -121,7 +114,7 @@ def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_id
 @triton.jit
 def moe_scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, numel, num_experts,
                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
     ok = (offs < numel) & (e >= 0) & (e < num_experts)
@@ -174,7 +167,7 @@ def moe_gemm1_kernel(
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
                                 GROUP_M)
     if not DIRECT:
@@ -217,7 +210,7 @@ def moe_gemm2_kernel(
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if not DIRECT:
         if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -247,7 +240,7 @@ def moe_gemm2_kernel(
 @triton.jit
 def moe_sum_kernel(buf_ptr, topk_ids_ptr, out_ptr, hidden, num_experts, top_k,
                    stride_bm, stride_om, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < hidden
@@ -282,7 +275,7 @@ def moe_gemm2_sum_kernel(
     Entries with ids outside [0, E) contribute nothing (their loads are masked off).
     Steps 5 + 6 round each weighted expert output to buf's dtype before summing; here the sum
     stays in fp32 and is rounded once, into out's dtype."""
-    _pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
