@@ -61,3 +61,11 @@ def check_kernel_device(t: torch.Tensor) -> None:
         return
     raise ValueError(f"Triton kernels need CUDA tensors (got {t.device}); set TRITON_INTERPRET=1 "
                      "to run them on CPU tensors through the interpreter")
+
+
+def pdl_options(pdl: bool, t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel with a `USE_PDL` constexpr: programmatic dependent launch
+    on when asked for and `t` is a CUDA tensor (the interpreter cannot run the PTX)."""
+    if pdl and t.is_cuda:
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}

@@ -61,6 +61,9 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(d, p, bias=False)
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
+        self.fusable = (self.forget_gate.lower_bound is None and 8 <= d <= 128
+                        and not d & (d - 1))
+        """The one-launch decode kernel takes this layer (unbounded gate, power-of-two d)."""
 
     def process_weights_after_loading(self) -> None:
         # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
@@ -100,10 +103,9 @@ class KimiDeltaAttention(nn.Module):
         """Decode-only step (every row one token on its state), no spec rows, no checkpoint
         exports, the unbounded gate, a power-of-two head_dim <= 128: the one-launch path
         applies."""
-        return (self.fused_decode and x.is_cuda and md.num_decodes == md.num_reqs == x.shape[0]
-                and md.spec is None and md.kda_checkpoints is None
-                and self.forget_gate.lower_bound is None
-                and 8 <= self.head_dim <= 128 and not self.head_dim & (self.head_dim - 1))
+        return (self.fused_decode and self.fusable and x.is_cuda
+                and md.num_decodes == md.num_reqs == x.shape[0]
+                and md.spec is None and md.kda_checkpoints is None)
 
     def _fused_decode(self, proj: torch.Tensor, md, caches) -> torch.Tensor:
         from kdaserve.kernels.kda.decode_fused import kda_decode_fused

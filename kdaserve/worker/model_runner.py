@@ -96,7 +96,6 @@ class LaunchedStep:
     host: SamplerOutput | None = None
     """The sampler's output in host memory (filled once `done` has fired)."""
     done: torch.cuda.Event | None = None
-    num_logprobs: list[int | None] = field(default_factory=list)
 
 
 def _to_host(out: SamplerOutput) -> SamplerOutput:
@@ -392,7 +391,12 @@ class ModelRunner:
         except KeyError as exc:
             raise RuntimeError(f"request {exc.args[0]!r}: its input token was not sampled by the "
                                "last launched step") from None
-        idx = torch.tensor([[p for p, _ in batch.pending_inputs], rows], dtype=torch.long)
+        positions = [p for p, _ in batch.pending_inputs]
+        if positions == rows == list(range(len(rows))):
+            # Steady decoding: the same requests, in the same order, as the last step sampled.
+            input_ids[:len(rows)].copy_(self._last_sampled[:len(rows)])
+            return
+        idx = torch.tensor([positions, rows], dtype=torch.long)
         if input_ids.is_cuda:
             idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
         input_ids.index_copy_(0, idx[0], self._last_sampled[idx[1]].to(input_ids.dtype))
@@ -447,7 +451,6 @@ class ModelRunner:
             for s in sample_states:
                 s.num_pending += 1
             step.host = _to_host(out)
-            step.num_logprobs = [s.sampling_params.logprobs for s in sample_states]
             if out.sampled_token_ids.is_cuda:
                 step.done = torch.cuda.Event()
                 step.done.record()
@@ -461,7 +464,8 @@ class ModelRunner:
             step.done.synchronize()
         batch = step.batch
         sampled = step.host.sampled_token_ids.tolist()
-        lp_dicts, rank_dicts = to_logprob_dicts(step.host, step.num_logprobs)
+        num_logprobs = [step.states[i].sampling_params.logprobs for i in batch.sample_rows]
+        lp_dicts, rank_dicts = to_logprob_dicts(step.host, num_logprobs)
         logprobs = [None if lp is None else [{t: Logprob(v, rk[t]) for t, v in lp.items()}]
                     for lp, rk in zip(lp_dicts, rank_dicts)]
         for i in batch.sample_rows:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
+                                    require_triton)
 
 
 def _check_weight_states(x, weight, conv_states, activation):
@@ -84,8 +85,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     out, stride_yt, stride_ysplit, split = _out_layout(out, x)
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.uint8)
-    use_pdl = pdl and x.is_cuda
-    launch = {"launch_pdl": True} if use_pdl else {}
+    pdl_opts = pdl_options(pdl, x)
     if T > 0:
         block_t, block_d = 32, min(256, next_power_of_2(D))
         conv_varlen_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
@@ -94,15 +94,15 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
             x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
             W=W, SEARCH_STEPS=max(1, (B - 1).bit_length()), SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, USE_PDL=use_pdl, num_warps=4,
-            **launch,
+            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, num_warps=4,
+            **pdl_opts,
         )
     block_d = min(512, next_power_of_2(D))
     conv_varlen_state_kernel[(B, cdiv(D, block_d))](
         x, cu_seqlens, conv_states, state_indices, has_initial_state, D,
         x.stride(0), conv_states.stride(0), conv_states.stride(1), conv_states.stride(2),
-        W=W, BLOCK_W=next_power_of_2(W - 1), BLOCK_D=block_d, USE_PDL=use_pdl, num_warps=4,
-        **launch,
+        W=W, BLOCK_W=next_power_of_2(W - 1), BLOCK_D=block_d, num_warps=4,
+        **pdl_opts,
     )
     return out
 
@@ -130,12 +130,12 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     if B == 0:
         return out
     block_d = min(256, next_power_of_2(D))
-    use_pdl = pdl and x.is_cuda
+    pdl_opts = pdl_options(pdl, x)
     conv_update_kernel[(B, cdiv(D, block_d))](
         x, weight, out, conv_states, state_indices, D,
         x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
         conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
         W=W, BLOCK_W=next_power_of_2(W - 1), SILU=activation == "silu", BLOCK_D=block_d,
-        SPLIT=split, USE_PDL=use_pdl, num_warps=4, **({"launch_pdl": True} if use_pdl else {}),
+        SPLIT=split, num_warps=4, **pdl_opts,
     )
     return out

@@ -19,7 +19,7 @@ import torch
 
 from kdaserve.kernels import reference as ref
 from kdaserve.kernels.utils import (check_device, check_kernel_device, next_power_of_2,
-                                    require_triton)
+                                    pdl_options, require_triton)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 128
@@ -143,7 +143,7 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     require_triton()
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
-    use_pdl = pdl and proj.is_cuda
+    pdl_opts = pdl_options(pdl, proj)
     kda_decode_fused_kernel[(N, num_heads)](
         proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
         A_log.reshape(-1), dt_bias.reshape(-1), o_norm_weight, out,
@@ -152,8 +152,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         conv_cache.stride(0), conv_cache.stride(1), conv_cache.stride(2),
         rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2), rec_cache.stride(3),
         fg_b_weight.stride(0), fg_b_weight.stride(1),
-        D=head_dim, W=W, BW=next_power_of_2(W - 1), USE_PDL=use_pdl, num_warps=warps,
-        **({"launch_pdl": True} if use_pdl else {}))
+        D=head_dim, W=W, BW=next_power_of_2(W - 1), num_warps=warps,
+        **pdl_opts)
     return out
 
 

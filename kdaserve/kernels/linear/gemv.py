@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
-                                    require_triton)
+                                    pdl_options, require_triton)
 
 MAX_M = 4
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,11 +151,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
 
     cfg = config or default_config(M, N, K, weight.dtype, x.device)
     prefetch = min(cfg.prefetch, cdiv(K, cfg.block_k)) if pdl else 0
-    use_pdl = pdl and x.is_cuda
     gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0),
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, USE_PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}))
+        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(pdl, x))
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
-                                    require_triton)
+                                    pdl_options, require_triton)
 
 LOG2E = 1.4426950408889634
 
@@ -151,8 +151,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_c = next_power_of_2(kv_lora_rank)
     block_r = max(16, next_power_of_2(rope)) if rope > 0 else 1   # tl.dot needs K >= 16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    use_pdl = pdl and q.is_cuda
-    launch = {"launch_pdl": True} if use_pdl else {}
+    pdl_opts = pdl_options(pdl, q)
     partial = mla_decode_partial_t_kernel if cfg.transposed else mla_decode_partial_kernel
     partial[(B, num_kv_splits, head_groups)](
         q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse,
@@ -165,8 +164,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         H, num_kv_splits,
         KV_RANK=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=block_r,
         PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, USE_PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_opts,
     )
     block_s = next_power_of_2(num_kv_splits)
     block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program
@@ -176,8 +174,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         num_kv_splits,
-        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s, USE_PDL=use_pdl,
-        num_warps=4, **launch,
+        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s, num_warps=4, **pdl_opts,
     )
     return out
 
@@ -204,10 +201,10 @@ def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tenso
         check_kernel_device(t)
     if kv.shape[0] == 0:
         return
-    use_pdl = pdl and kv.is_cuda
+    pdl_opts = pdl_options(pdl, kv)
     store_kv_kernel[(kv.shape[0],)](kv_cache, slot_mapping, kv, kv.stride(0), D,
-                                    BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl, num_warps=4,
-                                    **({"launch_pdl": True} if use_pdl else {}))
+                                    BLOCK_D=next_power_of_2(D), num_warps=4,
+                                    **pdl_opts)
 
 
 def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
@@ -236,8 +233,8 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.
         check_kernel_device(t)
     if ckv.shape[0] == 0:
         return
-    use_pdl = pdl and ckv.is_cuda
+    pdl_opts = pdl_options(pdl, ckv)
     store_latent_kernel[(ckv.shape[0],)](kv_cache, slot_mapping, ckv, norm_weight, ckv.stride(0),
                                          D, rank, float(eps), BLOCK_D=next_power_of_2(D),
-                                         USE_PDL=use_pdl, num_warps=4,
-                                         **({"launch_pdl": True} if use_pdl else {}))
+                                         num_warps=4,
+                                         **pdl_opts)

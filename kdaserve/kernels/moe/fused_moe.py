@@ -17,7 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
+                                    require_triton)
 
 
 @dataclass(frozen=True)
@@ -130,24 +131,21 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     expert_ids = ws[3 * num_experts + 1:3 * num_experts + 1 + max_blocks]
     sorted_ids = ws[3 * num_experts + 1 + max_blocks:]
     block_e = next_power_of_2(num_experts)
-    use_pdl = pdl and ids.is_cuda
-    launch = {"launch_pdl": True} if use_pdl else {}
+    pdl_opts = pdl_options(pdl, ids)
     if small:
         block_t, warps = _small_align_tiles(numel)
         moe_align_small_kernel[(1,)](ids, counts, expert_start, expert_ids, num_rows, sorted_ids,
                                      numel, num_experts, max_blocks, BLOCK_M=block_m,
-                                     BLOCK_T=block_t, BLOCK_E=block_e, USE_PDL=use_pdl,
-                                     num_warps=warps, **launch)
+                                     BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps, **pdl_opts)
     else:
         block = 256
         grid = (max(1, cdiv(numel, block)),)
-        moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block, USE_PDL=use_pdl,
-                               **launch)
+        moe_count_kernel[grid](ids, counts, numel, num_experts, BLOCK=block, **pdl_opts)
         moe_offsets_kernel[(1,)](counts, expert_start, cursor, expert_ids, num_rows,
                                  num_experts, max_blocks, BLOCK_M=block_m, BLOCK_E=block_e,
-                                 USE_PDL=use_pdl, num_warps=4, **launch)
+                                 num_warps=4, **pdl_opts)
         moe_scatter_kernel[grid](ids, cursor, sorted_ids, numel, num_experts, BLOCK=block,
-                                 USE_PDL=use_pdl, **launch)
+                                 **pdl_opts)
     return MoEAlignment(sorted_ids, expert_ids, expert_start, counts, num_rows, max_blocks)
 
 
@@ -215,8 +213,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # One token: its entries have distinct experts, so each entry is its own row block and the
     # alignment pass (one launch per layer at decode) is skipped.
     direct = N == 1
-    use_pdl = pdl and x.is_cuda
-    launch = {"launch_pdl": True} if use_pdl else {}
+    pdl_opts = pdl_options(pdl, x)
     if direct:
         blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
             top_k, topk_ids, topk_ids, topk_ids, topk_ids, topk_ids
@@ -234,11 +231,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         inter_size, D, top_k, blocks, E,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, GROUP_M=c1.group_m,
-        DOT_PRECISION=precision, DIRECT=direct, USE_PDL=use_pdl, num_warps=c1.num_warps,
-        num_stages=c1.num_stages, **launch,
+        DOT_PRECISION=precision, DIRECT=direct, num_warps=c1.num_warps,
+        num_stages=c1.num_stages, **pdl_opts,
     )
     if direct and cfg.gemm2_sum is not None:
-        return _gemm2_sum(inter, w2, topk_weights, topk_ids, out, cfg.gemm2_sum, use_pdl)
+        return _gemm2_sum(inter, w2, topk_weights, topk_ids, out, cfg.gemm2_sum, pdl)
     buf = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)             # [N*k, D]
     c2 = cfg.gemm2
     moe_gemm2_kernel[(blocks * cdiv(D, c2.block_n),)](
@@ -246,13 +243,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         D, inter_size, blocks, E,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), buf.stride(0),
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, GROUP_M=c2.group_m,
-        DOT_PRECISION=precision, DIRECT=direct, USE_PDL=use_pdl, num_warps=c2.num_warps,
-        num_stages=c2.num_stages, **launch,
+        DOT_PRECISION=precision, DIRECT=direct, num_warps=c2.num_warps,
+        num_stages=c2.num_stages, **pdl_opts,
     )
     block_d = min(1024, next_power_of_2(D))
     moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,
                                           buf.stride(0), out.stride(0), BLOCK_D=block_d,
-                                          USE_PDL=use_pdl, num_warps=4, **launch)
+                                          num_warps=4, **pdl_opts)
     return out
 
 
@@ -268,12 +265,12 @@ def _check_gemm2_sum(cfg: MoEGemmConfig | None) -> None:
 
 def _gemm2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                topk_ids: torch.Tensor, out: torch.Tensor, cfg: MoEGemmConfig,
-               use_pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False) -> torch.Tensor:
     """One token: out[0] = sum_j topk_weights[0, j] * w2[e_j] @ inter[j] in one launch.
 
     inter: [k, I] (last dim contiguous); w2: [E, D, I]; topk_weights, topk_ids: [1, k]
-    contiguous; out: [1, D]. Inputs and tiles are checked by fused_moe. use_pdl: launch with
-    programmatic dependent launch (CUDA tensors only: the caller decides)."""
+    contiguous; out: [1, D]. Inputs and tiles are checked by fused_moe. pdl: launch with
+    programmatic dependent launch (module docstring)."""
     from kdaserve.kernels.moe.triton_moe import moe_gemm2_sum_kernel
 
     E, D, inter_size = w2.shape
@@ -281,8 +278,7 @@ def _gemm2_sum(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor
         inter, w2, out, topk_weights, topk_ids,
         D, inter_size, topk_ids.shape[1], E,
         inter.stride(0), w2.stride(0), w2.stride(1),
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, USE_PDL=use_pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if use_pdl else {}),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, inter),
     )
     return out

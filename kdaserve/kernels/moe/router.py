@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.kernels.utils import (cdiv, check_device, check_kernel_device, next_power_of_2,
-                                    num_sms, require_triton)
+                                    num_sms, pdl_options, require_triton)
 
 ROUTER_SPLITK_MAX_TOKENS = 64
 """moe_router_splitk's token limit: every program keeps all tokens' accumulators."""
@@ -64,14 +64,14 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     if N == 0:
         return weights, ids
     block_e = next_power_of_2(E)
-    use_pdl = pdl and router_logits.is_cuda
+    pdl_opts = pdl_options(pdl, router_logits)
     topk_sigmoid_kernel[(N,)](
         router_logits, correction_bias if correction_bias is not None else router_logits,
         weights, ids, E, router_logits.stride(0), 0, float(scaling),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_E=block_e, BLOCK_K=next_power_of_2(ids.shape[1]),
-        EXTRA_ID=-1 if extra_expert is None else int(extra_expert), USE_PDL=use_pdl,
-        num_warps=max(1, min(4, block_e // 128)), **({"launch_pdl": True} if use_pdl else {}),
+        EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
+        num_warps=max(1, min(4, block_e // 128)), **pdl_opts,
     )
     return weights, ids
 
@@ -140,13 +140,12 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
     block_e, k_per_split, split_k = router_splitk_plan(E, D, num_sms(x.device))
     partials = torch.empty(split_k, N, E, dtype=torch.float32, device=x.device)  # [S, N, E]
     chunks = k_per_split // _SPLITK_BLOCK_K
-    use_pdl = pdl and x.is_cuda
-    launch = {"launch_pdl": True} if use_pdl else {}
+    pdl_opts = pdl_options(pdl, x)
     router_logits_splitk_kernel[(cdiv(E, block_e), split_k)](
         x, weight, partials, N, E, D, x.stride(0), weight.stride(0), N * E,
         K_PER_SPLIT=k_per_split, BLOCK_N=next_power_of_2(N), BLOCK_E=block_e,
-        BLOCK_K=_SPLITK_BLOCK_K, EVEN_K=D % k_per_split == 0, USE_PDL=use_pdl,
-        num_warps=4, num_stages=min(chunks, 4) + 1, **launch,   # <= 4 chunks: all in flight
+        BLOCK_K=_SPLITK_BLOCK_K, EVEN_K=D % k_per_split == 0,
+        num_warps=4, num_stages=min(chunks, 4) + 1, **pdl_opts,   # <= 4 chunks: all in flight
     )
     block_e_topk = next_power_of_2(E)
     topk_sigmoid_kernel[(N,)](
@@ -155,6 +154,6 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_E=block_e_topk, BLOCK_K=next_power_of_2(ids.shape[1]),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert), NUM_PARTIALS=split_k,
-        USE_PDL=use_pdl, num_warps=max(1, min(4, block_e_topk // 128)), **launch,
+        num_warps=max(1, min(4, block_e_topk // 128)), **pdl_opts,
     )
     return weights, ids

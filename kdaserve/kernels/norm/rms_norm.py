@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, require_triton
+from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, pdl_options, require_triton
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -36,7 +36,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                          f"contiguous last dim, got {out32.dtype} {tuple(out32.shape)}")
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
-    use_pdl = pdl and x.is_cuda
+    pdl_opts = pdl_options(pdl, x)
     if N:
         add_rms_norm_kernel[(N,)](
             x, residual if residual is not None else x, weight, out, res_out,
@@ -44,8 +44,8 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
             res_out.stride(0), out32.stride(0) if out32 is not None else 0,
             HAS_RESIDUAL=residual is not None, OUT32=out32 is not None,
-            BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl, num_warps=8 if D >= 2048 else 4,
-            **({"launch_pdl": True} if use_pdl else {}))
+            BLOCK_D=next_power_of_2(D), num_warps=8 if D >= 2048 else 4,
+            **pdl_opts)
     return out, res_out
 
 
@@ -66,11 +66,10 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     check_kernel_device(x)
     N, D = x.shape
     out = torch.empty(N, D, dtype=x.dtype, device=x.device)
-    use_pdl = pdl and x.is_cuda
+    pdl_opts = pdl_options(pdl, x)
     if N:
         rms_norm_gated_kernel[(N,)](x, gate, weight, out, D, float(eps), x.stride(0),
                                     gate.stride(0), out.stride(0),
-                                    BLOCK_D=next_power_of_2(D), USE_PDL=use_pdl,
-                                    num_warps=1 if D <= 256 else 4,
-                                    **({"launch_pdl": True} if use_pdl else {}))
+                                    BLOCK_D=next_power_of_2(D), num_warps=1 if D <= 256 else 4,
+                                    **pdl_opts)
     return out
