@@ -8,7 +8,7 @@
 # unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_sampler),
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
-# layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# firststeps (first_steps.py: compiles and autotuning per engine step), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS="--no-pdl" (or --no-decode-gemv, --no-fused-kda-decode) times the engine without a default kernel choice.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
@@ -73,6 +73,12 @@ if [[ $STAGES == *ablation* ]]; then   # W1 switches (issue 7): all-on, all-off,
   timeout ${ABLATION_TIMEOUT:-560} python3 benchmarks/ablation.py /tmp/k48 --workload W1 \
     --draft-model /tmp/k48-draft --out-dir "$OUT/ablation" ${ABLATION_ARGS:-} 2>&1 \
     | grep -v Warning | tail -30 | tee "$OUT/ablation.log"
+fi
+if [[ $STAGES == *firststeps* ]]; then   # which steps JIT-compile or autotune on first use
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${FIRSTSTEPS_TIMEOUT:-300} python3 benchmarks/first_steps.py /tmp/k48 \
+    --out "$OUT/first_steps.json" ${FIRSTSTEPS_ARGS:-} 2>&1 | grep -v Warning | tail -80 \
+    | tee "$OUT/first_steps.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

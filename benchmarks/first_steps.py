@@ -1,0 +1,131 @@
+"""Which engine steps compile or autotune kernels on first use, and how long they take.
+
+    python benchmarks/first_steps.py MODEL_DIR --waves 4,16 --out first_steps.json
+
+Serves W1-like waves in-process (N requests of 8000 prompt tokens arriving together, short
+outputs, the seed server's flags), one step at a time with a device sync around each, and logs
+per step: its composition (requests, prefill/decode rows, tokens), wall time, and every Triton
+kernel that was compiled or loaded from the disk cache during it (Triton's JIT hooks) plus every
+autotuning run (Triton's autotune printout, on stdout). Each wave runs twice: the second pass
+shows the steady time of the same compositions, so a slow first step with no compile event
+points elsewhere (fla's own caches, cuBLAS, the allocator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kdaserve import SamplingParams  # noqa: E402
+from kdaserve.bench.report import git_commit  # noqa: E402
+from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
+
+
+class CompileLog:
+    """Triton JIT hooks: kernel name and seconds for each in-memory cache miss (a compile, or a
+    load from the disk cache)."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.events: list[dict] = []
+        self._t0: dict[str, float] = {}
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+        knobs.autotuning.print = True
+
+    def _before(self, *, fn, **kw) -> bool:
+        self._t0[fn.name] = time.perf_counter()
+        return False
+
+    def _after(self, *, fn, repr, **kw) -> None:
+        t = time.perf_counter() - self._t0.pop(fn.name, time.perf_counter())
+        self.events.append({"kernel": fn.name, "s": round(t, 3), "repr": repr[:600]})
+
+    def take(self) -> list[dict]:
+        out, self.events = self.events, []
+        return out
+
+
+def run_wave(engine: LLMEngine, log: CompileLog, tag: str, n: int, prompt_len: int,
+             out_len: int, rng: random.Random) -> list[dict]:
+    vocab = engine.vocab_size
+    for i in range(n):
+        engine.add_request(f"{tag}-{i}", [rng.randrange(1000, vocab - 1000)
+                                          for _ in range(prompt_len)],
+                           SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+    runner, seen = engine.model_runner, {}
+    launch = runner.launch
+
+    def spy(so):
+        seen["so"] = so
+        return launch(so)
+
+    runner.launch = spy
+    steps = []
+    try:
+        while engine.has_unfinished_requests():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) * 1e3
+            so = seen.pop("so", None)
+            rows = so.num_scheduled_tokens if so is not None else {}
+            prefill = sum(1 for v in rows.values() if v > 1)
+            events = log.take()
+            row = {"ms": round(ms, 2), "requests": len(rows), "prefill_rows": prefill,
+                   "decode_rows": len(rows) - prefill, "tokens": sum(rows.values()),
+                   "compiles": events}
+            if prefill or events or ms > 50:
+                print(f"{tag}: {row['ms']:8.1f} ms  {row['requests']:2d} req "
+                      f"({prefill} prefill) {row['tokens']:5d} tok  compiles "
+                      f"{[e['kernel'] + ':' + str(e['s']) for e in events]}", flush=True)
+            steps.append(row)
+    finally:
+        runner.launch = launch
+    return steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--waves", default="4,16", help="requests per wave, comma list")
+    ap.add_argument("--prompt-len", type=int, default=8000)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    log = CompileLog()
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_engine_args(
+        model=args.model, load_format="dummy", max_model_len=12288, max_num_seqs=32,
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.9, async_scheduling=False)
+    start_s = time.perf_counter() - t0
+    result = {"command": " ".join(sys.argv), "commit": git_commit(),
+              "gpu": torch.cuda.get_device_name(), "engine_start_s": start_s,
+              "start_compiles": log.take(), "waves": []}
+    print(f"engine start {start_s:.1f} s, {len(result['start_compiles'])} kernels compiled or "
+          "loaded", flush=True)
+    rng = random.Random(0)
+    for n in [int(x) for x in args.waves.split(",")]:
+        for rep in (1, 2):
+            steps = run_wave(engine, log, f"w{n}.{rep}", n, args.prompt_len, args.output_len, rng)
+            slow = [s for s in steps if s["prefill_rows"]]
+            result["waves"].append({"requests": n, "pass": rep, "steps": steps,
+                                    "prefill_steps_ms": [s["ms"] for s in slow]})
+            print(f"wave {n} pass {rep}: prefill-step ms {[s['ms'] for s in slow]}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
