@@ -77,7 +77,7 @@ fi
 if [[ $STAGES == *firststeps* ]]; then   # which steps JIT-compile or autotune on first use
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${FIRSTSTEPS_TIMEOUT:-300} python3 benchmarks/first_steps.py /tmp/k48 \
-    --out "$OUT/first_steps.json" ${FIRSTSTEPS_ARGS:-} 2>&1 | grep -v Warning | tail -80 \
+    --out "$OUT/first_steps.json" ${FIRSTSTEPS_ARGS:-} 2>&1 | grep -v Warning | tail -150 \
     | tee "$OUT/first_steps.log"
 fi
 if [[ $STAGES == *layers* ]]; then
