@@ -46,9 +46,10 @@ class CompileLog:
         self._t0[fn.name] = time.perf_counter()
         return False
 
-    def _after(self, *, fn, repr, **kw) -> None:
+    def _after(self, *, fn, **kw) -> None:
         t = time.perf_counter() - self._t0.pop(fn.name, time.perf_counter())
-        self.events.append({"kernel": fn.name, "s": round(t, 3), "repr": repr[:600]})
+        attrs = kw.get("compile", {}).get("configs", [None])[0]
+        self.events.append({"kernel": fn.name, "s": round(t, 3), "attrs": str(attrs)[:800]})
 
     def take(self) -> list[dict]:
         out, self.events = self.events, []

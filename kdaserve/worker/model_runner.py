@@ -264,22 +264,44 @@ class ModelRunner:
             self.model.configure_kernels(dataclasses.replace(self.kernel_config, pdl=False))
 
     def _warmup_mixed_step(self) -> None:
-        """One eager forward mixing decodes, a prefill chunk over a cached prefix and a fresh
-        prefill, on throwaway caches: the kernel variants such steps JIT-compile (Triton
-        specialises on strides and alignment) are built at start-up, not during the first
-        requests' steps."""
+        """Eager forwards over the step compositions serving meets, so the kernel variants they
+        JIT-compile (Triton specialises on integer values and pointer alignment; fla autotunes
+        its l2norm per token-count bucket) are built at start-up, not in a request's TTFT:
+        every count of decode rows from 0 to 16 and some beyond (the prefill rows' index arrays
+        start after them), each next to a chunk over a cached prefix and a fresh prefill, one
+        decode row at a long context (the MLA split count follows the longest context), and
+        fresh prefills across the token budget. Runs on the live caches before any request
+        holds a block or a slot: what it writes is garbage that a request overwrites before it
+        reads (new KV rows are stored before attention reads them; a new request's KDA state
+        is not read, has_initial_state is false)."""
+        sc = self.config.scheduler_config
+        max_rows = min(sc.max_num_seqs, self.num_slots) - 2
+        long_ctx = min(sc.max_model_len, self.num_blocks * self.block_size // 2) - 1
+        for d in [d for d in range(max_rows + 1) if d <= 16 or d % 8 == 0 or d == max_rows]:
+            computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
+            self._warmup_forward([1] * d + [100, 61], computed + [33, 0])
+        budget = min(sc.max_num_batched_tokens, sc.max_model_len)
+        for j in range(1, 9):
+            self._warmup_forward([max(1, budget * j // 8 - 3)], [0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _warmup_forward(self, query_lens: list[int], computed: list[int]) -> None:
         bs = self.block_size
-        query_lens, computed = [1, 1, 100, 61], [17, 40, 33, 0]
         need = [-(-(c + q) // bs) for q, c in zip(query_lens, computed)]
+        if sum(need) > self.num_blocks:
+            return
         starts = np.cumsum([0] + need)
         blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
-        caches = cache_mod.allocate_caches(self.args, int(starts[-1]), bs, 4, self.dtype,
-                                           self.device)
-        md = build_metadata(query_lens, computed, blocks, [0, 1, 2, 3], bs, self.device)
-        ids = torch.zeros(sum(query_lens), dtype=torch.long, device=self.device)
+        md = build_metadata(query_lens, computed, blocks, list(range(len(query_lens))), bs,
+                            self.device)
+        # distinct tokens (the routed experts spread as in real steps)
+        ids = torch.arange(sum(query_lens), device=self.device) * 7919 % self.args.vocab_size
+        pos = torch.from_numpy(np.concatenate([np.arange(c, c + q) for q, c in
+                                               zip(query_lens, computed)])).to(self.device)
         with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, ids, ForwardContext(md, caches)))
-        torch.cuda.synchronize()
+            h = self.model(ids, pos, ForwardContext(md, self.caches))
+            self.model.compute_logits(h[-len(query_lens):])
 
     def _warmup_sampler(self) -> None:
         """Sample once with top-p alone and once with top-p plus top-k on some rows: the

@@ -20,6 +20,13 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
                                     require_triton)
 
 
+def _search_steps(num_seqs: int) -> int:
+    """Bisection rounds over cu_seqlens, at least 5 (32 sequences): extra rounds keep the answer
+    (lo stays once hi == lo + 1), and one compiled variant then covers every step of up to 32
+    sequences instead of one per power of two met while serving."""
+    return max(5, (num_seqs - 1).bit_length())
+
+
 def _check_weight_states(x, weight, conv_states, activation):
     D = x.shape[-1]
     if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 2:
@@ -93,7 +100,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
             T, D, B,
             x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
-            W=W, SEARCH_STEPS=max(1, (B - 1).bit_length()), SILU=activation == "silu",
+            W=W, SEARCH_STEPS=_search_steps(B), SILU=activation == "silu",
             BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, num_warps=4,
             **pdl_opts,
         )

@@ -31,7 +31,7 @@ def _out_col(offs_d, stride_ysplit, SPLIT: tl.constexpr):
     return col
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
 def conv_varlen_kernel(
     x_ptr, w_ptr, y_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr,
     num_tokens, dim, num_seqs,

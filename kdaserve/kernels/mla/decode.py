@@ -166,7 +166,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_opts,
     )
-    block_s = next_power_of_2(num_kv_splits)
+    block_s = max(16, next_power_of_2(num_kv_splits))           # few variants (<= 4)
     block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program
     mla_decode_reduce_kernel[(B, H, cdiv(kv_lora_rank, block_c_red))](
         part_out, part_lse, out,

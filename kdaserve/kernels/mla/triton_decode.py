@@ -19,7 +19,13 @@ from kdaserve.kernels.triton_pdl import pdl_wait
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Split counts and the partial buffers' strides follow the batch and the longest context of an
+# eager step: no value specialisation, so a new mix of decode rows does not JIT a new variant.
+_SPLIT_ARGS = ["num_heads", "num_splits", "stride_po_b", "stride_po_h", "stride_pl_b",
+               "stride_pl_h"]
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def mla_decode_partial_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
@@ -93,7 +99,7 @@ def mla_decode_partial_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def mla_decode_partial_t_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
@@ -171,7 +177,7 @@ def mla_decode_partial_t_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS[1:])
 def mla_decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_po_b, stride_po_h, stride_po_s,

@@ -63,7 +63,7 @@ def _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_p
     return start
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
                        num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                        USE_PDL: tl.constexpr = False):
@@ -111,7 +111,7 @@ def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_id
     tl.store(sorted_ids_ptr + row, key % BLOCK_T, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def moe_scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, numel, num_experts,
                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
@@ -157,7 +157,7 @@ def _grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def moe_gemm1_kernel(
     x_ptr, w13_ptr, inter_ptr,
     sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
@@ -200,7 +200,7 @@ def moe_gemm1_kernel(
     tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def moe_gemm2_kernel(
     inter_ptr, w2_ptr, buf_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,

@@ -1,0 +1,45 @@
+"""The start-up warm-up (ModelRunner._warmup_mixed_step) runs eager forwards over many step
+compositions on the live caches, before any request holds a block or a slot. What it leaves
+there must never reach a request: outputs after the warm-up equal those of an engine that never
+ran it, greedy and seeded, with prefix-free chunked prefill and n > 1."""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve import SamplingParams
+from tests.engine.test_llm_engine import prompts
+
+
+def _cache_checksum(caches) -> float:
+    return float(sum(t.double().abs().sum() for t in caches.mla_kv + caches.kda_recurrent
+                     + caches.kda_conv))
+
+
+def test_warmup_leaves_no_trace(make_llm):
+    ps = prompts(6, seed=5, lo=10, hi=70)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2)] * 2
+    ref = make_llm(max_num_seqs=8, max_num_batched_tokens=64)
+    want = ref.generate(ps, params, use_tqdm=False)
+
+    llm = make_llm(max_num_seqs=8, max_num_batched_tokens=64)
+    runner = llm.llm_engine.model_runner
+    calls = []
+    forward = runner._warmup_forward
+    runner._warmup_forward = lambda q, c: (calls.append((q, c)), forward(q, c))
+    before = _cache_checksum(runner.caches)
+    with torch.inference_mode():
+        runner._warmup_mixed_step()
+    assert _cache_checksum(runner.caches) != before, "the warm-up wrote nothing"
+    # decode-row counts 0..6 (max_num_seqs - 2), then 8 prefill sizes across the budget
+    assert [sum(1 for x in q if x == 1) for q, _ in calls[:7]] == list(range(7))
+    assert [q for q, _ in calls[7:]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
+    got = llm.generate(ps, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert ca.token_ids == cb.token_ids
+            for da, db in zip(ca.logprobs or [], cb.logprobs or []):
+                assert {t: round(v.logprob, 4) for t, v in da.items()} == \
+                    {t: round(v.logprob, 4) for t, v in db.items()}
