@@ -13,6 +13,10 @@ from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNormGated
 from kdaserve.models.hf_config import KimiLinearArgs
 
+MAX_FUSED_ROWS = 1024
+"""Decode rows covered by a layer's persistent fused-decode tickets; larger steps (beyond any
+captured graph) get a zeroed buffer per launch."""
+
 
 class ForgetGate(nn.Module):
     def __init__(self, args: KimiLinearArgs) -> None:
@@ -74,6 +78,10 @@ class KimiDeltaAttention(nn.Module):
         p, d = self.g_b_proj.weight.shape
         self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
                                       self.g_b_proj.weight).view(2, p, d)
+        # The fused decode's per-head tickets (zero between launches), allocated once: CUDA
+        # graphs keep their address, so the buffer must never be replaced.
+        self.decode_tickets = torch.zeros(MAX_FUSED_ROWS * self.num_heads, dtype=torch.int32,
+                                          device=self.in_weight.device)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
@@ -115,4 +123,5 @@ class KimiDeltaAttention(nn.Module):
             proj, self.conv1d.weight[:, 0], caches.kda_conv[self.kda_index],
             caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
             self.fg_b_weight, gate.A_log, gate.dt_bias, self.o_norm.weight, self.o_norm.eps,
-            self.num_heads, self.head_dim, pdl=self.pdl)
+            self.num_heads, self.head_dim, pdl=self.pdl,
+            tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None)

@@ -76,14 +76,18 @@ def assert_untouched(name, after, before, slots):
 # ---------------------------------------------------------------------------------------------
 
 
-def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False, **kw):
+def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False,
+                       v_block=None, **kw):
     """Kernel vs kda_decode_fused_reference: output, conv windows (exact: they hold copied
-    inputs), states; slots no row owns (and those of rows < 0) stay bit-identical."""
+    inputs), states; slots no row owns (and those of rows < 0) stay bit-identical; the
+    per-head tickets end at zero (two launches in a row: the second must start from them)."""
     inp = make_inputs(device, dtype, H, d, W, slots, num_slots, seed=seed, **kw)
     got, want = fresh_caches(inp), fresh_caches(inp)
-    out = kda_decode_fused(**got, pdl=pdl)
+    tickets = torch.zeros(len(slots) * H + 3, dtype=torch.int32, device=device)
+    out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets)
     ref_out = kda_decode_fused_reference(**want)
-    where = f"H={H} d={d} W={W} slots={slots} {dtype}"
+    where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} {dtype}"
+    assert not tickets.any(), f"tickets not reset {where}: {tickets.tolist()}"
     assert out.shape == (len(slots), H * d) and out.dtype == dtype, where
     kc.assert_close(f"output {where}", out, ref_out, dtype)
     assert torch.equal(got["conv_cache"], want["conv_cache"]), f"conv windows differ {where}"
@@ -95,6 +99,12 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
     assert_untouched("rec_cache", got["rec_cache"], inp["rec_cache"], slots)
     if live:
         assert not torch.equal(got["rec_cache"], inp["rec_cache"]), "no state was written"
+    again, want2 = fresh_caches(got), fresh_caches(want)          # a second step, same tickets
+    out2 = kda_decode_fused(**dict(again, proj=inp["proj"]), pdl=pdl, v_block=v_block,
+                            tickets=tickets)
+    ref2 = kda_decode_fused_reference(**dict(want2, proj=inp["proj"]))
+    kc.assert_close(f"second step output {where}", out2, ref2, dtype)
+    assert torch.equal(again["conv_cache"], want2["conv_cache"]), f"second step windows {where}"
 
 
 def make_layer(H, d, W, hidden, device, dtype, seed=0):
@@ -167,6 +177,11 @@ def run_interpreter_checks() -> None:
     check_against_twin("cpu", F32, H=3, d=8, W=2, slots=[1, 4], num_slots=5, seed=2,
                        idx_dtype=torch.int64, row_pad=0, layer_conv_view=False)
     check_against_twin("cpu", F32, H=1, d=32, W=3, slots=[0], num_slots=2, seed=3)
+    # several programs per head: the v split, the ticket election, the q / k window shift
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, 0, 7], num_slots=8, v_block=4)
+    check_against_twin("cpu", F32, H=3, d=32, W=4, slots=[5, -1], num_slots=8, seed=5,
+                       v_block=8)
+    check_against_twin("cpu", F32, H=2, d=16, W=2, slots=[1], num_slots=3, seed=6, v_block=8)
     check_against_layer("cpu", F32, H=2, d=16, W=4, hidden=40, slots=[3, 0, 6, 7], num_slots=8)
     check_against_layer("cpu", F32, H=3, d=8, W=2, hidden=24, slots=[2], num_slots=3, seed=4)
 
@@ -260,11 +275,12 @@ def test_cpu_tensors_need_the_interpreter():
 # constexpr (the JIT specializes them), the others i32.
 SM90_TYPES = dict(proj_ptr="*bf16", conv_w_ptr="*bf16", conv_ptr="*bf16", rec_ptr="*fp32",
                   idx_ptr="*i32", fgb_ptr="*bf16", a_log_ptr="*fp32", dt_bias_ptr="*fp32",
-                  norm_w_ptr="*bf16", out_ptr="*bf16", P="i32", eps="fp32", scale="fp32",
+                  norm_w_ptr="*bf16", out_ptr="*bf16", o_part_ptr="*fp32",
+                  ss_part_ptr="*fp32", ticket_ptr="*i32", P="i32", eps="fp32", scale="fp32",
                   stride_pn="i32", stride_on="i32", stride_wd="i32", stride_cs="i32",
                   stride_cd="i32", stride_rs="i32", stride_rh="i32", stride_rk="i32",
                   stride_fg="i32", stride_fp="i32")
-SM90_CONSTS = dict(D=128, W=4, BW=4, stride_wj=1, stride_cj=1, stride_rv=1)
+SM90_CONSTS = dict(D=128, W=4, BW=4, BV=32, stride_wj=1, stride_cj=1, stride_rv=1)
 WEIGHT_PARAMS = {"conv_w_ptr", "fgb_ptr", "a_log_ptr", "dt_bias_ptr", "norm_w_ptr"}
 
 
@@ -343,7 +359,8 @@ def test_pdl_sm90_only_weights_before_the_wait():
     read_after = set().union(*(p for op, p in after if op.startswith("ld.global")))
     assert {"proj_ptr", "idx_ptr", "conv_ptr", "rec_ptr"} <= read_after, read_after
     written = set().union(*(p for op, p in after if op.startswith("st.global")))
-    assert written - {"idx_ptr"} == {"conv_ptr", "rec_ptr", "out_ptr"}, written
+    assert written - {"idx_ptr"} == {"conv_ptr", "rec_ptr", "out_ptr", "o_part_ptr",
+                                     "ss_part_ptr"}, written
 
 
 def test_no_pdl_ptx_has_no_griddepcontrol():
@@ -377,7 +394,9 @@ SLOTS = {1: [5], 4: [2, 7, 0, 8]}   # 8 = the scratch row (last) of a 9-row pool
 @gpu
 @pytest.mark.parametrize("N", [1, 4])
 def test_matches_twin_gpu(N):
-    check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N)
+    for v_block in (None, 16, 64, 128):   # the default split (32 at N=1, 64 at N=4) and others
+        check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N,
+                           v_block=v_block)
     check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N][:-1] + [-1], num_slots=9)
     check_against_twin("cuda", F32, H48, D48, W48, SLOTS[N], num_slots=9, seed=N + 1)
 

@@ -19,16 +19,26 @@ import torch
 
 from kdaserve.kernels import reference as ref
 from kdaserve.kernels.utils import (check_device, check_kernel_device, next_power_of_2,
-                                    pdl_options, require_triton)
+                                    num_sms, pdl_options, require_triton)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_HEAD_DIM = 128
-"""One program holds a head's [d, d] fp32 state and its two [d, d] gate tiles in registers."""
+"""A program holds a head's [d, d] f_b tile and up to [d, d] of its fp32 state in registers."""
 
 
 def default_num_warps(head_dim: int) -> int:
-    """8 warps at d = 128 (64 state floats per thread); fewer for small heads. Unmeasured."""
+    """8 warps at d = 128 (64 f_b values per thread); fewer for small heads."""
     return max(1, min(8, head_dim * head_dim // 2048))
+
+
+def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int) -> int:
+    """Value columns per program: the widest power of two >= 32 (or head_dim, if smaller)
+    whose grid stays within ~2 programs per SM, else head_dim (one program per head).
+    At 32 heads of 128 on 132 SMs: 32 at 1-2 rows (128 / 256 programs), 64 at 4, 128 from 8."""
+    bv = min(32, head_dim)
+    while bv < head_dim and num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
+        bv *= 2
+    return bv
 
 
 def _check_gate(lower_bound: float | None, num_heads: int, head_dim: int) -> None:
@@ -106,7 +116,9 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      fg_b_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      o_norm_weight: torch.Tensor, eps: float, num_heads: int, head_dim: int,
                      lower_bound: float | None = None, out: torch.Tensor | None = None,
-                     pdl: bool = False, num_warps: int | None = None) -> torch.Tensor:
+                     pdl: bool = False, num_warps: int | None = None,
+                     tickets: torch.Tensor | None = None,
+                     v_block: int | None = None) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -126,7 +138,11 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     [8, 128]. num_warps: default 8 at head_dim 128 (default_num_warps; 16 also fits, unmeasured).
     pdl: programmatic dependent launch (sm_90+; ignored on CPU tensors): only weights are read
     before griddepcontrol.wait, so the previous kernel must not write them; same results as
-    pdl=False. CUDA-graph safe: grid (N, H) from shapes, no host syncs.
+    pdl=False. CUDA-graph safe: grid (N, H, d // v_block) from shapes, no host syncs.
+    tickets: int32, >= N * H elements, all zero (the kernel leaves them zero): the per-head
+    counters that elect the program finishing a head (kernel docstring). Owned by the caller,
+    one buffer per launch that may run concurrently with another; None allocates a zeroed one.
+    v_block: value columns per program, a power of two dividing head_dim (default_v_block).
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
@@ -136,6 +152,16 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
     check_kernel_device(proj)
     N, P = proj.shape[0], num_heads * head_dim
+    bv = v_block or default_v_block(N, num_heads, head_dim, num_sms(proj.device))
+    if bv < 1 or head_dim % bv or bv & (bv - 1):
+        raise ValueError(f"v_block must be a power of two dividing head_dim={head_dim}, "
+                         f"got {v_block}")
+    if tickets is None:
+        tickets = torch.zeros(N * num_heads, dtype=torch.int32, device=proj.device)
+    elif tickets.dtype != torch.int32 or tickets.numel() < N * num_heads:
+        raise ValueError(f"tickets must be int32 with >= N * H = {N * num_heads} elements, got "
+                         f"{tickets.dtype} {list(tickets.shape)}")
+    check_device("tickets", tickets, proj.device)
     if out is None:
         out = torch.empty(N, P, dtype=proj.dtype, device=proj.device)
     if N == 0:
@@ -143,16 +169,19 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     require_triton()
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
+    splits = head_dim // bv
+    o_part = torch.empty(N, num_heads, head_dim, dtype=torch.float32, device=proj.device)
+    ss_part = torch.empty(N, num_heads, splits, dtype=torch.float32, device=proj.device)
     pdl_opts = pdl_options(pdl, proj)
-    kda_decode_fused_kernel[(N, num_heads)](
+    kda_decode_fused_kernel[(N, num_heads, splits)](
         proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
-        A_log.reshape(-1), dt_bias.reshape(-1), o_norm_weight, out,
+        A_log.reshape(-1), dt_bias.reshape(-1), o_norm_weight, out, o_part, ss_part, tickets,
         P, float(eps), head_dim ** -0.5,
         proj.stride(0), out.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         conv_cache.stride(0), conv_cache.stride(1), conv_cache.stride(2),
         rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2), rec_cache.stride(3),
         fg_b_weight.stride(0), fg_b_weight.stride(1),
-        D=head_dim, W=W, BW=next_power_of_2(W - 1), num_warps=warps,
+        D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
         **pdl_opts)
     return out
 

@@ -1,10 +1,12 @@
 """Triton kernel of the fused KDA decode (imported lazily by decode_fused.py).
 
-One program per (row, head) does the head's whole one-token step: the causal conv of its q, k, v
-channels (and the shift of their windows), the f_b / g_b up-projections of its D gate rows, the
-gate activation, l2norm, sigmoid beta, the gated delta rule on its [D, D] fp32 state and the
-gated RMS norm of its D outputs. Every conv channel and every state tile belongs to exactly one
-program, so in-place updates cannot race between programs.
+Programs (row, head, value block) do a head's one-token step: the causal conv of its q, k, v
+channels (and the shift of their windows), the f_b / g_b up-projections of the gate rows, the
+gate activation, l2norm, sigmoid beta, the gated delta rule on the block's [D, BV] columns of the
+fp32 state and the gated RMS norm of the head's D outputs (the last program of a head finishes
+it; see the kernel). Every state column and v conv channel belongs to exactly one program, the
+q / k windows are shifted by one program after all have read them: in-place updates cannot
+race between programs.
 """
 
 import triton
@@ -59,40 +61,57 @@ def _l2norm(x):
 @triton.jit
 def kda_decode_fused_kernel(
     proj_ptr, conv_w_ptr, conv_ptr, rec_ptr, idx_ptr, fgb_ptr, a_log_ptr, dt_bias_ptr,
-    norm_w_ptr, out_ptr,
+    norm_w_ptr, out_ptr, o_part_ptr, ss_part_ptr, ticket_ptr,
     P, eps, scale,
     stride_pn, stride_on, stride_wd, stride_wj, stride_cs, stride_cd, stride_cj,
     stride_rs, stride_rh, stride_rk, stride_rv, stride_fg, stride_fp,
-    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, USE_PDL: tl.constexpr = False,
+    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """Program (n, h): row n's token through head h. proj row n = [q | k | v (3P) | f_a (D) |
-    g_a (D) | beta logits (H)]; the conv cache slot holds [3P, W-1] windows, the recurrent
-    slot [H, D, D] fp32 states. A row whose state index is < 0 computes from a zero window and
-    a zero state and writes neither (its output is still written).
+    """Program (n, h, s): row n's token through head h, value columns [s * BV, (s + 1) * BV)
+    of its state. proj row n = [q | k | v (3P) | f_a (D) | g_a (D) | beta logits (H)]; the
+    conv cache slot holds [3P, W-1] windows, the recurrent slot [H, D, D] fp32 states. A row
+    whose state index is < 0 computes from a zero window and a zero state and writes neither
+    (its output is still written).
+
+    The delta rule is column-local in the value dimension (decay by key row, u[v], the rank-1
+    write and the read all act on column v alone), so the D // BV programs of a head split its
+    state without talking. Each recomputes q, k (conv + l2norm over all D channels) and the
+    decay g (all D key rows) from the old windows, and owns its value channels: their conv
+    windows, state columns and gated outputs. Two things need the whole head: the gated RMS
+    norm (one scale per head) and the shift of the q / k windows (every program reads them).
+    Each program writes its gated, unnormalised outputs (fp32) and their sum of squares to
+    scratch, then draws a ticket (an acq_rel atomic on ticket_ptr[n * H + h], after a CTA
+    barrier: its stores and its window loads come before); the program that draws the last
+    ticket sees every other program's scratch, applies the norm scale to the head's D outputs,
+    stores the shifted q / k windows (every other program has read them by then) and resets
+    the ticket to 0 for the next launch or CUDA-graph replay.
 
     USE_PDL (programmatic dependent launch, sm_90+): only weights (conv taps, f_b / g_b rows,
     dt_bias, A_log, norm weight) are read before griddepcontrol.wait; proj, the state index,
     both caches and every store come after it, then launch_dependents.
-    All loads of a window / state precede one CTA barrier and all stores follow it: a shifted
-    window's column j is old column j+1, which another thread of this program may still read.
     """
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs = tl.arange(0, D)                                          # [D] channel in the head
+    s = tl.program_id(2)
+    offs = tl.arange(0, D)                                          # [D] key channel
+    offs_v = s * BV + tl.arange(0, BV)                              # [BV] value channel
     offs_j = tl.arange(0, BW)                                       # [BW] window column
     ch_q = h * D + offs
     ch_k = P + ch_q
-    ch_v = 2 * P + ch_q
+    ch_v = 2 * P + h * D + offs_v
     # ---- weights: safe to read before the wait (nothing in the step writes them)
     fb_ptrs = fgb_ptr + (h * D + offs)[:, None].to(tl.int64) * stride_fp + offs[None, :]
     f_b = tl.load(fb_ptrs)                                          # [D, D] gate rows of f_b
-    g_b = tl.load(fb_ptrs + stride_fg)                              # [D, D] gate rows of g_b
+    gb_ptrs = (fgb_ptr + stride_fg + (h * D + offs_v)[:, None].to(tl.int64) * stride_fp
+               + offs[None, :])
+    g_b = tl.load(gb_ptrs)                                          # [BV, D] rows of g_b
     wq_win, wq_new = _conv_taps(conv_w_ptr, ch_q, offs_j, stride_wd, stride_wj, W)
     wk_win, wk_new = _conv_taps(conv_w_ptr, ch_k, offs_j, stride_wd, stride_wj, W)
     wv_win, wv_new = _conv_taps(conv_w_ptr, ch_v, offs_j, stride_wd, stride_wj, W)
     dt_b = tl.load(dt_bias_ptr + h * D + offs).to(tl.float32)       # [D]
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
-    norm_w = tl.load(norm_w_ptr + offs).to(tl.float32)              # [D]
+    norm_w = tl.load(norm_w_ptr + offs_v).to(tl.float32)            # [BV]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
         tl.extra.cuda.gdc_launch_dependents()
@@ -102,7 +121,7 @@ def kda_decode_fused_kernel(
     row = proj_ptr + n * stride_pn
     x_q = tl.load(row + ch_q).to(tl.float32)                        # [D] pre-conv inputs
     x_k = tl.load(row + ch_k).to(tl.float32)
-    x_v = tl.load(row + ch_v).to(tl.float32)
+    x_v = tl.load(row + ch_v).to(tl.float32)                        # [BV]
     f_a = tl.load(row + 3 * P + offs).to(tl.float32)                # [D] low-rank gate input
     g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
     b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
@@ -111,26 +130,37 @@ def kda_decode_fused_kernel(
     win_k, nxt_k = _conv_load(cache, ch_k, offs_j, live, stride_cd, stride_cj, W)
     win_v, nxt_v = _conv_load(cache, ch_v, offs_j, live, stride_cd, stride_cj, W)
     s_ptrs = (rec_ptr + tl.maximum(slot, 0) * stride_rs + h * stride_rh
-              + offs[:, None] * stride_rk + offs[None, :] * stride_rv)      # [D(k), D(v)]
-    S = tl.load(s_ptrs, mask=live, other=0.0)                       # [D, D] fp32
+              + offs[:, None] * stride_rk + offs_v[None, :] * stride_rv)    # [D(k), BV]
+    S = tl.load(s_ptrs, mask=live, other=0.0)                       # [D, BV] fp32
     # ---- conv, gates, l2norm
     q = _l2norm(_conv_out(win_q, wq_win, x_q, wq_new)) * scale      # [D]
     k = _l2norm(_conv_out(win_k, wk_win, x_k, wk_new))
-    v = _conv_out(win_v, wv_win, x_v, wv_new)
+    v = _conv_out(win_v, wv_win, x_v, wv_new)                       # [BV]
     g = tl.sum(f_b.to(tl.float32) * f_a[None, :], axis=1) + dt_b    # [D] gate pre-activation
     g = neg_a * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))      # log decay (<= 0)
-    gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)        # [D] output gate
+    gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)        # [BV] output gate
     beta = tl.sigmoid(b_logit)
-    # ---- gated delta rule: decay key rows, rank-1 write, read after write
+    # ---- gated delta rule on the program's value columns
     S = S * tl.exp(g)[:, None]
-    u = (v - tl.sum(S * k[:, None], axis=0)) * beta                 # [D(v)]
+    u = (v - tl.sum(S * k[:, None], axis=0)) * beta                 # [BV]
     S = S + k[:, None] * u[None, :]
-    o = tl.sum(S * q[:, None], axis=0)                              # [D(v)]
-    # ---- gated RMS norm over the head's outputs
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * norm_w * tl.sigmoid(gate)
+    o = tl.sum(S * q[:, None], axis=0)                              # [BV]
+    sum_sq = tl.sum(o * o, axis=0)
+    o = o * norm_w * tl.sigmoid(gate)                               # gated, not yet normalised
     tl.debug_barrier()                            # every window / state load before any store
-    _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
-    _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
     _conv_store(cache, ch_v, offs_j, live, nxt_v, x_v, stride_cd, stride_cj, W)
     tl.store(s_ptrs, S, mask=live)
-    tl.store(out_ptr + n * stride_on + h * D + offs, o.to(out_ptr.dtype.element_ty))
+    head = n * (P // D) + h                                         # ticket / scratch index
+    tl.store(o_part_ptr + head * D + offs_v, o)
+    tl.store(ss_part_ptr + head * (D // BV) + s, sum_sq)
+    tl.debug_barrier()                            # every thread's stores before the ticket
+    ticket = tl.atomic_add(ticket_ptr + head, 1, sem="acq_rel", scope="gpu")
+    if ticket == D // BV - 1:                     # the head's last program
+        ss = tl.load(ss_part_ptr + head * (D // BV) + tl.arange(0, D // BV),
+                     cache_modifier=".cg")
+        o_all = tl.load(o_part_ptr + head * D + offs, cache_modifier=".cg")   # [D]
+        o_all = o_all * tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+        tl.store(out_ptr + n * stride_on + h * D + offs, o_all.to(out_ptr.dtype.element_ty))
+        _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
+        _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+        tl.atomic_xchg(ticket_ptr + head, 0, sem="relaxed", scope="gpu")
