@@ -268,7 +268,8 @@ class ModelRunner:
         JIT-compile (Triton specialises on integer values and pointer alignment; fla autotunes
         its l2norm per token-count bucket) are built at start-up, not in a request's TTFT:
         every count of decode rows from 0 to 16 and some beyond (the prefill rows' index arrays
-        start after them), each next to a chunk over a cached prefix and a fresh prefill, one
+        start after them), each alone (eager decode steps: past the captured graph sizes, or
+        enforce_eager) and next to a chunk over a cached prefix and a fresh prefill, one
         decode row at a long context (the MLA split count follows the longest context), and
         fresh prefills across the token budget. Runs on the live caches before any request
         holds a block or a slot: what it writes is garbage that a request overwrites before it
@@ -277,9 +278,12 @@ class ModelRunner:
         sc = self.config.scheduler_config
         max_rows = min(sc.max_num_seqs, self.num_slots) - 2
         long_ctx = min(sc.max_model_len, self.num_blocks * self.block_size // 2) - 1
-        for d in [d for d in range(max_rows + 1) if d <= 16 or d % 8 == 0 or d == max_rows]:
+        for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
             computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
-            self._warmup_forward([1] * d + [100, 61], computed + [33, 0])
+            if d <= max_rows:
+                self._warmup_forward([1] * d + [100, 61], computed + [33, 0])
+            if d:                                   # decode only: eager past the graph sizes
+                self._warmup_forward([1] * d, computed)
         budget = min(sc.max_num_batched_tokens, sc.max_model_len)
         for j in range(1, 9):
             self._warmup_forward([max(1, budget * j // 8 - 3)], [0])

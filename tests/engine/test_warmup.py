@@ -33,9 +33,12 @@ def test_warmup_leaves_no_trace(make_llm):
     with torch.inference_mode():
         runner._warmup_mixed_step()
     assert _cache_checksum(runner.caches) != before, "the warm-up wrote nothing"
-    # decode-row counts 0..6 (max_num_seqs - 2), then 8 prefill sizes across the budget
-    assert [sum(1 for x in q if x == 1) for q, _ in calls[:7]] == list(range(7))
-    assert [q for q, _ in calls[7:]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
+    # decode-row counts 0..6 (max_num_seqs - 2) next to two prefills, 1..8 alone, then 8
+    # prefill sizes across the budget
+    mixed = [sum(1 for x in q if x == 1) for q, _ in calls if len(q) > 1 and q[-1] == 61]
+    alone = [len(q) for q, _ in calls if set(q) == {1}]
+    assert mixed == list(range(7)) and alone == list(range(1, 9)), (mixed, alone)
+    assert [q for q, _ in calls[-8:]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
     got = llm.generate(ps, params, use_tqdm=False)
     for a, b in zip(want, got):
         for ca, cb in zip(a.outputs, b.outputs):
