@@ -57,12 +57,14 @@ class CompileLog:
 
 
 def run_wave(engine: LLMEngine, log: CompileLog, tag: str, n: int, prompt_len: int,
-             out_len: int, rng: random.Random) -> list[dict]:
+             out_len: int, rng: random.Random, top_p: bool) -> list[dict]:
     vocab = engine.vocab_size
     for i in range(n):
+        params = (SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=out_len,
+                                 ignore_eos=True) if top_p else
+                  SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
         engine.add_request(f"{tag}-{i}", [rng.randrange(1000, vocab - 1000)
-                                          for _ in range(prompt_len)],
-                           SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+                                          for _ in range(prompt_len)], params)
     runner, seen = engine.model_runner, {}
     launch = runner.launch
 
@@ -102,13 +104,18 @@ def main() -> None:
     ap.add_argument("--waves", default="4,16", help="requests per wave, comma list")
     ap.add_argument("--prompt-len", type=int, default=8000)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy",
+                    help="top_p: temperature 1, top_p 0.95, a seed per request")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="as the server runs (step times then overlap the next launch)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     log = CompileLog()
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format="dummy", max_model_len=12288, max_num_seqs=32,
-        max_num_batched_tokens=8192, gpu_memory_utilization=0.9, async_scheduling=False)
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
+        async_scheduling=args.async_scheduling)
     start_s = time.perf_counter() - t0
     result = {"command": " ".join(sys.argv), "commit": git_commit(),
               "gpu": torch.cuda.get_device_name(), "engine_start_s": start_s,
@@ -118,7 +125,8 @@ def main() -> None:
     rng = random.Random(0)
     for n in [int(x) for x in args.waves.split(",")]:
         for rep in (1, 2):
-            steps = run_wave(engine, log, f"w{n}.{rep}", n, args.prompt_len, args.output_len, rng)
+            steps = run_wave(engine, log, f"w{n}.{rep}", n, args.prompt_len, args.output_len, rng,
+                             args.sampling == "top_p")
             slow = [s for s in steps if s["prefill_rows"]]
             result["waves"].append({"requests": n, "pass": rep, "steps": steps,
                                     "prefill_steps_ms": [s["ms"] for s in slow]})
