@@ -1,14 +1,17 @@
 """Fused sigmoid top-k router: sigmoid + selection bias + top-k + renormalise + scale, one launch
 over logits from a GEMM (moe_topk_sigmoid); for decode batches (<= 64 tokens) the logits GEMV
-too, split over K with the partial sums reduced inside the top-k launch (moe_router_splitk).
+too, split over K with the partial sums reduced inside the top-k launch (moe_router_splitk);
+for <= 4 tokens all of it in ONE launch, the program that finishes last running the top-k
+(moe_router_gemv_topk, with a caller-owned ticket counter).
 
 Twin: `kdaserve.kernels.reference.moe_topk_sigmoid` (ids come out in descending order of
 score + bias; the reference's order is unspecified, the set is the same).
 
 `pdl=True` launches with programmatic dependent launch (sm_90+): each kernel may start while the
-previous kernel in the stream finishes, reads only immutable inputs (the top-k's selection bias)
-before griddepcontrol.wait, and lets the next PDL kernel start right after its wait. Same results
-as pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX).
+previous kernel in the stream finishes, reads only immutable inputs (the top-k's selection bias,
+the one-launch router's first weight chunks) before griddepcontrol.wait, and lets the next PDL
+kernel start right after its wait. Same results as pdl=False; ignored on CPU tensors (the Triton
+interpreter cannot run the PTX).
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ from kdaserve.kernels.utils import (cdiv, check_device, check_kernel_device, nex
 ROUTER_SPLITK_MAX_TOKENS = 64
 """moe_router_splitk's token limit: every program keeps all tokens' accumulators."""
 
+ROUTER_FUSED_MAX_TOKENS = 4
+"""moe_router_gemv_topk's token limit: the kernel's fixed BLOCK_N (never derived from N)."""
+
 _SPLITK_BLOCK_E = 32
 _SPLITK_BLOCK_K = 32
 _SPLITK_MAX_PARTIALS = 32   # the top-k kernel unrolls one load per partial
+_FUSED_BLOCK_K = 256        # K chunk of the one-launch router (divides D=2304: no K mask)
+_FUSED_PREFETCH = 2         # weight chunks loaded before griddepcontrol.wait with pdl
+_FUSED_MAX_BLOCK_E = 4      # acc [4, BLOCK_E, 256] fp32: 64 registers a thread at 4, 2 warps
+_FUSED_MAX_STAGES = 9       # K-loop pipeline depth: D=2304 (9 chunks) has 7+ chunks in flight
 
 
 def _routing_outputs(N: int, E: int, top_k: int, correction_bias: torch.Tensor | None,
@@ -155,5 +165,93 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
         BLOCK_E=block_e_topk, BLOCK_K=next_power_of_2(ids.shape[1]),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert), NUM_PARTIALS=split_k,
         num_warps=max(1, min(4, block_e_topk // 128)), **pdl_opts,
+    )
+    return weights, ids
+
+
+def router_fused_plan(E: int, D: int, sms: int) -> int:
+    """BLOCK_E of moe_router_gemv_topk: the smallest power of two whose grid cdiv(E, BLOCK_E)
+    fits in one wave of one program per SM. Fewer experts per program means more SMs pulling
+    the weight at once and fewer bytes on the slowest one; past one program per SM an SM would
+    stream two programs' rows (the same bytes per SM) and add ticket atomics for nothing.
+    E=256 on 132 SMs: 2 experts, 128 programs of 18 KB each of the 2.4 MB fp32 weight (D=2304),
+    rather than 64 programs of 4 (36 KB each, half the SMs idle). D does not enter (bytes per
+    program grow with it, the split does not change). At most _FUSED_MAX_BLOCK_E (4: the
+    [4, BLOCK_E, 256] fp32 accumulator's registers); past that the grid takes more waves.
+    UNMEASURED on GPU: a guess from the byte count (benchmarks/bench_router_fused.py times the
+    chosen launch, not the alternatives)."""
+    del D
+    block_e = 1
+    while block_e < min(_FUSED_MAX_BLOCK_E, next_power_of_2(E)) and cdiv(E, block_e) > sms:
+        block_e *= 2
+    return block_e
+
+
+def _check_fused_inputs(x: torch.Tensor, weight: torch.Tensor, ticket: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [N, D] with a contiguous last dim, got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
+    if x.shape[0] > ROUTER_FUSED_MAX_TOKENS:
+        raise ValueError(f"moe_router_gemv_topk takes at most {ROUTER_FUSED_MAX_TOKENS} tokens, "
+                         f"got N={x.shape[0]}")
+    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be [E, D={x.shape[1]}] with a contiguous last dim, "
+                         f"got {tuple(weight.shape)}")
+    if weight.dtype != torch.float32:
+        raise ValueError(f"weight must be fp32, got {weight.dtype}")
+    if ticket.shape != (1,) or ticket.dtype != torch.int32:
+        raise ValueError(f"ticket must be an int32 [1] tensor, got {ticket.dtype} "
+                         f"{tuple(ticket.shape)}")
+    check_kernel_device(x)
+    check_device("weight", weight, x.device)
+    check_device("ticket", ticket, x.device)
+
+
+def moe_router_gemv_topk(x: torch.Tensor, weight: torch.Tensor,
+                         correction_bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                         scaling: float, ticket: torch.Tensor,
+                         ids_dtype: torch.dtype = torch.int32, extra_expert: int | None = None,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router of a decode batch of N <= ROUTER_FUSED_MAX_TOKENS tokens in ONE launch
+    (router_gemv_topk_kernel): fp32 logits x @ weight.T over cdiv(E, BLOCK_E) programs into a
+    scratch [N, E], and the program that finishes last (a ticket counter) runs the top-k of
+    every token.
+
+    x: [N, D] fp32, bf16 or fp16 (read as fp32, exact products, no TF32); weight: [E, D] fp32.
+    ticket: a caller-owned int32 tensor of shape [1] on x's device, 0 before the call and left
+    0 after it (the kernel resets it). Keep one per call site: two launches that may run
+    concurrently (other streams) must not share one; calls in one stream may.
+    Outputs as moe_topk_sigmoid / moe_router_splitk: (weights fp32 [N, top_k (+1)], ids
+    [N, top_k (+1)] of ids_dtype), ids in descending score + bias order, the extra_expert
+    column (weight 1) last. Deterministic and batch invariant (a token's outputs do not depend
+    on N or the other tokens). pdl: programmatic dependent launch (module docstring); the first
+    weight chunks are read before griddepcontrol.wait, so the previous kernel must not write
+    the weight. Raises ValueError for N > ROUTER_FUSED_MAX_TOKENS (naming N) or bad inputs.
+    """
+    require_triton()
+    from kdaserve.kernels.moe.triton_router import router_gemv_topk_kernel
+
+    _check_fused_inputs(x, weight, ticket)
+    (N, D), E = x.shape, weight.shape[0]
+    weights, ids = _routing_outputs(N, E, top_k, correction_bias, extra_expert, ids_dtype,
+                                    x.device)
+    if N == 0:
+        return weights, ids
+    block_e = router_fused_plan(E, D, num_sms(x.device))
+    e_pad = next_power_of_2(E)
+    logits = torch.empty(N, E, dtype=torch.float32, device=x.device)            # [N, E]
+    pdl_opts = pdl_options(pdl, x)
+    prefetch = min(_FUSED_PREFETCH, D // _FUSED_BLOCK_K) if pdl_opts["USE_PDL"] else 0
+    loop_chunks = cdiv(D, _FUSED_BLOCK_K) - prefetch
+    router_gemv_topk_kernel[(cdiv(E, block_e),)](
+        x, weight, correction_bias if correction_bias is not None else weight, logits,
+        weights, ids, ticket, N, E, D, x.stride(0), weight.stride(0), float(scaling),
+        TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
+        BLOCK_E=block_e, BLOCK_K=_FUSED_BLOCK_K, EVEN_K=D % _FUSED_BLOCK_K == 0,
+        E_PAD=e_pad, BLOCK_OUT=next_power_of_2(ids.shape[1]),
+        EXTRA_ID=-1 if extra_expert is None else int(extra_expert), PREFETCH=prefetch,
+        NUM_STAGES=max(2, min(_FUSED_MAX_STAGES, loop_chunks + 1)),   # most chunks in flight
+        num_warps=max(1, min(4, e_pad // 128)), **pdl_opts,
     )
     return weights, ids
