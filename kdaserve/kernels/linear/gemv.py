@@ -32,7 +32,7 @@ class GemvConfig:
     block_n: int        # output columns (weight rows) per program
     block_k: int        # K elements per loop step
     num_warps: int
-    num_stages: int     # software pipelining depth of the K loop
+    num_stages: int     # software pipelining depth of the K loop (tiles in flight)
     prefetch: int = 2   # with pdl: weight tiles (BLOCK_K steps) loaded before the wait, 0..2
 
 
@@ -154,6 +154,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     gemv_kernel[(cdiv(N, cfg.block_n),)](
         x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0),
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(pdl, x))
+        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
     return out

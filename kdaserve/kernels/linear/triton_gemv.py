@@ -35,7 +35,7 @@ def _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M: tl.constexpr
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                 M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                USE_PDL: tl.constexpr = False):
+                USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """One program per BLOCK_N output columns, all M (<= 4) rows, the whole K (no split-K).
 
     Each [BLOCK_N, BLOCK_K] weight tile is loaded once (coalesced along K) and reduced against
@@ -48,6 +48,11 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     griddepcontrol.launch_dependents follows the wait. Nothing that another kernel writes (x)
     is read, and nothing is written, before the wait. The K steps are reduced in the same order
     whatever PREFETCH is (the prefetched tiles first), so results do not depend on it.
+
+    STAGES: software pipelining of the K loop (tl.range num_stages: the next STAGES - 1 weight
+    tiles are in flight, through shared memory, while one is reduced). Triton pipelines only
+    loads that feed a tl.dot on its own, so the launch's num_stages alone left this loop with
+    one tile in flight per program. Same reduction order, same results, whatever STAGES is.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N]
@@ -69,7 +74,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
         acc = _accumulate(acc, w1, x_ptr, BLOCK_K, offs_k, offs_m, K, stride_xm, M, EVEN_K)
     if PREFETCH > 0:
         w_ptrs += PREFETCH * BLOCK_K
-    for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+    for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_tile(w_ptrs, k0, offs_k, K, EVEN_K)                # [BLOCK_N, BLOCK_K]
         acc = _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
         w_ptrs += BLOCK_K
