@@ -7,7 +7,7 @@ are captured again (ModelRunner._capture_graphs). Per batch (8K context by defau
 graph alone (CUDA events around back-to-back replays: no lm_head, sampler or host work) and
 `runner.execute_model` per step (synchronous: graph + lm_head + sampler + host). Variant names
 join KernelConfig flags with '+': gemv = decode_gemv, pdl, splitk = router_splitk,
-fkda = fused_kda_decode; base = none.
+fkda = fused_kda_decode; frouter = fused_router; base = none.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig
 from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
 
 FLAGS = {"gemv": "decode_gemv", "pdl": "pdl", "splitk": "router_splitk",
-         "fkda": "fused_kda_decode"}
+         "fkda": "fused_kda_decode", "frouter": "fused_router"}
 
 
 def kernel_config(variant: str) -> KernelConfig:

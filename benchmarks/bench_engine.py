@@ -47,7 +47,7 @@ def run_until_done(engine: LLMEngine) -> list[float]:
 
 def kernel_flags(args) -> dict:
     """The KernelConfig flags given on the command line (the others keep their defaults)."""
-    names = ("decode_gemv", "pdl", "fused_kda_decode")
+    names = ("decode_gemv", "pdl", "fused_kda_decode", "fused_router")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -71,6 +71,8 @@ def main() -> None:
                     help="KernelConfig.pdl (default: the engine's)")
     ap.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
                     help="KernelConfig.fused_kda_decode (default: the engine's)")
+    ap.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=None,
+                    help="KernelConfig.fused_router (default: the engine's)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="one step at a time (the decode rows then have no graphs_sync twin)")
     ap.add_argument("--out", default=None)

@@ -9,7 +9,7 @@ from torch import nn
 
 from kdaserve.kernels import reference as ref
 from kdaserve.kernels.moe.router import ROUTER_SPLITK_MAX_TOKENS
-from kdaserve.layers.linear import linear
+from kdaserve.layers.linear import GEMV_MAX_ROWS, linear
 from kdaserve.layers.mlp import MLP
 from kdaserve.models.hf_config import KimiLinearArgs
 
@@ -21,6 +21,8 @@ class TopkRouter(nn.Module):
     """KernelConfig.pdl (set by the model's configure_kernels)."""
     router_splitk = False
     """KernelConfig.router_splitk (set by the model's configure_kernels)."""
+    fused_router = False
+    """KernelConfig.fused_router (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs) -> None:
         super().__init__()
@@ -32,14 +34,28 @@ class TopkRouter(nn.Module):
                                                dtype=torch.float32))
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(args.num_experts, dtype=torch.float32))
+        self.ticket: torch.Tensor | None = None
+        """The one-launch router's ticket (zero between launches; CUDA graphs keep its
+        address, so it is allocated once)."""
+
+    def process_weights_after_loading(self) -> None:
+        self.ticket = torch.zeros(1, dtype=torch.int32, device=self.weight.device)
 
     def forward(self, x: torch.Tensor, extra_expert: int | None = None,
                 x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
         only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
         when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM.
-        On CUDA with <= ROUTER_SPLITK_MAX_TOKENS rows and router_splitk: the split-K GEMV with
-        its partial sums reduced in the top-k launch (moe_router_splitk, no cuBLAS)."""
+        On CUDA with <= GEMV_MAX_ROWS rows and fused_router: one launch (moe_router_gemv_topk,
+        x read as is, x32 unused). Else with <= ROUTER_SPLITK_MAX_TOKENS rows and router_splitk:
+        the split-K GEMV with its partial sums reduced in the top-k launch (moe_router_splitk,
+        no cuBLAS)."""
+        if x.is_cuda and self.fused_router and x.shape[0] <= GEMV_MAX_ROWS:
+            from kdaserve.kernels.moe.router import moe_router_gemv_topk
+
+            return moe_router_gemv_topk(x, self.weight, self.e_score_correction_bias,
+                                        self.top_k, self.renormalize, self.scaling, self.ticket,
+                                        extra_expert=extra_expert, pdl=self.pdl)
         if x.is_cuda and self.router_splitk and x.shape[0] <= ROUTER_SPLITK_MAX_TOKENS:
             from kdaserve.kernels.moe.router import moe_router_splitk
 

@@ -88,6 +88,8 @@ class KimiLinearForCausalLM(nn.Module):
                 module.decode_gemv = kernel_config.decode_gemv
             if hasattr(module, "router_splitk"):
                 module.router_splitk = kernel_config.router_splitk
+            if hasattr(module, "fused_router"):
+                module.fused_router = kernel_config.fused_router
             if hasattr(module, "pdl"):
                 module.pdl = kernel_config.pdl
             if hasattr(module, "fused_decode"):

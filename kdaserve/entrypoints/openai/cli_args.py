@@ -132,6 +132,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
                         "and gated norm in one Triton launch (on by default).")
+    a.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA: MoE routers of decode batches <= 2 as one launch (logits GEMV + "
+                        "top-k; off: a GEMV launch then a top-k launch). On by default.")
     a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
                         "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
@@ -160,7 +163,7 @@ _ENGINE_FLAGS = {
     "async_scheduling": "async_scheduling",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "decode_gemv": "decode_gemv", "router_splitk": "router_splitk", "pdl": "pdl",
-    "fused_kda_decode": "fused_kda_decode",
+    "fused_kda_decode": "fused_kda_decode", "fused_router": "fused_router",
     "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 
