@@ -241,10 +241,12 @@ class KernelConfig:
     launch (Hopper and newer; the runner turns it off on older GPUs): each may start while the
     previous kernel finishes, reading only weights before `griddepcontrol.wait`. Takes effect
     with decode_gemv for the projections. Eager steps launch without it."""
-    fused_router: bool = True
+    fused_router: bool = False
     """MoE routers of 1-2 token rows (decode batches <= 2) as one launch: the fp32 logits GEMV
     and the sigmoid top-k, finished by the last program (kernels/moe/router.py:
-    moe_router_gemv_topk) instead of a GEMV launch then a top-k launch."""
+    moe_router_gemv_topk) instead of a GEMV launch then a top-k launch. Off: slower on the H200
+    with PDL (router_fused_h200_v1.json: 7.80 against 7.53 us a call at 1 row, 11.60 against
+    7.72 at 2 rows)."""
     fused_kda_decode: bool = True
     """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
     gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""

@@ -17,7 +17,7 @@ def test_switches_reach_engine_config(tmp_path):
         "--no-adaptive-spec-budget", "--dummy-routing", "spread",
         "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
         "--no-async-scheduling", "--pdl", "--fused-kda-decode",
-        "--no-decode-gemv"])
+        "--no-decode-gemv", "--fused-router"])
     config = _config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
@@ -26,14 +26,14 @@ def test_switches_reach_engine_config(tmp_path):
     assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
     kc = config.kernel_config
-    assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode
+    assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode and kc.fused_router
     defaults = _config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
     assert defaults.scheduler_config.async_scheduling is True
     dk = defaults.kernel_config
-    assert dk.decode_gemv and dk.pdl and dk.fused_kda_decode
+    assert dk.decode_gemv and dk.pdl and dk.fused_kda_decode and not dk.fused_router
 
 
 def test_kernel_config_reaches_the_layers(tmp_path):
@@ -46,9 +46,10 @@ def test_kernel_config_reaches_the_layers(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     outs = []
     for on in (False, True):
-        llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on, fused_kda_decode=on)
+        llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on, fused_kda_decode=on,
+                  fused_router=on)
         mods = list(llm.llm_engine.model_runner.model.modules())
-        for name in ("decode_gemv", "fused_decode"):
+        for name in ("decode_gemv", "fused_decode", "fused_router"):
             flags = [getattr(m, name) for m in mods if hasattr(m, name)]
             assert flags and all(f == on for f in flags), name
         # PDL is for captured graphs only: eager steps (all of them on the CPU) launch without.

@@ -134,7 +134,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and gated norm in one Triton launch (on by default).")
     a.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 2 as one launch (logits GEMV + "
-                        "top-k; off: a GEMV launch then a top-k launch). On by default.")
+                        "top-k; off: a GEMV launch then a top-k launch). Off by default: "
+                        "slower on the H200 with --pdl.")
     a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
                         "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "

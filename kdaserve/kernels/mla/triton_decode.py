@@ -19,13 +19,15 @@ from kdaserve.kernels.triton_pdl import pdl_wait
 LOG2E = 1.4426950408889634
 
 
-# Split counts and the partial buffers' strides follow the batch and the longest context of an
-# eager step: no value specialisation, so a new mix of decode rows does not JIT a new variant.
+# Split counts, the partial buffers' strides and the block table's row stride follow the batch
+# and the longest context of an eager step: no value specialisation, so a new mix of decode rows
+# does not JIT a new variant. (stride_bt: a suspected cause of the MLA decode compiles still
+# seen on the H200 in mixed steps after the start-up warm-up, first_steps_h200_v2.json.)
 _SPLIT_ARGS = ["num_heads", "num_splits", "stride_po_b", "stride_po_h", "stride_pl_b",
                "stride_pl_h"]
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt"])
 def mla_decode_partial_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
@@ -99,7 +101,7 @@ def mla_decode_partial_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt"])
 def mla_decode_partial_t_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
