@@ -104,14 +104,16 @@ def router_splitk_plan(E: int, D: int, sms: int) -> tuple[int, int, int]:
     return block_e, k_per_split, cdiv(D, k_per_split)
 
 
-def _check_splitk_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_router_inputs(x: torch.Tensor, weight: torch.Tensor, max_tokens: int,
+                         name: str) -> None:
+    """x [N <= max_tokens, D] fp32 / bf16 / fp16 and an fp32 [E, D] weight, both with a
+    contiguous last dim, on one kernel device; `name` is the function named in the errors."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [N, D] with a contiguous last dim, got {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
-    if x.shape[0] > ROUTER_SPLITK_MAX_TOKENS:
-        raise ValueError(f"moe_router_splitk takes at most {ROUTER_SPLITK_MAX_TOKENS} tokens, "
-                         f"got N={x.shape[0]}")
+    if x.shape[0] > max_tokens:
+        raise ValueError(f"{name} takes at most {max_tokens} tokens, got N={x.shape[0]}")
     if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight must be [E, D={x.shape[1]}] with a contiguous last dim, "
                          f"got {tuple(weight.shape)}")
@@ -141,7 +143,7 @@ def moe_router_splitk(x: torch.Tensor, weight: torch.Tensor,
     from kdaserve.kernels.moe.triton_router import (router_logits_splitk_kernel,
                                                     topk_sigmoid_kernel)
 
-    _check_splitk_inputs(x, weight)
+    _check_router_inputs(x, weight, ROUTER_SPLITK_MAX_TOKENS, "moe_router_splitk")
     (N, D), E = x.shape, weight.shape[0]
     weights, ids = _routing_outputs(N, E, top_k, correction_bias, extra_expert, ids_dtype,
                                     x.device)
@@ -188,23 +190,10 @@ def router_fused_plan(E: int, D: int, sms: int) -> int:
 
 
 def _check_fused_inputs(x: torch.Tensor, weight: torch.Tensor, ticket: torch.Tensor) -> None:
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"x must be [N, D] with a contiguous last dim, got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
-    if x.shape[0] > ROUTER_FUSED_MAX_TOKENS:
-        raise ValueError(f"moe_router_gemv_topk takes at most {ROUTER_FUSED_MAX_TOKENS} tokens, "
-                         f"got N={x.shape[0]}")
-    if weight.dim() != 2 or weight.stride(1) != 1 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight must be [E, D={x.shape[1]}] with a contiguous last dim, "
-                         f"got {tuple(weight.shape)}")
-    if weight.dtype != torch.float32:
-        raise ValueError(f"weight must be fp32, got {weight.dtype}")
+    _check_router_inputs(x, weight, ROUTER_FUSED_MAX_TOKENS, "moe_router_gemv_topk")
     if ticket.shape != (1,) or ticket.dtype != torch.int32:
         raise ValueError(f"ticket must be an int32 [1] tensor, got {ticket.dtype} "
                          f"{tuple(ticket.shape)}")
-    check_kernel_device(x)
-    check_device("weight", weight, x.device)
     check_device("ticket", ticket, x.device)
 
 
