@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdaserve import SamplingParams  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kdaserve.entrypoints.openai.cli_args import (add_kernel_switches,  # noqa: E402
+                                                  kernel_switches_from_args)
 from kdaserve.bench.roofline import byte_floor, experts_touched, measure_copy_bandwidth  # noqa: E402,E501
 from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
 
@@ -45,12 +47,6 @@ def run_until_done(engine: LLMEngine) -> list[float]:
     return times
 
 
-def kernel_flags(args) -> dict:
-    """The KernelConfig flags given on the command line (the others keep their defaults)."""
-    names = ("decode_gemv", "pdl", "fused_kda_decode", "fused_router")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-
-
 def prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(1000, vocab - 1000) for _ in range(n)]
 
@@ -65,14 +61,7 @@ def main() -> None:
     ap.add_argument("--throughput-requests", type=int, default=16)
     ap.add_argument("--throughput-output", type=int, default=1000)
     ap.add_argument("--skip-throughput", action="store_true")
-    ap.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
-                    help="KernelConfig.decode_gemv (default: the engine's)")
-    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                    help="KernelConfig.pdl (default: the engine's)")
-    ap.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
-                    help="KernelConfig.fused_kda_decode (default: the engine's)")
-    ap.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=None,
-                    help="KernelConfig.fused_router (default: the engine's)")
+    add_kernel_switches(ap)                       # --[no-]decode-gemv, --[no-]pdl, ...
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="one step at a time (the decode rows then have no graphs_sync twin)")
     ap.add_argument("--out", default=None)
@@ -86,7 +75,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9, **kernel_flags(args),
+        gpu_memory_utilization=0.9, **kernel_switches_from_args(args),
         async_scheduling=not args.no_async_scheduling)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner

@@ -23,6 +23,8 @@ from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
                              ModelConfig, SchedulerConfig)
+from kdaserve.entrypoints.openai.cli_args import (add_kernel_switches,  # noqa: E402
+                                                  kernel_switches_from_args)
 from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
 
 
@@ -62,11 +64,7 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="decode with CUDA graphs (kernels as replayed; the gap is step time "
                          "minus kernel time)")
-    ap.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--router-splitk", action="store_true",
-                    help="router logits by the split-K Triton GEMV instead of cuBLAS")
+    add_kernel_switches(ap)                       # default: the engine's KernelConfig
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     max_len = max(args.context, args.prefill) + args.steps + 16
@@ -79,9 +77,7 @@ def main() -> None:
                                          max_num_batched_tokens=max(8192, args.prefill),
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
-        kernel_config=KernelConfig(decode_gemv=args.decode_gemv, pdl=args.pdl,
-                                   fused_kda_decode=args.fused_kda_decode,
-                                   router_splitk=args.router_splitk))
+        kernel_config=KernelConfig(**kernel_switches_from_args(args)))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(args.batch, 1))

@@ -122,29 +122,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Schedule and launch the next step before the last one's sampled ids "
                         "reach the host (default on; speculative decoding and penalties run "
                         "one step at a time).")
-    a.add_argument("--decode-gemv", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: projections of decode batches <= 2 through the Triton GEMV "
-                        "(off: cuBLAS). On by default.")
-    a.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA (Hopper+): the Triton kernels of the captured decode graphs "
-                        "with programmatic dependent launch (on by default; off below compute "
-                        "capability 9.0); with --decode-gemv it covers the projections too.")
-    a.add_argument("--fused-kda-decode", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
-                        "and gated norm in one Triton launch (on by default).")
-    a.add_argument("--fused-router", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: MoE routers of decode batches <= 2 as one launch (logits GEMV + "
-                        "top-k; off: a GEMV launch then a top-k launch). Off by default: "
-                        "slower on the H200 with --pdl.")
-    a.add_argument("--router-splitk", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: MoE routers of decode batches <= 64 through the split-K fp32 "
-                        "GEMV reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by "
-                        "default: slower on the H200 at batch 1.")
-    a.add_argument("--sampling-threshold-kernel", action=argparse.BooleanOptionalAction,
-                   default=None, help="CUDA: top-k / top-p by a sort-free threshold search "
-                                      "(default on; --no-... = a full sort per row).")
+    add_kernel_switches(a)
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; no remote code is ever run.")
+
+
+KERNEL_SWITCHES: dict[str, str] = {
+    "decode_gemv": "CUDA: projections of decode batches <= 2 through the Triton GEMV (off: "
+                   "cuBLAS). On by default.",
+    "pdl": "CUDA (Hopper+): the Triton kernels of the captured decode graphs with programmatic "
+           "dependent launch (on by default; off below compute capability 9.0); with "
+           "--decode-gemv it covers the projections too.",
+    "fused_kda_decode": "CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
+                        "and gated norm in one Triton launch (on by default).",
+    "fused_router": "CUDA: MoE routers of decode batches <= 2 as one launch (logits GEMV + "
+                    "top-k; off: a GEMV launch then a top-k launch). Off by default: slower on "
+                    "the H200 with --pdl.",
+    "router_splitk": "CUDA: MoE routers of decode batches <= 64 through the split-K fp32 GEMV "
+                     "reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by default: "
+                     "slower on the H200 at batch 1.",
+    "sampling_threshold_kernel": "CUDA: top-k / top-p by a sort-free threshold search (default "
+                                 "on; --no-... = a full sort per row).",
+}
+"""KernelConfig fields with a --[no-]flag each (the flag is the field name with dashes)."""
+
+
+def add_kernel_switches(parser) -> None:
+    """--[no-]<switch> for every KERNEL_SWITCHES field, default None (the engine's default)."""
+    for name, help_text in KERNEL_SWITCHES.items():
+        parser.add_argument("--" + name.replace("_", "-"),
+                            action=argparse.BooleanOptionalAction, default=None, help=help_text)
+
+
+def kernel_switches_from_args(args: argparse.Namespace) -> dict:
+    """The KERNEL_SWITCHES given on the command line (the others keep their defaults)."""
+    return {n: getattr(args, n) for n in KERNEL_SWITCHES if getattr(args, n, None) is not None}
 
 
 _ENGINE_FLAGS = {
@@ -163,9 +175,6 @@ _ENGINE_FLAGS = {
     "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "async_scheduling": "async_scheduling",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
-    "decode_gemv": "decode_gemv", "router_splitk": "router_splitk", "pdl": "pdl",
-    "fused_kda_decode": "fused_kda_decode", "fused_router": "fused_router",
-    "sampling_threshold_kernel": "sampling_threshold_kernel",
 }
 
 
@@ -183,7 +192,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str) -> dict[str, A
         value = getattr(args, attr, None)
         if value is not None:
             kwargs[key] = value
-    return kwargs
+    return kwargs | kernel_switches_from_args(args)
 
 
 def default_model_path() -> str:
