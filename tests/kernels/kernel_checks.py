@@ -402,3 +402,20 @@ def run_interpreter_suite() -> None:
 if __name__ == "__main__":
     run_interpreter_suite()
     print("interpreter suite passed")
+
+
+def capture_graph(step, before_capture=None):
+    """Run `step()` once on a side stream (its kernels JIT-compile outside the capture), call
+    `before_capture()` if given, then capture `step()` in a CUDA graph. Returns (graph, what
+    the captured call returned: the graph's output buffers)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -235,14 +235,7 @@ def test_pdl_chain_in_cuda_graph_gpu(M):
     want = _chain(h_in, res_in, layers, pdl=False)
     eager = _chain(h_in, res_in, layers, pdl=True)
     assert all(torch.equal(a, b) for a, b in zip(eager, want)), "eager pdl chain differs"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _chain(h_in, res_in, layers, pdl=True)                         # compile outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(h_in, res_in, layers, pdl=True)
+    graph, out = kc.capture_graph(lambda: _chain(h_in, res_in, layers, pdl=True))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

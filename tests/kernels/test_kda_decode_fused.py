@@ -459,14 +459,7 @@ def test_pdl_chain_in_cuda_graph_gpu(N):
 
     want = _chain(x, w_in, w_o, inp, pdl=False)
     want_conv, want_rec = inp["conv_cache"].clone(), inp["rec_cache"].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _chain(x, w_in, w_o, inp, pdl=True)                          # compile outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(x, w_in, w_o, inp, pdl=True)
+    graph, out = kc.capture_graph(lambda: _chain(x, w_in, w_o, inp, pdl=True))
     for _ in range(2):
         restore()
         graph.replay()

@@ -698,15 +698,7 @@ def test_pdl_chain_in_cuda_graph_gpu(M):
         return want
 
     want = eager_want()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decode_chain(inp, pdl=True)                                  # compile outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = decode_chain(inp, pdl=True)
+    graph, outs = kc.capture_graph(lambda: decode_chain(inp, pdl=True), before_capture=reset)
     for _ in range(3):
         reset()
         graph.replay()

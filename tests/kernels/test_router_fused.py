@@ -309,14 +309,7 @@ def test_cuda_graph_of_26_calls_gpu(pdl):
         return [_route(xs[i], w, b, tickets[i], pdl=pdl) for i in range(layers)]
 
     want = step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                               # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = kc.capture_graph(step)
     for replay in range(5):
         for weights, ids in outs:
             weights.fill_(float("nan"))

@@ -226,14 +226,7 @@ def test_threshold_cuda_graph_gpu():
     B = 16
     x = make_logits("normal", B, VOCAB, "cuda", seed=0)
     top_k, top_p = make_settings(_mixed(0, B), VOCAB, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        top_k_top_p_threshold(x, top_k, top_p)           # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tau = top_k_top_p_threshold(x, top_k, top_p)
+    graph, tau = kc.capture_graph(lambda: top_k_top_p_threshold(x, top_k, top_p))
     for trial, kind in enumerate(("normal8", "peaked", "bans")):
         x.copy_(make_logits(kind, B, VOCAB, "cuda", seed=trial + 1))
         graph.replay()

@@ -187,14 +187,7 @@ def test_cuda_graph_replay_gpu():
         return (mla_decode(q, kv, bt, seq_lens, 0.07, 512), fused_moe(x, w13, w2, weights, ids),
                 causal_conv1d_update(xc, wc, states, idx))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()                                           # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = kc.capture_graph(step)
     for trial in range(2):
         seq_lens.copy_(torch.randint(0, 2048, (B,), device=dev, dtype=torch.int32))
         new_w, new_ids = kc.make_routing(dev, B, 32, 4, seed=trial + 5)
