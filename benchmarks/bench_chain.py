@@ -1,0 +1,340 @@
+"""Decode kernels timed as they run in the decode CUDA graph: chains of calls on distinct weights.
+
+    python benchmarks/bench_chain.py [--cases kda_in,o_proj,mla_q_kv_a,router,moe,norm_gemv]
+        [--m 1] [--quick] [--time-budget 500] [--out chain.json]
+
+One CUDA graph holds C calls back to back, each launched with pdl=True (as the engine does) on
+its own weight copy: C = max(8, ceil(400 MB / weight bytes)), at most 64, so the chain's weights
+do not fit the 50 MB L2. MoE has room for one w13/w2 only: its C = 28 calls have disjoint top-9
+experts (252 of 256). per_call_us = median replay time (25 replays after 3 warm ones, CUDA
+events) / C, which spreads the fixed ~8-10 us per replay over C calls. floor_us = one call's
+bytes / the copy bandwidth of bench_layers.measure_ceilings(); ratio = floor / time.
+Each config's first call is checked against its reference twin (relative error <= 1e-2, else
+the config is skipped); configs that fail to compile are skipped with the error's first line.
+
+Sweep order (the full grids do not fit the budget): every tile shape at the default's
+num_stages, nearest to the default config (log2 distance) first; then the other num_stages,
+fastest tile shapes first. Each sweep gets an equal share of the budget left when it starts.
+Results keep the baseline row (the default config; for the gemm2_sum sweep the best gemm1
+with the default gemm2_sum) and the top 5 configs per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import statistics
+import sys
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+BF16, F32 = torch.bfloat16, torch.float32
+GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
+              "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
+ALL_CASES = (*GEMV_CASES, "moe", "norm_gemv")
+CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
+WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
+MAX_ELEMS_PER_THREAD = 256
+E, D, INTER, TOPK = 256, 2304, 1024, 9          # Kimi-Linear-48B routed experts
+EPS = 1e-6
+
+
+def chain_len(weight_bytes: int) -> int:
+    return min(MAX_CHAIN, max(MIN_CHAIN, math.ceil(CHAIN_BYTES / weight_bytes)))
+
+
+def floor_us(nbytes: int, ceil: dict) -> float:
+    return nbytes / (ceil["copy_GBps"] * 1e3)
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def replay_us(graph) -> float:
+    """Median wall time of one replay (after WARM replays), in us."""
+    for _ in range(WARM):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = []
+    for _ in range(REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    return statistics.median(ms) * 1e3
+
+
+def run_config(case, cfg, calls, out0, ref, floor, rows, baseline=False):
+    """Capture `calls` (each run once first, on a side stream) in one graph, check out0 (the
+    first call's output, NaN-filled before) against ref, time it. Appends a row to rows and
+    returns per-call us; None (printed why) when the config fails to compile or is wrong."""
+    from bench_gemv import rel_err
+    from bench_layers import capture
+
+    out0.fill_(float("nan"))
+    try:
+        graph = capture(lambda: [call() for call in calls])
+    except Exception as exc:  # out of resources / compile failure
+        first = (str(exc).splitlines() or [""])[0][:100]
+        print(f"{case:<22} {cfg} skip: {type(exc).__name__}: {first}", flush=True)
+        return None
+    err = rel_err(out0, ref)
+    if not err <= TOL:
+        print(f"{case:<22} {cfg} skip: relative error {err:.2e} > {TOL}", flush=True)
+        return None
+    us = replay_us(graph) / len(calls)
+    rows.append({"case": case, "config": repr(cfg), "per_call_us": us, "floor_us": floor,
+                 "ratio": floor / us, "rel_err": err, "chain": len(calls), "baseline": baseline})
+    print(f"{case:<22} {cfg} {us:8.2f} {floor:8.2f} {floor / us:6.2f}", flush=True)
+    return us
+
+
+def sweep_order(combos, stages, s0, timed):
+    """(combo, stages): every combo at s0 in the given order, then the other stages, combos
+    fastest first (ranked lazily, after the first pass has filled `timed`)."""
+    for combo in combos:
+        yield combo, s0
+    for combo in sorted(combos, key=lambda c: timed.get(c, math.inf)):
+        for s in stages:
+            if s != s0:
+                yield combo, s
+
+
+def sweep(combos, stages, s0, measure, deadline) -> None:
+    """measure(combo, stages) -> per-call us or None, in sweep_order, until the deadline."""
+    timed, total = {}, len(combos) * len(stages)
+    for n, (combo, s) in enumerate(sweep_order(combos, stages, s0, timed)):
+        if time.time() > deadline:
+            print(f"  time budget: {total - n} of {total} configs left untried", flush=True)
+            return
+        us = measure(combo, s)
+        if us is not None:
+            timed[combo] = min(us, timed.get(combo, math.inf))
+
+
+def nearest_first(combos, default) -> list:
+    """Tile tuples sorted by log2 distance to the default's (grid order breaks ties)."""
+    return sorted(combos, key=lambda c: sum(abs(math.log2(a / b)) for a, b in zip(c, default)))
+
+
+def keep_top(rows, results, case) -> None:
+    """The baseline row (the sweep's starting config) and the TOP fastest others of `case`
+    into results (printed)."""
+    base = [r for r in rows if r["baseline"]]
+    best = sorted((r for r in rows if not r["baseline"]), key=lambda r: r["per_call_us"])[:TOP]
+    print(f"top {len(best)} of {len(rows)} timed for {case}:")
+    for r in base + best:
+        print(f"  {r['per_call_us']:8.2f} us ratio {r['ratio']:.2f} "
+              f"{'(baseline) ' if r['baseline'] else ''}{r['config']}", flush=True)
+    results.extend(base + best)
+
+
+class Budget:
+    """Deadlines: each sweep gets an equal share of what is left of the run's time budget."""
+
+    def __init__(self, end: float, sweeps: int):
+        self.end, self.left = end, max(1, sweeps)
+
+    def deadline(self) -> float:
+        now = time.time()
+        share = max(0.0, self.end - now) / self.left
+        self.left = max(1, self.left - 1)
+        return now + share
+
+
+# --- gemv ----------------------------------------------------------------------------------------
+
+
+def gemv_chain(name, M):
+    """C weight copies [N, K], x [M, K] bf16, outs [M, N] (fp32 for the fp32 router weight)."""
+    N, K, w_dtype = GEMV_CASES[name]
+    out_dtype = F32 if w_dtype == F32 else BF16
+    C = chain_len(N * K * torch.empty((), dtype=w_dtype).element_size())
+    ws = [(torch.randn(N, K, device="cuda") * K ** -0.5).to(w_dtype) for _ in range(C)]
+    xs = [torch.randn(M, K, device="cuda", dtype=BF16) for _ in range(C)]
+    outs = [torch.empty(M, N, device="cuda", dtype=out_dtype) for _ in range(C)]
+    return ws, xs, outs
+
+
+def bench_gemv_case(name, M, ceil, budget, quick, results) -> None:
+    from kdaserve.kernels.linear.gemv import GemvConfig, default_config, gemv, gemv_reference
+
+    ws, xs, outs = gemv_chain(name, M)
+    N, K = ws[0].shape
+    ref = gemv_reference(xs[0], ws[0], outs[0].dtype)                       # [M, N]
+    floor = floor_us(nbytes(ws[0], xs[0], outs[0]), ceil)
+    case, rows, seen = f"{name} M={M}", [], {}
+
+    def measure(cfg, baseline=False):
+        if cfg not in seen:
+            calls = [partial(gemv, x, w, out=o, config=cfg, pdl=True)
+                     for x, w, o in zip(xs, ws, outs)]
+            seen[cfg] = run_config(case, cfg, calls, outs[0], ref, floor, rows, baseline)
+        return seen[cfg]
+
+    base = default_config(M, N, K, ws[0].dtype, ws[0].device)
+    measure(base, baseline=True)                       # the first row: default_config
+    if not quick:
+        combos = [c for c in itertools.product((1, 2, 4, 8, 16, 32, 64), (128, 256, 512, 1024),
+                                               (1, 2, 4, 8))
+                  if c[0] * c[1] // (32 * c[2]) <= MAX_ELEMS_PER_THREAD]
+        combos = nearest_first(combos, (base.block_n, base.block_k, base.num_warps))
+        sweep(combos, (2, 3, 4, 5), base.num_stages,
+              lambda c, s: measure(GemvConfig(c[0], c[1], c[2], s, prefetch=2)),
+              budget.deadline())
+    keep_top(rows, results, case)
+
+
+# --- fused MoE at one token ----------------------------------------------------------------------
+
+
+def bench_moe(ceil, budget, quick, results) -> None:
+    """fused_moe(x [1, D]) chain: one w13 [E, 2I, D] / w2 [E, D, I], each call 9 other experts.
+    Sweeps gemm1 (gemm2_sum at the default), then gemm2_sum with the best gemm1."""
+    from kdaserve.kernels import reference as moe_ref
+    from kdaserve.kernels.moe.fused_moe import MoEGemmConfig as G
+    from kdaserve.kernels.moe.fused_moe import default_config, fit_config, fused_moe
+
+    w13 = torch.randn(E, 2 * INTER, D, device="cuda", dtype=BF16).mul_(0.02)   # [E, 2I, D]
+    w2 = torch.randn(E, D, INTER, device="cuda", dtype=BF16).mul_(0.02)        # [E, D, I]
+    C = E // TOPK
+    perm = torch.randperm(E, device="cuda").int()
+    ids = [perm[TOPK * i:TOPK * (i + 1)].view(1, TOPK).contiguous() for i in range(C)]  # [1, k]
+    tws = [torch.rand(1, TOPK, device="cuda") + 0.1 for _ in range(C)]                  # [1, k]
+    xs = [torch.randn(1, D, device="cuda", dtype=BF16) for _ in range(C)]               # [1, D]
+    outs = [torch.empty(1, D, device="cuda", dtype=BF16) for _ in range(C)]             # [1, D]
+    ref = moe_ref.moe_experts(xs[0], w13, w2, tws[0], ids[0])
+    floor = floor_us(TOPK * (2 * INTER * D + D * INTER) * 2, ceil)
+    seen = {}
+
+    def measure(case, rows, cfg, baseline=False):
+        if cfg not in seen or baseline:     # a sweep's baseline gets its own row
+            calls = [partial(fused_moe, x, w13, w2, tw, i, out=o, config=cfg, pdl=True)
+                     for x, tw, i, o in zip(xs, tws, ids, outs)]
+            seen[cfg] = run_config(case, cfg, calls, outs[0], ref, floor, rows, baseline)
+        return seen[cfg]
+
+    base = fit_config(default_config(1, TOPK, E, BF16), D, INTER)
+    for case, g, grid, stages in (
+            ("moe N=1 gemm1", "gemm1", ((16, 32, 64, 128), (64, 128, 256), (2, 4, 8)),
+             (2, 3, 4, 5)),
+            ("moe N=1 gemm2_sum", "gemm2_sum", ((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8)),
+             (2, 3, 4))):
+        rows = []
+        measure(case, rows, base, baseline=True)   # default, then the best gemm1
+        if not quick:
+            d = getattr(base, g)
+            combos = nearest_first(list(itertools.product(*grid)),
+                                   (d.block_n, d.block_k, d.num_warps))
+            block_m = 16 if g == "gemm1" else 1
+            sweep(combos, stages, d.num_stages,
+                  lambda c, s: measure(case, rows, replace(
+                      base, **{g: G(block_m, c[0], c[1], 1, c[2], s)})),
+                  budget.deadline())
+            ok = [c for c in seen if seen[c] is not None]
+            base = min(ok, key=seen.get) if ok else base     # the best so far for sweep 2
+        keep_top(rows, results, case)
+
+
+# === norm_gemv: add_rms_norm + gemv vs the fused GemvNorm prologue (runs once it exists) =======
+
+
+def bench_norm_gemv(args, ceil, results) -> None:
+    """Per call, (a) add_rms_norm(x, norm_w, eps, residual, pdl=True) then gemv(normed, w) vs
+    (b) gemv(x, w, norm=GemvNorm(...)) on the kda_in and router shapes, M = 1, default configs.
+    (a) is checked against the torch twins, (b) against (a)'s output. `args` is unused today
+    (kept for per-case options)."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.linear import gemv as gemv_mod
+
+    if not hasattr(gemv_mod, "GemvNorm"):
+        print("norm_gemv: kernel not present", flush=True)
+        return
+    from kdaserve.kernels.norm.rms_norm import add_rms_norm
+
+    gemv, GemvNorm = gemv_mod.gemv, gemv_mod.GemvNorm
+    for name in ("kda_in", "router"):
+        ws, xs, outs_a = gemv_chain(name, 1)
+        outs_b = [torch.empty_like(o) for o in outs_a]                      # C x [1, N]
+        res_in = [torch.randn_like(x) for x in xs]                          # C x [1, K]
+        res_out = [torch.empty_like(x) for x in xs]                         # C x [1, K]
+        norm_w = 1 + 0.1 * torch.randn(xs[0].shape[1], device="cuda", dtype=BF16)  # [K]
+
+        def unfused(i):
+            normed, _ = add_rms_norm(xs[i], norm_w, EPS, residual=res_in[i], pdl=True)
+            gemv(normed, ws[i], out=outs_a[i], pdl=True)
+
+        def fused(i):
+            gemv(xs[i], ws[i], out=outs_b[i], pdl=True,
+                 norm=GemvNorm(weight=norm_w, eps=EPS, residual=res_in[i],
+                               residual_out=res_out[i], normed_out=None))
+
+        C, rows = len(ws), []
+        floor = floor_us(nbytes(ws[0], xs[0], res_in[0], res_out[0], outs_a[0]), ceil)
+        normed0 = ref.add_rms_norm(xs[0], norm_w, EPS, res_in[0])[0]       # [1, K]
+        want = gemv_mod.gemv_reference(normed0, ws[0], outs_a[0].dtype)     # [1, N]
+        a = run_config(f"{name} norm+gemv", "add_rms_norm+gemv",
+                       [partial(unfused, i) for i in range(C)], outs_a[0], want, floor, rows)
+        if a is None:
+            continue
+        b = run_config(f"{name} norm+gemv", "gemv(norm=GemvNorm)",
+                       [partial(fused, i) for i in range(C)], outs_b[0], outs_a[0].clone(),
+                       floor, rows)
+        if b is not None:
+            print(f"  {name}: fused {b:.2f} us vs {a:.2f} us per call ({a / b:.2f}x)", flush=True)
+        results.extend(rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(ALL_CASES),
+                    help=f"comma list (default all: {','.join(ALL_CASES)})")
+    ap.add_argument("--m", default="1", help="comma list of gemv row counts M (default 1)")
+    ap.add_argument("--quick", action="store_true", help="only the default config per case")
+    ap.add_argument("--time-budget", type=float, default=500.0,
+                    help="seconds for the whole run; sweeps stop when it is spent (default 500)")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    names = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in names if c not in ALL_CASES]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {list(ALL_CASES)}")
+    if not torch.cuda.is_available():
+        print("bench_chain: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from bench_layers import bench_meta, measure_ceilings, write_results
+
+    t0 = time.time()
+    torch.manual_seed(0)
+    meta = bench_meta()
+    ceil = measure_ceilings()
+    print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s\ncase config per_call_us floor_us "
+          f"ratio(floor/time)", flush=True)
+    gemv_names = [n for n in names if n in GEMV_CASES]
+    ms = [int(m) for m in args.m.split(",") if m]
+    budget = Budget(t0 + args.time_budget, len(gemv_names) * len(ms) + 2 * ("moe" in names))
+    results: list[dict] = []
+    for name in gemv_names:
+        for m in ms:
+            bench_gemv_case(name, m, ceil, budget, args.quick, results)
+    if "moe" in names:
+        bench_moe(ceil, budget, args.quick, results)
+    if "norm_gemv" in names:
+        bench_norm_gemv(args, ceil, results)
+    write_results(args.out, meta, t0, ceil, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
