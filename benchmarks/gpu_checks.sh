@@ -8,7 +8,8 @@
 # unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_sampler),
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
-# firststeps (first_steps.py: compiles and autotuning per engine step), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
+# CHAIN_ARGS), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS="--no-pdl" (or --no-decode-gemv, --no-fused-kda-decode) times the engine without a default kernel choice.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
@@ -79,6 +80,10 @@ if [[ $STAGES == *firststeps* ]]; then   # which steps JIT-compile or autotune o
   timeout ${FIRSTSTEPS_TIMEOUT:-300} python3 benchmarks/first_steps.py /tmp/k48 \
     --out "$OUT/first_steps.json" ${FIRSTSTEPS_ARGS:-} 2>&1 | grep -v Warning | tail -150 \
     | tee "$OUT/first_steps.log"
+fi
+if [[ $STAGES == *chain* ]]; then   # decode kernels as chains of pdl calls (bench_chain.py)
+  timeout ${CHAIN_TIMEOUT:-500} python3 benchmarks/bench_chain.py --out "$OUT/chain.json" \
+    ${CHAIN_ARGS:-} 2>&1 | tail -${CHAIN_TAIL:-60} | tee "$OUT/chain.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

@@ -124,8 +124,15 @@ def _row_tensors(temps: list[float], top_ps: list[float], top_ks: list[int],
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_p, top_k, min_p) on device from two host->device copies: on CUDA
     pinned staging copied without blocking, instead of four pageable copies that each make the
-    host wait (about 25 us apiece at batch 1 on the H200, session 4's step profile)."""
-    floats = _to_device(torch.tensor([temps, top_ps, min_ps], dtype=torch.float32), device)
+    host wait (about 25 us apiece at batch 1 on the H200, session 4's step profile).
+    The rows are padded to a multiple of 4 floats so that every row starts 16-byte aligned
+    whatever the batch size: Triton specialises pointer arguments on 16-byte alignment, and
+    top_p at offset 4 * B bytes made the threshold kernels compile a second variant in the
+    middle of serving the first time B was a multiple of 4 (first_steps_h200_v4.json)."""
+    B = len(temps)
+    pad = [0.0] * (-B % 4)
+    rows = [temps + pad, top_ps + pad, min_ps + pad]
+    floats = _to_device(torch.tensor(rows, dtype=torch.float32), device)[:, :B]   # [3, B]
     ints = _to_device(torch.tensor(top_ks, dtype=torch.int32), device)
     return floats[0], floats[1], ints, floats[2]
 

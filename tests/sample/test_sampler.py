@@ -256,3 +256,18 @@ def test_partial_sort_top_k_top_p_matches_full_sort():
     kept = ~torch.isinf(full)
     assert torch.equal(full[kept], partial[kept])
     assert 1 < kept.sum(-1).float().mean() < 79  # both filters did something
+
+
+@pytest.mark.parametrize("B", range(1, 10))
+def test_row_tensors_start_16_byte_aligned(B):
+    """top_p / min_p rows of the packed per-row tensor start 16-byte aligned at every batch
+    size (a Triton kernel reading them would otherwise compile a variant per alignment) and
+    hold the given values."""
+    from kdaserve.sample.metadata import _row_tensors
+
+    temps, top_ps, min_ps = [1.0] * B, [0.5 + i / 100 for i in range(B)], [0.1] * B
+    t, p, k, m = _row_tensors(temps, top_ps, list(range(B)), min_ps, "cpu")
+    for row in (t, p, m):
+        assert row.data_ptr() % 16 == 0 and row.shape == (B,) and row.is_contiguous()
+    assert p.tolist() == pytest.approx(top_ps) and k.tolist() == list(range(B))
+    assert m.tolist() == pytest.approx(min_ps) and t.tolist() == temps
