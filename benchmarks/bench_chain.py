@@ -1,6 +1,6 @@
 """Decode kernels timed as they run in the decode CUDA graph: chains of calls on distinct weights.
 
-    python benchmarks/bench_chain.py [--cases kda_in,o_proj,mla_q_kv_a,router,moe,norm_gemv]
+    python benchmarks/bench_chain.py [--cases kda_in,o_proj,mla_q_kv_a,router,moe]
         [--m 1] [--quick] [--time-budget 500] [--out chain.json]
 
 One CUDA graph holds C calls back to back, each launched with pdl=True (as the engine does) on
@@ -40,12 +40,11 @@ sys.path.insert(0, str(HERE.parent))
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
               "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
-ALL_CASES = (*GEMV_CASES, "moe", "norm_gemv")
+ALL_CASES = (*GEMV_CASES, "moe", "mla")
 CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
 WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
 MAX_ELEMS_PER_THREAD = 256
 E, D, INTER, TOPK = 256, 2304, 1024, 9          # Kimi-Linear-48B routed experts
-EPS = 1e-6
 
 
 def chain_len(weight_bytes: int) -> int:
@@ -247,53 +246,45 @@ def bench_moe(ceil, budget, quick, results) -> None:
         keep_top(rows, results, case)
 
 
-# === norm_gemv: add_rms_norm + gemv vs the fused GemvNorm prologue (runs once it exists) =======
+# --- absorbed MLA decode at batch 1 ---------------------------------------------------------------
+
+MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_PAGE = 32, 512, 64, 16
+MLA_SPLITS = (16, 32, 48, 64, 96, 128)
 
 
-def bench_norm_gemv(args, ceil, results) -> None:
-    """Per call, (a) add_rms_norm(x, norm_w, eps, residual, pdl=True) then gemv(normed, w) vs
-    (b) gemv(x, w, norm=GemvNorm(...)) on the kda_in and router shapes, M = 1, default configs.
-    (a) is checked against the torch twins, (b) against (a)'s output. `args` is unused today
-    (kept for per-case options)."""
+def bench_mla(ceil, budget, quick, results, context: int = 8192) -> None:
+    """mla_decode(q [1, H, rank], q_pe [1, H, rope]) over `context` cached latents (bf16, page
+    16) as the engine calls it, each call of the chain on its own cache: sweeps num_kv_splits
+    (the default picks 128 at batch 1) x a few tile configs. Floor = cache + q + out bytes."""
     from kdaserve.kernels import reference as ref
-    from kdaserve.kernels.linear import gemv as gemv_mod
+    from kdaserve.kernels.mla.decode import MLADecodeConfig, default_config, mla_decode
 
-    if not hasattr(gemv_mod, "GemvNorm"):
-        print("norm_gemv: kernel not present", flush=True)
-        return
-    from kdaserve.kernels.norm.rms_norm import add_rms_norm
-
-    gemv, GemvNorm = gemv_mod.gemv, gemv_mod.GemvNorm
-    for name in ("kda_in", "router"):
-        ws, xs, outs_a = gemv_chain(name, 1)
-        outs_b = [torch.empty_like(o) for o in outs_a]                      # C x [1, N]
-        res_in = [torch.randn_like(x) for x in xs]                          # C x [1, K]
-        res_out = [torch.empty_like(x) for x in xs]                         # C x [1, K]
-        norm_w = 1 + 0.1 * torch.randn(xs[0].shape[1], device="cuda", dtype=BF16)  # [K]
-
-        def unfused(i):
-            normed, _ = add_rms_norm(xs[i], norm_w, EPS, residual=res_in[i], pdl=True)
-            gemv(normed, ws[i], out=outs_a[i], pdl=True)
-
-        def fused(i):
-            gemv(xs[i], ws[i], out=outs_b[i], pdl=True,
-                 norm=GemvNorm(weight=norm_w, eps=EPS, residual=res_in[i],
-                               residual_out=res_out[i], normed_out=None))
-
-        C, rows = len(ws), []
-        floor = floor_us(nbytes(ws[0], xs[0], res_in[0], res_out[0], outs_a[0]), ceil)
-        normed0 = ref.add_rms_norm(xs[0], norm_w, EPS, res_in[0])[0]       # [1, K]
-        want = gemv_mod.gemv_reference(normed0, ws[0], outs_a[0].dtype)     # [1, N]
-        a = run_config(f"{name} norm+gemv", "add_rms_norm+gemv",
-                       [partial(unfused, i) for i in range(C)], outs_a[0], want, floor, rows)
-        if a is None:
-            continue
-        b = run_config(f"{name} norm+gemv", "gemv(norm=GemvNorm)",
-                       [partial(fused, i) for i in range(C)], outs_b[0], outs_a[0].clone(),
-                       floor, rows)
-        if b is not None:
-            print(f"  {name}: fused {b:.2f} us vs {a:.2f} us per call ({a / b:.2f}x)", flush=True)
-        results.extend(rows)
+    H, R, P, page = MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_PAGE
+    nb = context // page
+    C = chain_len(context * (R + P) * 2)
+    caches = [torch.randn(nb, page, R + P, device="cuda", dtype=BF16) for _ in range(C)]
+    tables = [torch.randperm(nb, device="cuda").int().view(1, nb) for _ in range(C)]  # [1, nb]
+    seq_lens = torch.full((1,), context, device="cuda", dtype=torch.int32)
+    qs = [torch.randn(1, H, R + P, device="cuda", dtype=BF16) for _ in range(C)]
+    outs = [torch.empty(1, H, R, device="cuda", dtype=BF16) for _ in range(C)]
+    scale = (128 + P) ** -0.5
+    ref_out = ref.mla_decode(qs[0], caches[0], tables[0], seq_lens, scale, R)      # [1, H, R]
+    floor = floor_us(nbytes(caches[0], qs[0], outs[0]), ceil)
+    base = default_config(1, H, BF16)
+    configs = [base] + [MLADecodeConfig(H, bn, w, st) for bn, w, st in
+                        ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2), (32, 4, 3))]
+    rows, deadline = [], budget.deadline()
+    for splits in ((None,) if quick else (None, *MLA_SPLITS)):
+        for n, cfg in enumerate(configs[:1] if quick or splits is None else configs):
+            if time.time() > deadline:
+                print("  time budget: mla sweep stopped", flush=True)
+                break
+            calls = [partial(mla_decode, q[..., :R], kv, bt, seq_lens, scale, R, out=o,
+                             num_kv_splits=splits, config=cfg, q_pe=q[..., R:], pdl=True)
+                     for q, kv, bt, o in zip(qs, caches, tables, outs)]
+            run_config("mla B=1 8K", (splits, cfg), calls, outs[0], ref_out, floor, rows,
+                       baseline=splits is None)
+    keep_top(rows, results, "mla B=1 8K")
 
 
 def main(argv=None) -> int:
@@ -323,15 +314,16 @@ def main(argv=None) -> int:
           f"ratio(floor/time)", flush=True)
     gemv_names = [n for n in names if n in GEMV_CASES]
     ms = [int(m) for m in args.m.split(",") if m]
-    budget = Budget(t0 + args.time_budget, len(gemv_names) * len(ms) + 2 * ("moe" in names))
+    budget = Budget(t0 + args.time_budget,
+                    len(gemv_names) * len(ms) + 2 * ("moe" in names) + ("mla" in names))
     results: list[dict] = []
     for name in gemv_names:
         for m in ms:
             bench_gemv_case(name, m, ceil, budget, args.quick, results)
     if "moe" in names:
         bench_moe(ceil, budget, args.quick, results)
-    if "norm_gemv" in names:
-        bench_norm_gemv(args, ceil, results)
+    if "mla" in names:
+        bench_mla(ceil, budget, args.quick, results)
     write_results(args.out, meta, t0, ceil, results)
     return 0
 

@@ -250,10 +250,6 @@ class KernelConfig:
     fused_kda_decode: bool = True
     """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
     gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""
-    fused_norm_gemv: bool = True
-    """With decode_gemv, decode batches <= 2 apply each layer's residual add + RMSNorm inside
-    the GEMV that reads the normed rows (the attention's input projection, the MoE router:
-    kernels/linear/gemv.py GemvNorm) instead of a separate norm launch before it."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

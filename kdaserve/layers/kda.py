@@ -83,22 +83,12 @@ class KimiDeltaAttention(nn.Module):
         self.decode_tickets = torch.zeros(MAX_FUSED_ROWS * self.num_heads, dtype=torch.int32,
                                           device=self.in_weight.device)
 
-    @property
-    def in_proj_weight(self) -> torch.Tensor:
-        """The one projection that reads the layer input (q|k|v|f_a|g_a|b rows)."""
-        return self.in_weight
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
-        proj = linear(x, self.in_weight, self.decode_gemv, pdl=self.pdl)  # [T, 3P + 2d + H]
-        return self.forward_proj(proj, ctx)
-
-    def forward_proj(self, proj: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The layer after its input projection: proj = x @ in_proj_weight.T [T, 3P + 2d + H]
-        -> [T, D]."""
         md, caches = ctx.attn, ctx.caches
-        T, h, d = proj.shape[0], self.num_heads, self.head_dim
-        if self._can_fuse(proj, md):
+        T, h, d = x.shape[0], self.num_heads, self.head_dim
+        proj = linear(x, self.in_weight, self.decode_gemv, pdl=self.pdl)  # [T, 3P + 2d + H]
+        if self._can_fuse(x, md):
             o = self._fused_decode(proj, md, caches)                          # [T, P]
             return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
         p = 3 * h * d

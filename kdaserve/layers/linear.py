@@ -29,20 +29,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, gemv: bool = False,
         return triton_gemv(x, weight, out_dtype=out_dtype or x.dtype, pdl=pdl)
     y = F.linear(x.to(weight.dtype), weight)
     return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
-
-
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                eps: float, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                pdl: bool = False, want_normed: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The residual add + RMSNorm and the projection of its output in one GEMV launch (CUDA,
-    rows accepted by use_gemv): x, residual: [T, K] (residual None: x alone). Returns
-    (y [T, N] in out_dtype or x.dtype, s = x + residual [T, K], the normed rows [T, K] when
-    want_normed else None); the same values as add_rms_norm then linear(..., gemv=True)."""
-    from kdaserve.kernels.linear.gemv import GemvNorm, gemv
-
-    res_out = torch.empty_like(x) if residual is not None else None
-    normed = torch.empty_like(x) if want_normed else None
-    y = gemv(x, weight, out_dtype=out_dtype or x.dtype, pdl=pdl,
-             norm=GemvNorm(norm_weight, eps, residual, res_out, normed))
-    return y, (res_out if res_out is not None else x), normed

@@ -64,23 +64,13 @@ class MLAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.q_kva_weight = merge_rows(self.q_proj.weight, self.kv_a_proj_with_mqa.weight)
 
-    @property
-    def in_proj_weight(self) -> torch.Tensor:
-        """The one projection that reads the layer input (q | kv_a rows)."""
-        return self.q_kva_weight
-
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
-        q_ckv = linear(x, self.q_kva_weight, self.decode_gemv,
-                       pdl=self.pdl)                               # [T, H*qk + rank + rope]
-        return self.forward_proj(q_ckv, ctx)
-
-    def forward_proj(self, q_ckv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The layer after its input projection: q_ckv = x @ in_proj_weight.T
-        [T, H*qk + rank + rope] -> [T, D]."""
         md = ctx.attn
         kv_cache = ctx.caches.mla_kv[self.mla_index]
-        T, h = q_ckv.shape[0], self.num_heads
+        T, h = x.shape[0], self.num_heads
+        q_ckv = linear(x, self.q_kva_weight, self.decode_gemv,
+                       pdl=self.pdl)                               # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
         out = self._attend(q, ckv, kv_cache, md)                          # [T, H, v_dim]

@@ -9,17 +9,9 @@ from torch import nn
 
 from kdaserve.kernels import reference as ref
 from kdaserve.kernels.moe.router import ROUTER_SPLITK_MAX_TOKENS
-from kdaserve.layers.linear import GEMV_MAX_ROWS, linear, norm_linear, use_gemv
+from kdaserve.layers.linear import GEMV_MAX_ROWS, linear
 from kdaserve.layers.mlp import MLP
-from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.hf_config import KimiLinearArgs
-
-
-def fused_moe_call(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: torch.Tensor,
-                   ids: torch.Tensor, pdl: bool) -> torch.Tensor:
-    from kdaserve.kernels.moe.fused_moe import fused_moe
-
-    return fused_moe(x, w13, w2, w, ids, pdl=pdl)
 
 
 class TopkRouter(nn.Module):
@@ -74,13 +66,7 @@ class TopkRouter(nn.Module):
             logits = F.linear(x32, self.weight)                           # [N, E] fp32
         else:
             logits = linear(x, self.weight, self.decode_gemv, torch.float32, pdl=self.pdl)
-        return self.select(logits, extra_expert)
-
-    def select(self, logits: torch.Tensor, extra_expert: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 router logits [N, E] -> (topk_weights fp32 [N, k], topk_ids [N, k]) (+ the
-        extra_expert column on CUDA, as in forward)."""
-        if logits.is_cuda:
+        if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
             return moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
@@ -143,27 +129,12 @@ class SparseMoE(nn.Module):
             return None
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
-    def fuses_norm(self, x: torch.Tensor) -> bool:
-        """forward_norm applies: the merged experts on CUDA, decode-size rows on the router
-        GEMV (decode_gemv), not the one-launch router."""
-        return (self.w13_all is not None and not self.gate.fused_router
-                and use_gemv(x, self.gate.decode_gemv))
-
-    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """norm(x + residual) then the block, with the add + norm inside the router's GEMV
-        (which also writes the normed rows the experts read): x, residual [N, D] -> (block
-        output [N, D], x + residual). Only where fuses_norm(x)."""
-        gate = self.gate
-        logits, residual, h = norm_linear(x, residual, norm.weight, norm.eps, gate.weight,
-                                          torch.float32, pdl=gate.pdl, want_normed=True)
-        w, ids = gate.select(logits, extra_expert=self.num_experts)     # [N, k + 1]
-        return fused_moe_call(h, self.w13_all, self.w2_all, w, ids, gate.pdl), residual
-
     def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> torch.Tensor:
         """x: [N, D]; x32: x in fp32 (from router_input, filled by the norm) or None."""
         if self.w13_all is not None:
+            from kdaserve.kernels.moe.fused_moe import fused_moe
+
             w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
-            return fused_moe_call(x, self.w13_all, self.w2_all, w, ids, self.gate.pdl)
+            return fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=self.gate.pdl)
         topk_weights, topk_ids = self.gate(x)
         return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)

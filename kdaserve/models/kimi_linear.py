@@ -11,7 +11,6 @@ from torch import nn
 
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.layers.kda import KimiDeltaAttention
-from kdaserve.layers.linear import norm_linear, use_gemv
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
@@ -20,9 +19,6 @@ from kdaserve.models.hf_config import KimiLinearArgs
 
 
 class DecoderLayer(nn.Module):
-    decode_gemv = pdl = fused_norm_gemv = False
-    """KernelConfig fields (set by the model's configure_kernels)."""
-
     def __init__(self, args: KimiLinearArgs, layer_idx: int) -> None:
         super().__init__()
         self.is_kda = args.layer_types[layer_idx] == "linear_attention"
@@ -40,30 +36,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block in residual-stream form: returns (branch output, residual); the
-        next norm adds the two (fused on the GPU: into the GEMV that reads the normed rows
-        when fused_norm_gemv applies, else its own add_rms_norm launch)."""
-        if self.fused_norm_gemv and use_gemv(x, self.decode_gemv):
-            return self._forward_norms_in_gemv(x, residual, ctx)
+        next norm adds the two (fused on the GPU)."""
         h, residual = self.input_layernorm.forward_residual(x, residual)
         h = self.self_attn(h, ctx)
         if isinstance(self.mlp, SparseMoE):
             router_x = self.mlp.router_input(h)        # [T, D] fp32, or None
             h, residual = self.post_attention_layernorm.forward_residual(h, residual, router_x)
             return self.mlp(h, router_x), residual
-        h, residual = self.post_attention_layernorm.forward_residual(h, residual)
-        return self.mlp(h), residual
-
-
-    def _forward_norms_in_gemv(self, x: torch.Tensor, residual: torch.Tensor | None,
-                               ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward with both norms applied inside the GEMVs that read them: the attention's
-        input projection, then (sparse MoE) the router."""
-        norm = self.input_layernorm
-        proj, residual, _ = norm_linear(x, residual, norm.weight, norm.eps,
-                                        self.self_attn.in_proj_weight, pdl=self.pdl)
-        h = self.self_attn.forward_proj(proj, ctx)                   # [T, D]
-        if isinstance(self.mlp, SparseMoE) and self.mlp.fuses_norm(h):
-            return self.mlp.forward_norm(h, residual, self.post_attention_layernorm)
         h, residual = self.post_attention_layernorm.forward_residual(h, residual)
         return self.mlp(h), residual
 
@@ -115,8 +94,6 @@ class KimiLinearForCausalLM(nn.Module):
                 module.pdl = kernel_config.pdl
             if hasattr(module, "fused_decode"):
                 module.fused_decode = kernel_config.fused_kda_decode
-            if hasattr(module, "fused_norm_gemv"):
-                module.fused_norm_gemv = kernel_config.fused_norm_gemv
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

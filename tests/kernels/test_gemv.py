@@ -246,32 +246,3 @@ def test_pdl_chain_in_cuda_graph_gpu(M):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(out, want)), "replay did not read new inputs"
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("M", [1, 2])
-def test_gemv_norm_model_shapes_gpu(M):
-    """The fused residual add + RMSNorm prologue at the decode shapes it serves (KDA in_proj,
-    MLA q|kv_a, the router's fp32 weight into fp32 logits), with and without pdl, against
-    add_rms_norm's twin then F.linear; and equal to the unfused kernels (add_rms_norm launch,
-    then the GEMV) within bf16 rounding."""
-    from kdaserve.kernels.linear.gemv import GemvNorm
-    from kdaserve.kernels.norm.rms_norm import add_rms_norm
-
-    for (N, K), w_dtype, out_dtype in ((KDA_IN, BF16, None), ((6720, 2304), BF16, None),
-                                       ((256, 2304), F32, F32)):
-        for pdl in (False, True):
-            gc.check_gemv_norm("cuda", M, N, K, BF16, w_dtype, out_dtype, pdl=pdl, seed=N + M)
-        gc.check_gemv_norm("cuda", M, N, K, BF16, w_dtype, out_dtype, residual=False, seed=M)
-    g = torch.Generator(device="cuda").manual_seed(M)
-    x, res = (torch.randn(M, 2304, generator=g, device="cuda").to(BF16) for _ in range(2))
-    gamma = (1 + 0.1 * torch.randn(2304, generator=g, device="cuda")).to(BF16)
-    w = (torch.randn(*KDA_IN, generator=g, device="cuda") * 2304 ** -0.5).to(BF16)
-    normed, s = add_rms_norm(x, gamma, 1e-6, res, pdl=True)
-    want = gemv(normed, w, pdl=True)
-    s_out, n_out = torch.empty_like(x), torch.empty_like(x)
-    got = gemv(x, w, pdl=True, norm=GemvNorm(gamma, 1e-6, res, s_out, n_out))
-    assert torch.equal(s_out, s)
-    assert (n_out != normed).float().mean().item() < 1e-3          # rare 1-ulp flips at most
-    assert kc.rel_err(got, want) < 2e-3

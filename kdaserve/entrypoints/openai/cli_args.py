@@ -135,9 +135,6 @@ KERNEL_SWITCHES: dict[str, str] = {
            "--decode-gemv it covers the projections too.",
     "fused_kda_decode": "CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
                         "and gated norm in one Triton launch (on by default).",
-    "fused_norm_gemv": "CUDA: with --decode-gemv, each layer's residual add + RMSNorm of decode "
-                       "batches <= 2 inside the GEMV that reads it (attention input projection, "
-                       "MoE router) instead of its own launch. On by default.",
     "fused_router": "CUDA: MoE routers of decode batches <= 2 as one launch (logits GEMV + "
                     "top-k; off: a GEMV launch then a top-k launch). Off by default: slower on "
                     "the H200 with --pdl.",

@@ -36,19 +36,6 @@ class GemvConfig:
     prefetch: int = 2   # with pdl: weight tiles (BLOCK_K steps) loaded before the wait, 0..2
 
 
-@dataclass
-class GemvNorm:
-    """The residual add + RMSNorm in front of the GEMV (add_rms_norm's numerics, fused): the
-    GEMV's input becomes weight * rmsnorm(x + residual), x + residual rounded to x's dtype
-    (x alone when residual is None). residual_out receives x + residual and normed_out the
-    normed rows (both [M, K], optional; they must not alias x or residual)."""
-    weight: torch.Tensor                      # [K] norm gamma
-    eps: float
-    residual: torch.Tensor | None = None      # [M, K], x's dtype
-    residual_out: torch.Tensor | None = None  # [M, K], x's dtype
-    normed_out: torch.Tensor | None = None    # [M, K]
-
-
 def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
                    device: torch.device | None = None) -> GemvConfig:
     """An UNMEASURED guess (no GPU run yet; benchmarks/bench_gemv.py --tune measures it).
@@ -80,20 +67,6 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor,
     acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
     y = torch.nn.functional.linear(x.to(acc), weight.to(acc))     # [M, N]
     return y.to(out_dtype or x.dtype)
-
-
-def gemv_norm_reference(x: torch.Tensor, weight: torch.Tensor, norm: GemvNorm,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The twin of gemv(..., norm=norm): add_rms_norm's reference, then gemv_reference; fills
-    norm.residual_out / normed_out like the kernel."""
-    from kdaserve.kernels.reference import add_rms_norm
-
-    normed, s = add_rms_norm(x, norm.weight, norm.eps, norm.residual)   # [M, K] each
-    if norm.residual_out is not None:
-        norm.residual_out.copy_(s)
-    if norm.normed_out is not None:
-        norm.normed_out.copy_(normed)
-    return gemv_reference(normed, weight, out_dtype or x.dtype)
 
 
 def _check_pow2(name: str, value: int, lo: int, hi: int) -> None:
@@ -150,47 +123,9 @@ def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
     return dtype
 
 
-def _check_norm(norm: GemvNorm, x: torch.Tensor) -> None:
-    M, K = x.shape
-    if norm.weight.shape != (K,) or norm.weight.device != x.device:
-        raise ValueError(f"norm weight must be [K={K}] on {x.device}, got "
-                         f"{tuple(norm.weight.shape)} on {norm.weight.device}")
-    for name in ("residual", "residual_out", "normed_out"):
-        t = getattr(norm, name)
-        if t is None:
-            continue
-        if tuple(t.shape) != (M, K) or t.device != x.device:
-            raise ValueError(f"norm {name} must be [M={M}, K={K}] on {x.device}, got "
-                             f"{tuple(t.shape)} on {t.device}")
-        _check_last_dim(f"norm {name}", t)
-        if name != "normed_out" and t.dtype != x.dtype:
-            raise ValueError(f"norm {name} dtype {t.dtype} != x dtype {x.dtype}")
-    for name in ("residual_out", "normed_out"):
-        t = getattr(norm, name)
-        if t is not None and any(t.data_ptr() == u.data_ptr() for u in (x, norm.residual)
-                                 if u is not None):
-            raise ValueError(f"norm {name} must not alias x or residual")
-
-
-def _norm_args(norm: GemvNorm | None, x: torch.Tensor) -> dict:
-    """The NORM launch arguments of gemv_kernel, all of them given (None pointers and NORM
-    False without a norm)."""
-    if norm is None:
-        return dict(res_ptr=None, g_ptr=None, res_out_ptr=None, normed_ptr=None, eps=0.0,
-                    stride_rm=0, stride_ro=0, stride_no=0, NORM=False, HAS_RES=False,
-                    WRITE_RES=False, WRITE_NORMED=False, BLOCK_D=16)
-    res, ro, no = norm.residual, norm.residual_out, norm.normed_out
-    return dict(res_ptr=res, g_ptr=norm.weight, res_out_ptr=ro, normed_ptr=no,
-                eps=float(norm.eps), stride_rm=res.stride(0) if res is not None else 0,
-                stride_ro=ro.stride(0) if ro is not None else 0,
-                stride_no=no.stride(0) if no is not None else 0, NORM=True,
-                HAS_RES=res is not None, WRITE_RES=ro is not None,
-                WRITE_NORMED=no is not None, BLOCK_D=next_power_of_2(x.shape[1]))
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-         pdl: bool = False, norm: GemvNorm | None = None) -> torch.Tensor:
+         pdl: bool = False) -> torch.Tensor:
     """y = x @ weight.T with fp32 accumulation.
 
     x: [M, K], 1 <= M <= 4, bf16/fp16/fp32, last dim contiguous (rows may be strided).
@@ -201,21 +136,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     On CPU tensors (the Triton interpreter, which cannot run the PTX) only the prefetch order
     is kept. weight is read before the wait, so the previous kernel must not write it. Results
     are the same as with pdl=False. Returns out ([M, N]).
-    norm: the residual add + RMSNorm applied to x first (GemvNorm), one launch instead of two.
     """
     if config is not None:
         check_config(config)
     dtype = _check_inputs(x, weight, out, out_dtype)
-    if norm is not None:
-        _check_norm(norm, x)
     M, K = x.shape
     N = weight.shape[0]
     if out is None:
         out = torch.empty(M, N, dtype=dtype, device=x.device)
     if N == 0:
-        if norm is not None:
-            raise ValueError("gemv with a norm needs N >= 1 (the norm's outputs are written by "
-                             "the GEMV's programs)")
         return out
     require_triton()
     from kdaserve.kernels.linear.triton_gemv import gemv_kernel
@@ -226,6 +155,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0),
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x),
-        **_norm_args(norm, x))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
     return out

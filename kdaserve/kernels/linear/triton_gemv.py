@@ -16,80 +16,26 @@ def _load_tile(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M: tl.constexpr,
-                EVEN_K: tl.constexpr, NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-                res_ptr=None, stride_rm=0, g_ptr=None, rstd=None):
-    """acc[n, m] += sum_k w[n, k] * x[m, k0 + k] in fp32 for every x row m < M; returns acc.
-
-    NORM: x[m] is replaced by add_rms_norm's output, gamma * rmsnorm(x[m] + res[m]) with the
-    row's rstd ([BLOCK_M] vector), rounded like that kernel (to x's dtype after each step)."""
+                EVEN_K: tl.constexpr):
+    """acc[n, m] += sum_k w[n, k] * x[m, k0 + k] in fp32 for every x row m < M; returns acc."""
     k_mask = (k0 + offs_k) < K                                       # [BLOCK_K]
     w = w.to(tl.float32)                                             # [BLOCK_N, BLOCK_K]
-    if NORM:
-        if EVEN_K:
-            g = tl.load(g_ptr + k0 + offs_k).to(tl.float32)          # [BLOCK_K]
-        else:
-            g = tl.load(g_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
     for m in tl.static_range(M):
         x_ptrs = x_ptr + m * stride_xm + k0 + offs_k
         if EVEN_K:
             xm = tl.load(x_ptrs)
         else:
             xm = tl.load(x_ptrs, mask=k_mask, other=0.0)
-        if NORM:
-            if HAS_RES:
-                r_ptrs = res_ptr + m * stride_rm + k0 + offs_k
-                if EVEN_K:
-                    r = tl.load(r_ptrs)
-                else:
-                    r = tl.load(r_ptrs, mask=k_mask, other=0.0)
-                xm = (xm.to(tl.float32) + r.to(tl.float32)).to(xm.dtype)
-            rstd_m = tl.sum(tl.where(offs_m == m, rstd, 0.0), axis=0)
-            xm = (xm.to(tl.float32) * rstd_m).to(xm.dtype)
-            xm = (g * xm.to(tl.float32)).to(xm.dtype)
         part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)         # [BLOCK_N]
         acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     return acc
 
 
 @triton.jit
-def _norm_rows(x_ptr, res_ptr, g_ptr, res_out_ptr, normed_ptr, K, eps, stride_xm, stride_rm,
-               stride_ro, stride_no, offs_m, first, M: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr, HAS_RES: tl.constexpr, WRITE_RES: tl.constexpr,
-               WRITE_NORMED: tl.constexpr):
-    """rstd of every row s = x + res (x alone without res) as a [BLOCK_M] vector, with
-    add_rms_norm's rounding; with WRITE_RES / WRITE_NORMED the program where `first` holds
-    also stores s and gamma * rmsnorm(s)."""
-    offs = tl.arange(0, BLOCK_D)                                     # [BLOCK_D]
-    mask = offs < K
-    store = mask & first
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for m in tl.static_range(M):
-        s = tl.load(x_ptr + m * stride_xm + offs, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(res_ptr + m * stride_rm + offs, mask=mask, other=0.0)
-            s = (s.to(tl.float32) + r.to(tl.float32)).to(s.dtype)
-        if WRITE_RES:
-            tl.store(res_out_ptr + m * stride_ro + offs, s, mask=store)
-        sf = s.to(tl.float32)
-        r_m = tl.rsqrt(tl.sum(sf * sf, axis=0) / K + eps)
-        if WRITE_NORMED:
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (g * (sf * r_m).to(s.dtype).to(tl.float32)).to(s.dtype)
-            tl.store(normed_ptr + m * stride_no + offs, y.to(normed_ptr.dtype.element_ty),
-                     mask=store)
-        rstd = tl.where(offs_m == m, r_m, rstd)
-    return rstd
-
-
-@triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                 M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                res_ptr=None, g_ptr=None, res_out_ptr=None, normed_ptr=None, eps=0.0,
-                stride_rm=0, stride_ro=0, stride_no=0, NORM: tl.constexpr = False,
-                HAS_RES: tl.constexpr = False, WRITE_RES: tl.constexpr = False,
-                WRITE_NORMED: tl.constexpr = False, BLOCK_D: tl.constexpr = 16):
+                USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """One program per BLOCK_N output columns, all M (<= 4) rows, the whole K (no split-K).
 
     Each [BLOCK_N, BLOCK_K] weight tile is loaded once (coalesced along K) and reduced against
@@ -107,12 +53,6 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     tiles are in flight, through shared memory, while one is reduced). Triton pipelines only
     loads that feed a tl.dot on its own, so the launch's num_stages alone left this loop with
     one tile in flight per program. Same reduction order, same results, whatever STAGES is.
-
-    NORM (the residual add + RMSNorm before the projection, add_rms_norm's numerics): x is the
-    branch output, res the residual (HAS_RES) and g the norm weight; every program first
-    computes each row's rstd over the whole row (BLOCK_D >= K), then reduces against
-    gamma * rmsnorm(x + res). Program 0 also stores s = x + res (WRITE_RES) and the normed rows
-    (WRITE_NORMED). res_out / normed must not alias x or res: other programs still read those.
     """
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N]
@@ -127,24 +67,16 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     if USE_PDL:
         tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
         tl.extra.cuda.gdc_launch_dependents()     # the next PDL kernel may start its preamble
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
-        rstd = _norm_rows(x_ptr, res_ptr, g_ptr, res_out_ptr, normed_ptr, K, eps, stride_xm,
-                          stride_rm, stride_ro, stride_no, offs_m, pid == 0, M, BLOCK_M, BLOCK_D,
-                          HAS_RES, WRITE_RES, WRITE_NORMED)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)             # acc[n, m]
     if PREFETCH >= 1:
-        acc = _accumulate(acc, w0, x_ptr, 0, offs_k, offs_m, K, stride_xm, M, EVEN_K,
-                          NORM, HAS_RES, res_ptr, stride_rm, g_ptr, rstd)
+        acc = _accumulate(acc, w0, x_ptr, 0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
     if PREFETCH >= 2:
-        acc = _accumulate(acc, w1, x_ptr, BLOCK_K, offs_k, offs_m, K, stride_xm, M, EVEN_K,
-                          NORM, HAS_RES, res_ptr, stride_rm, g_ptr, rstd)
+        acc = _accumulate(acc, w1, x_ptr, BLOCK_K, offs_k, offs_m, K, stride_xm, M, EVEN_K)
     if PREFETCH > 0:
         w_ptrs += PREFETCH * BLOCK_K
     for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_tile(w_ptrs, k0, offs_k, K, EVEN_K)                # [BLOCK_N, BLOCK_K]
-        acc = _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M, EVEN_K,
-                          NORM, HAS_RES, res_ptr, stride_rm, g_ptr, rstd)
+        acc = _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
         w_ptrs += BLOCK_K
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)

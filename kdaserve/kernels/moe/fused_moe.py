@@ -52,8 +52,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
     rows_per_expert = num_tokens * top_k / max(1, num_experts)
     if num_tokens <= 32:
         # gemm2_sum: the best of bench_layers.py --tune on an H200 (N=1, D=2304, I=1024, k=8):
-        # 44.3 us for the layer against 47.7 us with gemm2 + moe_sum (layers_h200_run7.json)
-        return FusedMoEConfig(MoEGemmConfig(16, 32, 128, 1, 4, 4),
+        # 44.3 us for the layer against 47.7 us with gemm2 + moe_sum (layers_h200_run7.json).
+        # gemm1 block_k 64: 36.1 us a call against 42.7 with 128 in a chain of pdl calls at
+        # N=1, k=9 (bench_chain.py, chain_h200_v1.json); N > 1 follows unmeasured.
+        return FusedMoEConfig(MoEGemmConfig(16, 32, 64, 1, 4, 4),
                               MoEGemmConfig(16, 32, 128, 1, 4, 4),
                               MoEGemmConfig(1, 8, 1024, 1, 4, 3))
     if rows_per_expert <= 32:
