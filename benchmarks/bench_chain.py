@@ -271,8 +271,9 @@ def bench_mla(ceil, budget, quick, results, context: int = 8192) -> None:
     ref_out = ref.mla_decode(qs[0], caches[0], tables[0], seq_lens, scale, R)      # [1, H, R]
     floor = floor_us(nbytes(caches[0], qs[0], outs[0]), ceil)
     base = default_config(1, H, BF16)
-    configs = [base] + [MLADecodeConfig(H, bn, w, st) for bn, w, st in
-                        ((32, 4, 2), (64, 4, 2), (64, 8, 3), (128, 8, 2), (32, 4, 3))]
+    configs = [base] + [MLADecodeConfig(bh, bn, w, st) for bh, bn, w, st in
+                        ((16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 4, 2), (H, 32, 4, 2),
+                         (H, 64, 4, 2), (H, 64, 8, 3), (H, 128, 8, 2), (H, 32, 4, 3))]
     rows, deadline = [], budget.deadline()
     for splits in ((None,) if quick else (None, *MLA_SPLITS)):
         for n, cfg in enumerate(configs[:1] if quick or splits is None else configs):

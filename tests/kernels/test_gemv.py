@@ -15,7 +15,8 @@ import torch
 
 import gemv_checks as gc
 import kernel_checks as kc
-from kdaserve.kernels.linear.gemv import GemvConfig, default_config, gemv
+from kdaserve.kernels.linear.gemv import (TUNED_132_SMS, GemvConfig, check_config,
+                                          default_config, gemv, guess_config)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16, F32 = torch.bfloat16, torch.float32
@@ -69,14 +70,24 @@ def test_cpu_tensors_need_the_interpreter():
 @pytest.mark.parametrize("N,K,dtype", [(12288, 2304, BF16), (2304, 4096, BF16), (6720, 2304, BF16),
                                        (288, 2304, BF16), (256, 2304, F32), (22528, 2304, BF16),
                                        (37, 100, F32), (1, 8, F32)])
-def test_default_config(N, K, dtype):
-    cfg = default_config(1, N, K, dtype)
+def test_guess_config(N, K, dtype):
+    cfg = guess_config(N, K, dtype)
     programs = -(-N // cfg.block_n)
     assert programs >= 2 * 132 or cfg.block_n == 1, cfg          # >= 2 waves when N allows
     assert cfg.block_n == 64 or -(-N // (2 * cfg.block_n)) < 2 * 132, cfg   # none too small
     assert K % cfg.block_k == 0 or cfg.block_k >= K, cfg         # one masked step at most
     assert all(v & (v - 1) == 0 for v in (cfg.block_n, cfg.block_k, cfg.num_warps)), cfg
     assert 1 <= cfg.num_warps <= 8 and cfg.num_stages >= 1, cfg
+
+
+def test_tuned_configs_are_valid_and_used():
+    """Every measured config passes check_config, fits the 256-elements-per-thread tile rule of
+    the sweeps, and is what default_config returns at 132 SMs (no device given)."""
+    for (M, N, K, dtype), cfg in TUNED_132_SMS.items():
+        check_config(cfg)
+        assert cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 256, cfg
+        assert default_config(M, N, K, dtype) == cfg
+        assert default_config(M + 1, N, K, dtype) == guess_config(N, K, dtype)
 
 
 def _ptxas():

@@ -36,9 +36,20 @@ class GemvConfig:
     prefetch: int = 2   # with pdl: weight tiles (BLOCK_K steps) loaded before the wait, 0..2
 
 
+TUNED_132_SMS: dict[tuple[int, int, int, torch.dtype], GemvConfig] = {
+    # (M, N, K, weight dtype): the fastest config of benchmarks/bench_chain.py's sweep (pdl
+    # calls back to back on distinct weights) on an H200, for the Kimi-Linear-48B decode shapes.
+    # o_proj: 6.57 against 8.47 us a call with the guess below (chain_h200_v2.json).
+    (1, 2304, 4096, torch.bfloat16): GemvConfig(block_n=2, block_k=1024, num_warps=1,
+                                                num_stages=5),
+}
+"""Measured configs, used on devices with 132 SMs (H100 SXM / H200) before the guess."""
+
+
 def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
                    device: torch.device | None = None) -> GemvConfig:
-    """An UNMEASURED guess (no GPU run yet; benchmarks/bench_gemv.py --tune measures it).
+    """TUNED_132_SMS where it has the case (132 SMs), else a guess, measured only at some
+    shapes (benchmarks/bench_chain.py and bench_gemv.py --tune measure it).
 
     block_n: the largest power of two <= 64 that still gives >= 2 waves of programs on the
     device's SMs (132 without a device); block_k: the largest of 512/256/128 that divides K (no
@@ -48,6 +59,12 @@ def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
     M does not enter the guess yet.
     """
     sms = num_sms(device) if device is not None else 132
+    tuned = TUNED_132_SMS.get((M, N, K, weight_dtype)) if sms == 132 else None
+    return tuned if tuned is not None else guess_config(N, K, weight_dtype, sms)
+
+
+def guess_config(N: int, K: int, weight_dtype: torch.dtype, sms: int = 132) -> GemvConfig:
+    """default_config's rule where no measured config applies (see there)."""
     block_n = 64
     while block_n > 1 and cdiv(N, block_n) < 2 * sms:
         block_n //= 2
