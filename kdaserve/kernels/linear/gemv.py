@@ -42,6 +42,15 @@ TUNED_132_SMS: dict[tuple[int, int, int, torch.dtype], GemvConfig] = {
     # o_proj: 6.57 against 8.47 us a call with the guess below (chain_h200_v2.json).
     (1, 2304, 4096, torch.bfloat16): GemvConfig(block_n=2, block_k=1024, num_warps=1,
                                                 num_stages=5),
+    # KDA q|k|v|f_a|g_a|b: 15.03 against 16.22 us (chain_h200_v3.json)
+    (1, 12576, 2304, torch.bfloat16): GemvConfig(block_n=8, block_k=256, num_warps=1,
+                                                 num_stages=3),
+    # MLA q | kv_a: 9.93 against 11.89 us (chain_h200_v3.json)
+    (1, 6720, 2304, torch.bfloat16): GemvConfig(block_n=8, block_k=128, num_warps=1,
+                                                num_stages=4),
+    # MoE router, fp32 weight: 2.26 against 3.72 us (chain_h200_v3.json)
+    (1, 256, 2304, torch.float32): GemvConfig(block_n=2, block_k=1024, num_warps=1,
+                                              num_stages=2),
 }
 """Measured configs, used on devices with 132 SMs (H100 SXM / H200) before the guess."""
 
