@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
               "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
-ALL_CASES = (*GEMV_CASES, "moe", "mla")
+ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_absorb")
 CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
 WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
 MAX_ELEMS_PER_THREAD = 256
@@ -288,6 +288,40 @@ def bench_mla(ceil, budget, quick, results, context: int = 8192) -> None:
     keep_top(rows, results, "mla B=1 8K")
 
 
+def bench_mla_absorb(ceil, results, M: int = 1) -> None:
+    """MLA's per-head products at decode, q_nope x W_UK then o_lat x W_UV (32 heads, nope 128,
+    rank 512, v 128), as the layer runs them: cuBLAS einsums against gemv_batched with pdl
+    (KernelConfig.mla_absorb_gemv). One chain entry = both products on their own weights."""
+    from kdaserve.kernels.linear.gemv import gemv_batched
+
+    H, nope, R, v = MLA_HEADS, 128, MLA_RANK, 128
+    C = chain_len(H * (nope + v) * R * 2)
+    w_uk = [torch.randn(H, nope, R, device="cuda", dtype=BF16) * 0.05 for _ in range(C)]
+    w_uk_t = [w.transpose(1, 2).contiguous() for w in w_uk]                # [H, rank, nope]
+    w_uv = [torch.randn(H, v, R, device="cuda", dtype=BF16) * 0.05 for _ in range(C)]
+    qs = [torch.randn(M, H, nope + MLA_ROPE, device="cuda", dtype=BF16) for _ in range(C)]
+    lats = [torch.randn(M, H, R, device="cuda", dtype=BF16) for _ in range(C)]  # o_lat stand-in
+    outs = [torch.empty(M, H, v, device="cuda", dtype=BF16) for _ in range(C)]
+    q_lat = [torch.empty(M, H, R, device="cuda", dtype=BF16) for _ in range(C)]
+
+    def cublas(i):
+        torch.einsum("bhn,hnr->bhr", qs[i][..., :nope], w_uk[i])     # the layer keeps it
+        outs[i].copy_(torch.einsum("bhr,hvr->bhv", lats[i], w_uv[i]))
+
+    def batched(i):
+        gemv_batched(qs[i][..., :nope].transpose(0, 1), w_uk_t[i], out=q_lat[i].transpose(0, 1),
+                     pdl=True)
+        gemv_batched(lats[i].transpose(0, 1), w_uv[i], out=outs[i].transpose(0, 1), pdl=True)
+
+    ref = torch.einsum("bhr,hvr->bhv", lats[0].float(), w_uv[0].float()).to(BF16)
+    floor = floor_us(nbytes(w_uk[0], w_uv[0], qs[0], lats[0], outs[0], q_lat[0]), ceil)
+    rows = []
+    for name, fn in (("cuBLAS einsums", cublas), ("gemv_batched pdl", batched)):
+        run_config(f"mla_absorb M={M}", name, [partial(fn, i) for i in range(C)], outs[0], ref,
+                   floor, rows)
+    results.extend(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(ALL_CASES),
@@ -298,21 +332,14 @@ def main(argv=None) -> int:
                     help="seconds for the whole run; sweeps stop when it is spent (default 500)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
-    names = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in names if c not in ALL_CASES]
-    if unknown:
-        ap.error(f"unknown cases {unknown}; known: {list(ALL_CASES)}")
-    if not torch.cuda.is_available():
-        print("bench_chain: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    from bench_layers import bench_meta, measure_ceilings, write_results
+    from bench_layers import pick_cases, start_gpu_run, write_results
 
-    t0 = time.time()
-    torch.manual_seed(0)
-    meta = bench_meta()
-    ceil = measure_ceilings()
-    print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s\ncase config per_call_us floor_us "
-          f"ratio(floor/time)", flush=True)
+    names = pick_cases(ap, args.cases, ALL_CASES)
+    run = start_gpu_run("bench_chain")
+    if run is None:
+        return 2
+    t0, meta, ceil = run
+    print("case config per_call_us floor_us ratio(floor/time)", flush=True)
     gemv_names = [n for n in names if n in GEMV_CASES]
     ms = [int(m) for m in args.m.split(",") if m]
     budget = Budget(t0 + args.time_budget,
@@ -325,6 +352,8 @@ def main(argv=None) -> int:
         bench_moe(ceil, budget, args.quick, results)
     if "mla" in names:
         bench_mla(ceil, budget, args.quick, results)
+    if "mla_absorb" in names:
+        bench_mla_absorb(ceil, results)
     write_results(args.out, meta, t0, ceil, results)
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from bench_layers import (bench_graph_ms, bench_meta, measure_ceilings,  # noqa: E402
+from bench_layers import (bench_graph_ms, pick_cases, start_gpu_run,  # noqa: E402
                           write_results)
 from kdaserve.kernels.linear.gemv import (GemvConfig, default_config, gemv,  # noqa: E402
                                           gemv_reference)
@@ -152,18 +151,11 @@ def main(argv=None) -> int:
                     help=f"comma list of cases (default all: {','.join(SHAPES)})")
     ap.add_argument("--m", default="1,4", help="comma list of row counts M (1..4)")
     args = ap.parse_args(argv)
-    names = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in names if s not in SHAPES]
-    if unknown:
-        ap.error(f"unknown shapes {unknown}; known: {list(SHAPES)}")
-    if not torch.cuda.is_available():
-        print("bench_gemv: needs a CUDA GPU", file=sys.stderr)
+    names = pick_cases(ap, args.shapes, SHAPES)
+    run = start_gpu_run("bench_gemv")
+    if run is None:
         return 2
-    t0 = time.time()
-    torch.manual_seed(0)
-    meta = bench_meta()
-    ceil = measure_ceilings()
-    print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s", flush=True)
+    t0, meta, ceil = run
     results = [bench_case(name, int(m), ceil, args.tune)
                for name in names for m in args.m.split(",") if m]
     if args.tune:

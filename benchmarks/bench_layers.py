@@ -94,6 +94,29 @@ def write_results(out: str | None, meta: dict, t0: float, ceil: dict, results: l
         print(f"wrote {out}")
 
 
+def pick_cases(ap, raw: str, known) -> list[str]:
+    """The comma list `raw` as names, each in `known` (else an argparse error naming it)."""
+    names = [c for c in raw.split(",") if c]
+    unknown = [c for c in names if c not in known]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {list(known)}")
+    return names
+
+
+def start_gpu_run(name: str) -> tuple[float, dict, dict] | None:
+    """(start time, bench_meta(), measure_ceilings()) with the seed set, the copy bandwidth
+    printed; None (said on stderr) without CUDA."""
+    if not torch.cuda.is_available():
+        print(f"{name}: needs a CUDA GPU", file=sys.stderr)
+        return None
+    t0 = time.time()
+    torch.manual_seed(0)
+    meta = bench_meta()
+    ceil = measure_ceilings()
+    print(f"{meta['gpu']}: copy {ceil['copy_GBps']:.0f} GB/s", flush=True)
+    return t0, meta, ceil
+
+
 def measure_ceilings() -> dict:
     n = 1 << 30                                                    # 1 GiB each way
     src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)

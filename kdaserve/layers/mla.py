@@ -8,7 +8,8 @@ from torch import nn
 from kdaserve.attention import mla_backend
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.layers.fuse import merge_rows
-from kdaserve.layers.linear import linear
+from kdaserve.kernels.linear.gemv import gemv_batched
+from kdaserve.layers.linear import linear, use_gemv
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.hf_config import KimiLinearArgs
 
@@ -18,6 +19,8 @@ class MLAttention(nn.Module):
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
     pdl = False
     """KernelConfig.pdl (set by the model's configure_kernels)."""
+    absorb_gemv = False
+    """KernelConfig.mla_absorb_gemv (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, mla_index: int) -> None:
         super().__init__()
@@ -35,6 +38,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_dim, args.hidden_size, bias=False)
+        self.w_uk_t: torch.Tensor | None = None
+        """W_UK as [H, rank, nope] (CUDA, after loading): the batched GEMV's weight rows."""
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, nope, rank], W_UV [H, v, rank]."""
@@ -51,18 +56,32 @@ class MLAttention(nn.Module):
         return k, kv[..., self.nope_dim:]
 
     def _absorbed(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor) -> torch.Tensor:
-        """q [R, H, qk] -> [R, H, v]: row r attends to the first seq_lens[r] cached latents of
-        block_table[r], in the latent space (W_UK folded into q, W_UV applied after)."""
+                  seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+        """q [R, H, qk] -> out [R, H, v]: row r attends to the first seq_lens[r] cached
+        latents of block_table[r], in the latent space (W_UK folded into q, W_UV applied
+        after). With absorb_gemv (CUDA, <= GEMV_MAX_ROWS rows) both per-head products run as
+        one batched GEMV launch each (kernels/linear/gemv.py gemv_batched) instead of cuBLAS."""
         w_uk, w_uv = self._w_uk_uv()
-        q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)   # [R, H, rank]
+        R, h = q.shape[:2]
+        by_gemv = use_gemv(q, self.absorb_gemv) and self.w_uk_t is not None
+        if by_gemv:
+            q_nope = q.new_empty(R, h, self.kv_lora_rank)                     # [R, H, rank]
+            gemv_batched(q[..., :self.nope_dim].transpose(0, 1), self.w_uk_t,
+                         out=q_nope.transpose(0, 1), pdl=self.pdl)
+        else:
+            q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)   # [R, H, rank]
         o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
                                                block_table, seq_lens, self.scale,
                                                pdl=self.pdl)               # [R, H, rank]
-        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+        if by_gemv:
+            gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=self.pdl)
+        else:
+            out.copy_(torch.einsum("bhr,hvr->bhv", o_lat, w_uv))
 
     def process_weights_after_loading(self) -> None:
         self.q_kva_weight = merge_rows(self.q_proj.weight, self.kv_a_proj_with_mqa.weight)
+        if self.kv_b_proj.weight.is_cuda:   # W_UK as [H, rank, nope] rows for the GEMV
+            self.w_uk_t = self._w_uk_uv()[0].transpose(1, 2).contiguous()
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
@@ -88,13 +107,15 @@ class MLAttention(nn.Module):
         out = q.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:
-            out[:nd] = self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd])
+            self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], out[:nd])
         absorbed = md.mla_absorbed
         skip = set()
         if absorbed is not None:   # spec verification rows: one absorbed row per token
             rows = absorbed.rows()
-            out[rows] = self._absorbed(q[rows], kv_cache, absorbed.block_table,
-                                       absorbed.seq_lens)
+            q_rows = q[rows]                                              # [rows, H, qk]
+            o_rows = q.new_empty(q_rows.shape[0], h, self.v_dim)          # [rows, H, v]
+            self._absorbed(q_rows, kv_cache, absorbed.block_table, absorbed.seq_lens, o_rows)
+            out[rows] = o_rows
             skip = set(absorbed.reqs)
         prefills = [i for i in range(nd, md.num_reqs) if i not in skip]
         if prefills:

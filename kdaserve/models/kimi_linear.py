@@ -94,6 +94,8 @@ class KimiLinearForCausalLM(nn.Module):
                 module.pdl = kernel_config.pdl
             if hasattr(module, "fused_decode"):
                 module.fused_decode = kernel_config.fused_kda_decode
+            if hasattr(module, "absorb_gemv"):
+                module.absorb_gemv = kernel_config.mla_absorb_gemv
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

@@ -72,6 +72,29 @@ def check_pdl_same(device, M, N, K, dtype, config=None, strided_in=False, seed=0
     return fast
 
 
+def check_gemv_batched(device, B, M, N, K, dtype, config=None, pdl=False, seed=0, bound=None):
+    """gemv_batched on MLA's layouts: x a [M, B, K] slice of [M, B, K + 3] (per-head rows of a
+    wider q, read through a transposed view), out a transposed view of [M, B, N], weight
+    [B, N, K]; each entry against gemv_reference in fp64 (1e-5 in fp32, else 1e-2). Returns
+    out as [M, B, N]."""
+    from kdaserve.kernels.linear.gemv import gemv_batched, gemv_reference
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(M, B, K + 3, generator=g, device=device).to(dtype)   # [M, B, K + 3]
+    x = q[..., :K].transpose(0, 1)                                     # [B, M, K] view
+    w = (torch.randn(B, N, K, generator=g, device=device) * K ** -0.5).to(dtype)  # [B, N, K]
+    out = torch.full((M, B, N), float("nan"), dtype=dtype, device=device)
+    y = gemv_batched(x, w, out=out.transpose(0, 1), config=config, pdl=pdl)
+    assert y.data_ptr() == out.data_ptr(), "gemv_batched did not write into out"
+    name = f"gemv_batched B={B} M={M} N={N} K={K} {dtype} cfg={config} pdl={pdl}"
+    limit = bound if bound is not None else (1e-5 if dtype == torch.float32 else 1e-2)
+    for b in range(B):
+        ref = gemv_reference(x[b].double(), w[b].double(), dtype)      # [M, N]
+        err = rel_err(out[:, b], ref)
+        assert err <= limit, f"{name}: entry {b}: relative error {err:.3e} > {limit:.0e}"
+    return out
+
+
 def sm90_compile(kernel, arg_types: dict, constexprs: dict, num_warps: int, launch_pdl: bool):
     """Compile a @triton.jit kernel for sm_90 without a GPU (triton's bundled ptxas), with the
     16-byte divisibility hint the JIT gives aligned pointers and ints. arg_types: name ->
@@ -131,6 +154,10 @@ def run_interpreter_suite() -> None:
         check_gemv("cpu", 2, 37, 100, f32, f32, config=GemvConfig(8, 32, 2, 2, prefetch),
                    strided_out=True, pdl=True)
     check_gemv("cpu", 1, 37, 100, f32, f32, pdl=True)                    # default config
+    # batched (MLA's per-head products): K-tail masked, N tail clamped, pdl order
+    check_gemv_batched("cpu", 3, 1, 24, 40, f32)
+    check_gemv_batched("cpu", 4, 2, 16, 64, f32, config=GemvConfig(8, 16, 2, 2), seed=1)
+    check_gemv_batched("cpu", 2, 3, 20, 48, f32, config=GemvConfig(16, 32, 2, 2, 2), pdl=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import gemv_checks as gc
 import kernel_checks as kc
 from kdaserve.kernels.linear.gemv import (TUNED_132_SMS, GemvConfig, check_config,
-                                          default_config, gemv, guess_config)
+                                          default_config, gemv, gemv_batched, guess_config)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16, F32 = torch.bfloat16, torch.float32
@@ -58,6 +58,19 @@ def test_bad_layouts_and_outputs_name_the_value():
         gemv(x, w, config=GemvConfig(24, 128, 4, 2))
     with pytest.raises(ValueError, match=r"prefetch must be one of \(0, 1, 2\), got 3"):
         gemv(x, w, config=GemvConfig(16, 128, 4, 2, prefetch=3), pdl=True)
+
+
+def test_batched_bad_shapes_name_the_value():
+    with pytest.raises(ValueError, match="same B"):
+        gemv_batched(torch.randn(3, 1, 64), torch.randn(2, 8, 64))
+    with pytest.raises(ValueError, match=r"x must be \[B, M, K\]"):
+        gemv_batched(torch.randn(1, 64), torch.randn(1, 8, 64))
+    with pytest.raises(ValueError, match="M=5"):
+        gemv_batched(torch.randn(2, 5, 64), torch.randn(2, 8, 64))
+    with pytest.raises(ValueError, match=r"out must be \[B=2, M=1, N=8\]"):
+        gemv_batched(torch.randn(2, 1, 64), torch.randn(2, 8, 64), out=torch.empty(3, 1, 8))
+    with pytest.raises(ValueError, match="x K=64 != weight K=32"):
+        gemv_batched(torch.randn(2, 1, 64), torch.randn(2, 8, 32))
 
 
 def test_cpu_tensors_need_the_interpreter():
@@ -108,7 +121,8 @@ def test_pdl_sm90_ptx_order(prefetch):
     from kdaserve.kernels.linear.triton_gemv import gemv_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32",
-                 stride_xm="i32", stride_wn="i32", stride_om="i32")
+                 stride_xm="i32", stride_wn="i32", stride_om="i32", stride_xb="i32",
+                 stride_wb="i32", stride_ob="i32")
     consts = dict(M=1, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True, PREFETCH=prefetch,
                   USE_PDL=True)
     k = gc.sm90_compile(gemv_kernel, types, consts, num_warps=8, launch_pdl=True)
@@ -126,7 +140,8 @@ def test_no_pdl_ptx_has_no_griddepcontrol():
     from kdaserve.kernels.linear.triton_gemv import gemv_kernel
 
     types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", N="i32", K="i32",
-                 stride_xm="i32", stride_wn="i32", stride_om="i32")
+                 stride_xm="i32", stride_wn="i32", stride_om="i32", stride_xb="i32",
+                 stride_wb="i32", stride_ob="i32")
     consts = dict(M=2, BLOCK_M=2, BLOCK_N=32, BLOCK_K=256, EVEN_K=True)
     k = gc.sm90_compile(gemv_kernel, types, consts, num_warps=8, launch_pdl=False)
     assert not k.metadata.launch_pdl
@@ -195,6 +210,26 @@ def test_gemv_graph_replay_is_deterministic_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, gemv(x, w)), "replay did not read the new x"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_batched_mla_shapes_gpu(M):
+    """MLA's per-head products at Kimi-Linear-48B's shapes (32 heads): q_nope x W_UK
+    (W_UK^T rows [512, 128]) and o_lat x W_UV ([128, 512]), strided views in and out, with and
+    without pdl; and equal to the einsums the layer runs otherwise within bf16 rounding."""
+    for N, K in ((512, 128), (128, 512)):
+        for pdl in (False, True):
+            gc.check_gemv_batched("cuda", 32, M, N, K, BF16, pdl=pdl, seed=N + M)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    q = torch.randn(M, 32, 192, generator=g, device="cuda").to(BF16)       # [M, H, qk]
+    w_uk = (torch.randn(32, 128, 512, generator=g, device="cuda") * 0.05).to(BF16)
+    want = torch.einsum("bhn,hnr->bhr", q[..., :128], w_uk)                # [M, H, rank]
+    got = torch.empty_like(want)
+    gemv_batched(q[..., :128].transpose(0, 1), w_uk.transpose(1, 2).contiguous(),
+                 out=got.transpose(0, 1), pdl=True)
+    assert kc.rel_err(got, want) < 1e-2
 
 
 # The KDA layer's fused input projection (q|k|v|f_a|g_a|b: 3 * 4096 + 128 + 128 + 32 rows) and

@@ -122,15 +122,18 @@ def run_one_request(runner, extra):
     return torch.cat(got)
 
 
-def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model):
+@pytest.mark.parametrize("mla_absorb_gemv", [False, True])
+def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model, mla_absorb_gemv):
     """KernelConfig(decode_gemv, pdl, fused_kda_decode) on: 3-row decode steps (cuBLAS
     projections, PDL kernels, the fused KDA decode) and 1-row steps (the GEMV at M=1, the router
-    reading its fp32 weight with bf16 x) against the fp32 reference."""
+    reading its fp32 weight with bf16 x; with mla_absorb_gemv MLA's W_UK / W_UV products as
+    batched GEMVs) against the fp32 reference."""
     from kdaserve.config import KernelConfig
 
     _, _, args = pair
     model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True, pdl=True, fused_kda_decode=True))
+    model.configure_kernels(KernelConfig(decode_gemv=True, pdl=True, fused_kda_decode=True,
+                                         mla_absorb_gemv=mla_absorb_gemv))
     try:
         ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
         got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)

@@ -172,14 +172,56 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
         out = torch.empty(M, N, dtype=dtype, device=x.device)
     if N == 0:
         return out
+    cfg = config or default_config(M, N, K, weight.dtype, x.device)
+    _launch(x, weight, out, cfg, pdl, batch=1, batch_strides=(0, 0, 0))
+    return out
+
+
+def gemv_batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
+                 pdl: bool = False) -> torch.Tensor:
+    """out[b] = x[b] @ weight[b].T for every b in one launch (e.g. MLA's per-head W_UK / W_UV
+    products at decode, b = head).
+
+    x: [B, M, K] (1 <= M <= 4; any strides with a contiguous last dim, e.g. a transposed
+    [M, B, K] view); weight: [B, N, K]; out: [B, M, N] (any strides, contiguous last dim) or
+    None (a new [B, M, N]). Each batch entry is what gemv(x[b], weight[b]) computes (same
+    checks, same reduction order). config: default_config(M, B * N, K, ...) when None (the
+    grid is B x cdiv(N, block_n)). Returns out."""
+    if config is not None:
+        check_config(config)
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[0] != weight.shape[0]:
+        raise ValueError(f"x must be [B, M, K] and weight [B, N, K] with the same B, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    B, M, K = x.shape
+    N = weight.shape[1]
+    if out is not None and (out.dim() != 3 or out.shape[0] != B):
+        raise ValueError(f"out must be [B={B}, M={M}, N={N}], got {tuple(out.shape)}")
+    if B == 0:
+        raise ValueError("gemv_batched needs B >= 1")
+    dtype = _check_inputs(x[0], weight[0], None if out is None else out[0], out_dtype)
+    if out is None:
+        out = torch.empty(B, M, N, dtype=dtype, device=x.device)
+    if N == 0:
+        return out
+    cfg = config or default_config(M, B * N, K, weight.dtype, x.device)
+    _launch(x[0], weight[0], out[0], cfg, pdl, batch=B,
+            batch_strides=(x.stride(0), weight.stride(0), out.stride(0)))
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
+            pdl: bool, batch: int, batch_strides: tuple[int, int, int]) -> None:
+    """gemv_kernel over (cdiv(N, block_n), batch) programs; x / weight / out are batch entry 0
+    ([M, K] / [N, K] / [M, N]) and batch_strides step to the next entry of each."""
     require_triton()
     from kdaserve.kernels.linear.triton_gemv import gemv_kernel
 
-    cfg = config or default_config(M, N, K, weight.dtype, x.device)
+    M, K = x.shape
+    N = weight.shape[0]
     prefetch = min(cfg.prefetch, cdiv(K, cfg.block_k)) if pdl else 0
-    gemv_kernel[(cdiv(N, cfg.block_n),)](
-        x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0),
+    gemv_kernel[(cdiv(N, cfg.block_n), batch)](
+        x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0), *batch_strides,
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
-    return out

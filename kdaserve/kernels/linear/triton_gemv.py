@@ -33,10 +33,12 @@ def _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M: tl.constexpr
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
-    """One program per BLOCK_N output columns, all M (<= 4) rows, the whole K (no split-K).
+                stride_xb, stride_wb, stride_ob, M: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                PREFETCH: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+                STAGES: tl.constexpr = 1):
+    """One program per BLOCK_N output columns, all M (<= 4) rows, the whole K (no split-K);
+    grid axis 1 runs batch entries (x, w and out each offset by their stride_*b).
 
     Each [BLOCK_N, BLOCK_K] weight tile is loaded once (coalesced along K) and reduced against
     every x row in fp32 on the CUDA cores: M is far below the 16 rows a tensor-core MMA needs.
@@ -55,6 +57,10 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     one tile in flight per program. Same reduction order, same results, whatever STAGES is.
     """
     pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)      # batch entry (0 for a plain GEMV)
+    x_ptr += batch * stride_xb
+    w_ptr += batch * stride_wb
+    out_ptr += batch * stride_ob
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N]
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)                                   # [BLOCK_K]
