@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
               "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
-ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_absorb")
+ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_absorb", "topk")
 CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
 WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
 MAX_ELEMS_PER_THREAD = 256
@@ -322,6 +322,34 @@ def bench_mla_absorb(ceil, results, M: int = 1) -> None:
     results.extend(rows)
 
 
+def bench_topk(ceil, results, M: int = 1) -> None:
+    """The router's sigmoid top-8 (+ the shared expert column) over 256 fp32 logits per token,
+    as the decode graph runs it after the router GEMV: moe_topk_sigmoid with pdl, one warp per
+    program against the default (2 warps at 256 experts) and 4."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
+
+    C = 64
+    logits = [torch.randn(M, E, device="cuda") for _ in range(C)]              # [M, E] fp32
+    bias = torch.randn(E, device="cuda") * 0.1                                  # [E]
+    want = ref.moe_topk_sigmoid(logits[0], bias, 8, True, 2.446)[0].sort(dim=-1).values  # [M, 8]
+    floor = floor_us(nbytes(logits[0]), ceil)
+    rows = []
+    for warps in (None, 1, 4):
+        w0 = torch.full((M, 8), float("nan"), device="cuda")      # call 0's weights, sorted
+
+        def call(i, warps=warps, w0=w0):
+            w, _ = moe_topk_sigmoid(logits[i], bias, 8, True, 2.446, extra_expert=E, pdl=True,
+                                    num_warps=warps)
+            if i == 0:
+                w0.copy_(w[:, :8].sort(dim=-1).values)
+
+        run_config(f"topk M={M}", f"num_warps={warps or 'default'}",
+                   [partial(call, i) for i in range(C)], w0, want, floor, rows,
+                   baseline=warps is None)
+    results.extend(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(ALL_CASES),
@@ -354,6 +382,8 @@ def main(argv=None) -> int:
         bench_mla(ceil, budget, args.quick, results)
     if "mla_absorb" in names:
         bench_mla_absorb(ceil, results)
+    if "topk" in names:
+        bench_topk(ceil, results)
     write_results(args.out, meta, t0, ceil, results)
     return 0
 

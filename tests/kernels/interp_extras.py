@@ -44,6 +44,9 @@ def check_router_extra() -> None:
         assert bool((w1[:, k] == 1).all()) and bool((i1[:, k] == E).all())
         assert torch.equal(i1[:, :k].long().sort(1)[0], ir.sort(1)[0])
         assert (w1[:, :k].sort(1)[0] - wr.sort(1)[0]).abs().max() < 1e-6
+        for warps in (1, 4):   # the warp count changes the schedule, not the selection
+            w2, i2 = moe_topk_sigmoid(lg, b, k, True, 2.446, extra_expert=E, num_warps=warps)
+            assert torch.equal(i2, i1) and torch.equal(w2, w1)
 
 
 def check_norms() -> None:

@@ -52,15 +52,18 @@ def _routing_outputs(N: int, E: int, top_k: int, correction_bias: torch.Tensor |
 def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                      top_k: int, renormalize: bool, scaling: float,
                      ids_dtype: torch.dtype = torch.int32,
-                     extra_expert: int | None = None, pdl: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     extra_expert: int | None = None, pdl: bool = False,
+                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [N, E] (any float dtype); correction_bias: [E] or None (selection only).
 
     Returns (weights fp32 [N, top_k], ids [N, top_k] of ids_dtype). With extra_expert set, one
     more column follows every row: id extra_expert with weight 1 (a shared expert run by the
     same fused MoE call). pdl: programmatic dependent launch (module docstring); the bias is
-    read before the wait, so the previous kernel must not write it.
+    read before the wait, so the previous kernel must not write it. num_warps: per program
+    (a power of two in 1..8; default one warp per 128 experts, 1..4), for benchmarks.
     """
+    if num_warps is not None and (num_warps not in (1, 2, 4, 8)):
+        raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
     require_triton()
     from kdaserve.kernels.moe.triton_router import topk_sigmoid_kernel
 
@@ -81,7 +84,7 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_E=block_e, BLOCK_K=next_power_of_2(ids.shape[1]),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
-        num_warps=max(1, min(4, block_e // 128)), **pdl_opts,
+        num_warps=num_warps or max(1, min(4, block_e // 128)), **pdl_opts,
     )
     return weights, ids
 
