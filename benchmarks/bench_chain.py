@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
               "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
-ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_absorb", "topk")
+ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_layer", "topk")
 CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
 WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
 MAX_ELEMS_PER_THREAD = 256
@@ -288,37 +288,56 @@ def bench_mla(ceil, budget, quick, results, context: int = 8192) -> None:
     keep_top(rows, results, "mla B=1 8K")
 
 
-def bench_mla_absorb(ceil, results, M: int = 1) -> None:
-    """MLA's per-head products at decode, q_nope x W_UK then o_lat x W_UV (32 heads, nope 128,
-    rank 512, v 128), as the layer runs them: cuBLAS einsums against gemv_batched with pdl
-    (KernelConfig.mla_absorb_gemv). One chain entry = both products on their own weights."""
+def bench_mla_layer(ceil, results, M: int = 1, context: int = 8192) -> None:
+    """The MLA decode layer's attention part at batch 1, as `MLAttention._absorbed` runs it:
+    store_latent -> q_nope x W_UK -> mla_decode over `context` latents -> o_lat x W_UV, 32
+    heads, nope 128, rank 512, rope 64, v 128, every launch with pdl. Variants: cuBLAS einsums
+    (the default) against gemv_batched + the decode kernel's cache prefetch
+    (KernelConfig.mla_absorb_gemv). Each chain entry has its own weights and cache; both
+    variants are checked against the einsum variant's eager output."""
     from kdaserve.kernels.linear.gemv import gemv_batched
+    from kdaserve.kernels.mla.decode import mla_decode, store_latent
 
-    H, nope, R, v = MLA_HEADS, 128, MLA_RANK, 128
-    C = chain_len(H * (nope + v) * R * 2)
-    w_uk = [torch.randn(H, nope, R, device="cuda", dtype=BF16) * 0.05 for _ in range(C)]
+    H, nope, R, P, v, page = MLA_HEADS, 128, MLA_RANK, MLA_ROPE, 128, MLA_PAGE
+    nb = context // page
+    C = chain_len(H * (nope + v) * R * 2 + context * (R + P) * 2)
+    dev = dict(device="cuda", dtype=BF16)
+    w_uk = [torch.randn(H, nope, R, **dev) * 0.05 for _ in range(C)]       # [H, nope, rank]
     w_uk_t = [w.transpose(1, 2).contiguous() for w in w_uk]                # [H, rank, nope]
-    w_uv = [torch.randn(H, v, R, device="cuda", dtype=BF16) * 0.05 for _ in range(C)]
-    qs = [torch.randn(M, H, nope + MLA_ROPE, device="cuda", dtype=BF16) for _ in range(C)]
-    lats = [torch.randn(M, H, R, device="cuda", dtype=BF16) for _ in range(C)]  # o_lat stand-in
-    outs = [torch.empty(M, H, v, device="cuda", dtype=BF16) for _ in range(C)]
-    q_lat = [torch.empty(M, H, R, device="cuda", dtype=BF16) for _ in range(C)]
+    w_uv = [torch.randn(H, v, R, **dev) * 0.05 for _ in range(C)]         # [H, v, rank]
+    caches = [torch.randn(nb, page, R + P, **dev) for _ in range(C)]
+    tables = [torch.randperm(nb, device="cuda").int().view(1, nb) for _ in range(C)]
+    seq_lens = torch.full((1,), context, device="cuda", dtype=torch.int32)
+    slot = torch.full((1,), context - 1, device="cuda", dtype=torch.int64)  # (a block's row)
+    norm_w = torch.ones(R, **dev)
+    qs = [torch.randn(M, H, nope + P, **dev) for _ in range(C)]            # [M, H, qk]
+    ckvs = [torch.randn(M, R + P, **dev) for _ in range(C)]                 # [M, rank + rope]
+    outs = [torch.empty(M, H, v, **dev) for _ in range(C)]
+    scale = (nope + P) ** -0.5
 
-    def cublas(i):
-        torch.einsum("bhn,hnr->bhr", qs[i][..., :nope], w_uk[i])     # the layer keeps it
-        outs[i].copy_(torch.einsum("bhr,hvr->bhv", lats[i], w_uv[i]))
+    def layer(i, by_gemv):
+        store_latent(caches[i], slot, ckvs[i], norm_w, 1e-6, pdl=True)
+        q = qs[i]
+        if by_gemv:
+            q_nope = torch.empty(M, H, R, **dev)
+            gemv_batched(q[..., :nope].transpose(0, 1), w_uk_t[i], out=q_nope.transpose(0, 1),
+                         pdl=True)
+        else:
+            q_nope = torch.einsum("bhn,hnr->bhr", q[..., :nope], w_uk[i])
+        o_lat = mla_decode(q_nope, caches[i], tables[i], seq_lens, scale, R, q_pe=q[..., nope:],
+                           pdl=True, prefetch_kv=by_gemv)                  # [M, H, rank]
+        if by_gemv:
+            gemv_batched(o_lat.transpose(0, 1), w_uv[i], out=outs[i].transpose(0, 1), pdl=True)
+        else:
+            outs[i].copy_(torch.einsum("bhr,hvr->bhv", o_lat, w_uv[i]))
 
-    def batched(i):
-        gemv_batched(qs[i][..., :nope].transpose(0, 1), w_uk_t[i], out=q_lat[i].transpose(0, 1),
-                     pdl=True)
-        gemv_batched(lats[i].transpose(0, 1), w_uv[i], out=outs[i].transpose(0, 1), pdl=True)
-
-    ref = torch.einsum("bhr,hvr->bhv", lats[0].float(), w_uv[0].float()).to(BF16)
-    floor = floor_us(nbytes(w_uk[0], w_uv[0], qs[0], lats[0], outs[0], q_lat[0]), ceil)
+    layer(0, False)
+    ref = outs[0].clone()
+    floor = floor_us(nbytes(w_uk[0], w_uv[0], caches[0]), ceil)
     rows = []
-    for name, fn in (("cuBLAS einsums", cublas), ("gemv_batched pdl", batched)):
-        run_config(f"mla_absorb M={M}", name, [partial(fn, i) for i in range(C)], outs[0], ref,
-                   floor, rows)
+    for name, by_gemv in (("cuBLAS einsums", False), ("gemv_batched + prefetch_kv", True)):
+        run_config(f"mla_layer M={M}", name, [partial(layer, i, by_gemv) for i in range(C)],
+                   outs[0], ref, floor, rows, baseline=not by_gemv)
     results.extend(rows)
 
 
@@ -380,8 +399,8 @@ def main(argv=None) -> int:
         bench_moe(ceil, budget, args.quick, results)
     if "mla" in names:
         bench_mla(ceil, budget, args.quick, results)
-    if "mla_absorb" in names:
-        bench_mla_absorb(ceil, results)
+    if "mla_layer" in names:
+        bench_mla_layer(ceil, results)
     if "topk" in names:
         bench_topk(ceil, results)
     write_results(args.out, meta, t0, ceil, results)

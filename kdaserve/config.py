@@ -253,7 +253,8 @@ class KernelConfig:
     mla_absorb_gemv: bool = False
     """Decode batches <= 2: MLA's per-head W_UK and W_UV products (the absorbed decode) as one
     batched Triton GEMV launch each (kernels/linear/gemv.py gemv_batched, with PDL) instead of
-    cuBLAS. Off: not yet measured on a GPU."""
+    cuBLAS; the MLA decode kernel behind it then reads its first cache tile before its PDL
+    wait. Off: not yet measured on a GPU."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

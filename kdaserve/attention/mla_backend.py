@@ -32,16 +32,17 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       pdl: bool = False) -> torch.Tensor:
+                       pdl: bool = False, prefetch_kv: bool = False) -> torch.Tensor:
     """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
     cached latents: q_nope [R, H, rank] (W_UK applied), q_pe [R, H, rope] -> [R, H, rank].
-    The CUDA kernel reads the two strided inputs directly (no concatenation)."""
+    The CUDA kernel reads the two strided inputs directly (no concatenation). prefetch_kv:
+    see kernels/mla/decode.py mla_decode (the previous launch must not write the cache)."""
     rank = q_nope.shape[-1]
     if q_nope.is_cuda:
         from kdaserve.kernels.mla.decode import mla_decode
 
         return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe,
-                          pdl=pdl)
+                          pdl=pdl, prefetch_kv=prefetch_kv)
     q_latent = torch.cat([q_nope, q_pe], dim=-1)                          # [R, H, rank + rope]
     return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 

@@ -60,7 +60,8 @@ class MLAttention(nn.Module):
         """q [R, H, qk] -> out [R, H, v]: row r attends to the first seq_lens[r] cached
         latents of block_table[r], in the latent space (W_UK folded into q, W_UV applied
         after). With absorb_gemv (CUDA, <= GEMV_MAX_ROWS rows) both per-head products run as
-        one batched GEMV launch each (kernels/linear/gemv.py gemv_batched) instead of cuBLAS."""
+        one batched GEMV launch each (kernels/linear/gemv.py gemv_batched) instead of cuBLAS,
+        and the decode kernel prefetches its first cache tile before its PDL wait."""
         w_uk, w_uv = self._w_uk_uv()
         R, h = q.shape[:2]
         by_gemv = use_gemv(q, self.absorb_gemv) and self.w_uk_t is not None
@@ -70,9 +71,11 @@ class MLAttention(nn.Module):
                          out=q_nope.transpose(0, 1), pdl=self.pdl)
         else:
             q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)   # [R, H, rank]
+        # With the W_UK GEMV (a PDL launch after store_latent) in between, the decode kernel
+        # may read the cache before its wait.
         o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
                                                block_table, seq_lens, self.scale,
-                                               pdl=self.pdl)               # [R, H, rank]
+                                               pdl=self.pdl, prefetch_kv=by_gemv)  # [R, H, rank]
         if by_gemv:
             gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=self.pdl)
         else:

@@ -293,6 +293,9 @@ SPECS = [
                 **_ids("topk_ids_ptr")}, dict(BLOCK_N=8, BLOCK_K=1024, NUM_STAGES=3)),
     KernelSpec("mla partial", _MLA, "mla_decode_partial_kernel", _MLA_PTRS, _MLA_TILES,
                num_warps=8, num_stages=2, floats=("sm_scale_log2",)),
+    KernelSpec("mla partial prefetch", _MLA, "mla_decode_partial_kernel", _MLA_PTRS,
+               dict(_MLA_TILES, PREFETCH_KV=True), num_warps=8, num_stages=2,
+               floats=("sm_scale_log2",), early=("kv_ptr", "block_table_ptr", "seq_lens_ptr")),
     KernelSpec("mla partial_t", _MLA, "mla_decode_partial_t_kernel", _MLA_PTRS, _MLA_TILES,
                num_warps=8, num_stages=2, floats=("sm_scale_log2",)),
     KernelSpec("mla reduce", _MLA, "mla_decode_reduce_kernel",
@@ -565,6 +568,10 @@ def check_mla(inp: Inputs) -> None:
         runs = [mla_decode(inp.q, inp.kv, inp.block_table, inp.seq_lens, scale, sh.rank,
                            config=cfg, q_pe=inp.q_pe, pdl=pdl) for pdl in (False, True)]
         assert_same(f"mla_decode cfg={cfg}", runs[1], runs[0])
+        if cfg is None or not cfg.transposed:   # the first cache tile read before the wait
+            early = mla_decode(inp.q, inp.kv, inp.block_table, inp.seq_lens, scale, sh.rank,
+                               config=cfg, q_pe=inp.q_pe, pdl=True, prefetch_kv=True)
+            assert_same(f"mla_decode prefetch_kv cfg={cfg}", early, runs[0])
 
 
 def check_conv(inp: Inputs) -> None:

@@ -93,7 +93,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                max_seq_len: int | None = None,
                config: MLADecodeConfig | None = None,
-               q_pe: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+               q_pe: torch.Tensor | None = None, pdl: bool = False,
+               prefetch_kv: bool = False) -> torch.Tensor:
     """Absorbed MLA decode, one query token per sequence.
 
     q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK) -- or, with q_pe
@@ -106,6 +107,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     num_kv_splits: context partitions per sequence; default from the shapes (batch size and
     max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
     pdl: both launches (partial, reduce) with programmatic dependent launch (module docstring).
+    prefetch_kv (with pdl; not with config.transposed): the partial kernel reads seq_lens, the
+    block table and its partition's first cache tile before griddepcontrol.wait, so the
+    kernel launched just before this call must not write them (store_latent must not be the
+    previous launch). Same results.
     """
     require_triton()
     if q_pe is not None:
@@ -165,6 +170,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         KV_RANK=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=block_r,
         PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_opts,
+        **({} if cfg.transposed else {"PREFETCH_KV": bool(prefetch_kv)}),
     )
     block_s = max(16, next_power_of_2(num_kv_splits))           # few variants (<= 4)
     block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program

@@ -8,7 +8,9 @@ log-sum-exp. `store_kv_kernel` writes new latent rows into their slots.
 USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait, then
 griddepcontrol.launch_dependents, before any load of something another kernel writes (q, the
 cache, block table, lengths, partials) and before any store; only store_latent_kernel's norm
-weight is read before the wait. USE_PDL=False generates the same code as before the flag existed.
+weight is read before the wait, and with PREFETCH_KV the partial kernel's lengths, block table
+and first cache tile (see there). USE_PDL=False generates the same code as before the flag
+existed.
 """
 
 import triton
@@ -27,6 +29,41 @@ _SPLIT_ARGS = ["num_heads", "num_splits", "stride_po_b", "stride_po_h", "stride_
                "stride_pl_h"]
 
 
+@triton.jit
+def _load_tile(kv_ptr, bt_row, n0, end, offs_c, mask_c, offs_r, mask_r, stride_kv_block,
+               stride_kv_tok, KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The latent rows [n0, n0 + BLOCK_N) of a sequence (rows >= end read as 0): (mask_n
+    [BLOCK_N], kv_c [BLOCK_N, BLOCK_C], kv_r [BLOCK_N, BLOCK_R] or 0.0 without rope)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    block_ids = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    row = block_ids * stride_kv_block + (offs_n % PAGE_SIZE) * stride_kv_tok   # [BLOCK_N]
+    kv_c = tl.load(kv_ptr + row[:, None] + offs_c[None, :],
+                   mask=mask_n[:, None] & mask_c[None, :], other=0.0)   # [BLOCK_N, BLOCK_C]
+    kv_r = 0.0
+    if ROPE > 0:
+        kv_r = tl.load(kv_ptr + row[:, None] + KV_RANK + offs_r[None, :],
+                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+    return mask_n, kv_c, kv_r
+
+
+@triton.jit
+def _attend_tile(q_c, q_r, mask_n, kv_c, kv_r, m_i, l_i, acc, sm_scale_log2,
+                 ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over a tile with at least one row in range: (m_i, l_i, acc)."""
+    s = tl.dot(q_c, tl.trans(kv_c), input_precision=DOT_PRECISION)      # [BLOCK_H, BLOCK_N]
+    if ROPE > 0:
+        s += tl.dot(q_r, tl.trans(kv_r), input_precision=DOT_PRECISION)
+    s = tl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv_c.dtype), kv_c, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt"])
 def mla_decode_partial_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
@@ -41,11 +78,18 @@ def mla_decode_partial_kernel(
     BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PREFETCH_KV: tl.constexpr = False,
 ):
-    pdl_wait(USE_PDL)
+    """PREFETCH_KV (with USE_PDL): the lengths, the block table and the partition's first tile
+    of the cache are read before griddepcontrol.wait, so they stream while the previous kernel
+    finishes; that kernel must not write them (in the decode layer it is the W_UK product,
+    after store_latent). q is read after the wait. Same results either way."""
     pid_b = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_h = tl.program_id(2)
+    early = USE_PDL and PREFETCH_KV
+    if not early:
+        pdl_wait(USE_PDL)
 
     seq_len = tl.load(seq_lens_ptr + pid_b)
     split_len = tl.cdiv(seq_len, num_splits)
@@ -59,9 +103,16 @@ def mla_decode_partial_kernel(
     mask_c = offs_c < KV_RANK
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < ROPE
+    bt_row = block_table_ptr + pid_b.to(tl.int64) * stride_bt
+    mask_n0, kv_c0, kv_r0 = _load_tile(kv_ptr, bt_row, start, end, offs_c, mask_c, offs_r,
+                                       mask_r, stride_kv_block, stride_kv_tok, KV_RANK, ROPE,
+                                       PAGE_SIZE, BLOCK_N)      # the partition's first tile
+    if early:
+        pdl_wait(USE_PDL)
 
     q_base = q_ptr + pid_b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_c = tl.load(q_base + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    q_r = 0.0
     if ROPE > 0:
         qr_base = qr_ptr + pid_b.to(tl.int64) * stride_qrb + offs_h[:, None] * stride_qrh
         q_r = tl.load(qr_base + offs_r[None, :],
@@ -70,27 +121,15 @@ def mla_decode_partial_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)        # [BLOCK_H, kv_lora_rank]
-
-    bt_row = block_table_ptr + pid_b.to(tl.int64) * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        block_ids = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = block_ids * stride_kv_block + (offs_n % PAGE_SIZE) * stride_kv_tok   # [BLOCK_N]
-        kv_c = tl.load(kv_ptr + row[:, None] + offs_c[None, :],
-                       mask=mask_n[:, None] & mask_c[None, :], other=0.0)   # [BLOCK_N, BLOCK_C]
-        s = tl.dot(q_c, tl.trans(kv_c), input_precision=DOT_PRECISION)      # [BLOCK_H, BLOCK_N]
-        if ROPE > 0:
-            kv_r = tl.load(kv_ptr + row[:, None] + KV_RANK + offs_r[None, :],
-                           mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-            s += tl.dot(q_r, tl.trans(kv_r), input_precision=DOT_PRECISION)
-        s = tl.where(mask_n[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv_c.dtype), kv_c, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if start < end:
+        m_i, l_i, acc = _attend_tile(q_c, q_r, mask_n0, kv_c0, kv_r0, m_i, l_i, acc,
+                                     sm_scale_log2, ROPE, DOT_PRECISION)
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+        mask_n, kv_c, kv_r = _load_tile(kv_ptr, bt_row, n0, end, offs_c, mask_c, offs_r, mask_r,
+                                        stride_kv_block, stride_kv_tok, KV_RANK, ROPE,
+                                        PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q_c, q_r, mask_n, kv_c, kv_r, m_i, l_i, acc,
+                                     sm_scale_log2, ROPE, DOT_PRECISION)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
