@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
               "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
-ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_layer", "topk")
+ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_layer", "topk", "kda_layer")
 CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
 WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
 MAX_ELEMS_PER_THREAD = 256
@@ -369,6 +369,55 @@ def bench_topk(ceil, results, M: int = 1) -> None:
     results.extend(rows)
 
 
+def bench_kda_layer(ceil, results, M: int = 1) -> None:
+    """A KDA layer's decode at batch 1 as the graph runs it: input GEMV -> the one-launch KDA
+    decode -> o_proj GEMV, all with pdl, each chain entry with its own weights and state slot
+    (32 heads of 128, conv 4). The decode reads its states after its PDL wait (the default) or
+    before it (KernelConfig.kda_state_prefetch); checked against the first variant's eager
+    output (the states restored in between)."""
+    from kdaserve.kernels.kda.decode_fused import kda_decode_fused
+    from kdaserve.kernels.linear.gemv import gemv
+
+    H, d, W, D_ = 32, 128, 4, 2304
+    P = H * d
+    width = 3 * P + 2 * d + H
+    dev = dict(device="cuda", dtype=BF16)
+    C = chain_len((width * D_ + D_ * P) * 2)
+    w_in = [torch.randn(width, D_, **dev) * D_ ** -0.5 for _ in range(C)]    # [3P+2d+H, D]
+    w_o = [torch.randn(D_, P, **dev) * P ** -0.5 for _ in range(C)]          # [D, P]
+    xs = [torch.randn(M, D_, **dev) for _ in range(C)]
+    layer = [dict(conv_weight=torch.randn(3 * P, W, **dev) * 0.3,
+                  conv_cache=torch.randn(M + 1, 3 * P, W - 1, **dev),
+                  rec_cache=torch.randn(M + 1, H, d, d, device="cuda") * 0.01,
+                  state_indices=torch.arange(M, device="cuda", dtype=torch.int32),
+                  fg_b_weight=torch.randn(2, P, d, **dev) * d ** -0.5,
+                  A_log=torch.randn(H, device="cuda"), dt_bias=torch.randn(P, device="cuda"),
+                  o_norm_weight=torch.ones(d, **dev), eps=1e-6, num_heads=H, head_dim=d)
+             for _ in range(C)]
+    tickets = [torch.zeros(M * H, device="cuda", dtype=torch.int32) for _ in range(C)]
+    outs = [torch.empty(M, D_, **dev) for _ in range(C)]
+
+    def step(i, prefetch):
+        proj = gemv(xs[i], w_in[i], pdl=True)                                 # [M, width]
+        o = kda_decode_fused(proj, **layer[i], pdl=True, tickets=tickets[i],
+                             prefetch_state=prefetch)                        # [M, P]
+        gemv(o, w_o[i], out=outs[i], pdl=True)
+
+    saved = [(lay["conv_cache"].clone(), lay["rec_cache"].clone()) for lay in layer]
+    step(0, False)
+    ref = outs[0].clone()
+    floor = floor_us(nbytes(w_in[0], w_o[0], layer[0]["fg_b_weight"]) + 2 * nbytes(
+        layer[0]["rec_cache"][:M]), ceil)
+    rows = []
+    for name, prefetch in (("states after the wait", False), ("states before the wait", True)):
+        for lay, (conv, rec) in zip(layer, saved):      # every variant from the same states
+            lay["conv_cache"].copy_(conv)
+            lay["rec_cache"].copy_(rec)
+        run_config(f"kda_layer M={M}", name, [partial(step, i, prefetch) for i in range(C)],
+                   outs[0], ref, floor, rows, baseline=not prefetch)
+    results.extend(rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(ALL_CASES),
@@ -403,6 +452,8 @@ def main(argv=None) -> int:
         bench_mla_layer(ceil, results)
     if "topk" in names:
         bench_topk(ceil, results)
+    if "kda_layer" in names:
+        bench_kda_layer(ceil, results)
     write_results(args.out, meta, t0, ceil, results)
     return 0
 

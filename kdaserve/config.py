@@ -250,6 +250,10 @@ class KernelConfig:
     fused_kda_decode: bool = True
     """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
     gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""
+    kda_state_prefetch: bool = False
+    """With fused_kda_decode and pdl: the one-launch KDA decode reads its state index, conv
+    windows and recurrent state before its PDL wait (they stream while the input projection
+    finishes). Off: not yet measured on a GPU."""
     mla_absorb_gemv: bool = False
     """Decode batches <= 2: MLA's per-head W_UK and W_UV products (the absorbed decode) as one
     batched Triton GEMV launch each (kernels/linear/gemv.py gemv_batched, with PDL) instead of

@@ -46,6 +46,8 @@ class KimiDeltaAttention(nn.Module):
     """KernelConfig.pdl (set by the model's configure_kernels)."""
     fused_decode = False
     """KernelConfig.fused_kda_decode (set by the model's configure_kernels)."""
+    state_prefetch = False
+    """KernelConfig.kda_state_prefetch (set by the model's configure_kernels)."""
 
     def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
         super().__init__()
@@ -124,4 +126,5 @@ class KimiDeltaAttention(nn.Module):
             caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
             self.fg_b_weight, gate.A_log, gate.dt_bias, self.o_norm.weight, self.o_norm.eps,
             self.num_heads, self.head_dim, pdl=self.pdl,
-            tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None)
+            tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None,
+            prefetch_state=self.state_prefetch)   # the previous launch: the input projection

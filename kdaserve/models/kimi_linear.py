@@ -96,6 +96,8 @@ class KimiLinearForCausalLM(nn.Module):
                 module.fused_decode = kernel_config.fused_kda_decode
             if hasattr(module, "absorb_gemv"):
                 module.absorb_gemv = kernel_config.mla_absorb_gemv
+            if hasattr(module, "state_prefetch"):
+                module.state_prefetch = kernel_config.kda_state_prefetch
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections

@@ -77,14 +77,15 @@ def assert_untouched(name, after, before, slots):
 
 
 def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False,
-                       v_block=None, **kw):
+                       v_block=None, prefetch_state=False, **kw):
     """Kernel vs kda_decode_fused_reference: output, conv windows (exact: they hold copied
     inputs), states; slots no row owns (and those of rows < 0) stay bit-identical; the
     per-head tickets end at zero (two launches in a row: the second must start from them)."""
     inp = make_inputs(device, dtype, H, d, W, slots, num_slots, seed=seed, **kw)
     got, want = fresh_caches(inp), fresh_caches(inp)
     tickets = torch.zeros(len(slots) * H + 3, dtype=torch.int32, device=device)
-    out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets)
+    out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets,
+                           prefetch_state=prefetch_state)
     ref_out = kda_decode_fused_reference(**want)
     where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} {dtype}"
     assert not tickets.any(), f"tickets not reset {where}: {tickets.tolist()}"
@@ -101,7 +102,7 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
         assert not torch.equal(got["rec_cache"], inp["rec_cache"]), "no state was written"
     again, want2 = fresh_caches(got), fresh_caches(want)          # a second step, same tickets
     out2 = kda_decode_fused(**dict(again, proj=inp["proj"]), pdl=pdl, v_block=v_block,
-                            tickets=tickets)
+                            tickets=tickets, prefetch_state=prefetch_state)
     ref2 = kda_decode_fused_reference(**dict(want2, proj=inp["proj"]))
     kc.assert_close(f"second step output {where}", out2, ref2, dtype)
     assert torch.equal(again["conv_cache"], want2["conv_cache"]), f"second step windows {where}"
@@ -182,6 +183,8 @@ def run_interpreter_checks() -> None:
     check_against_twin("cpu", F32, H=3, d=32, W=4, slots=[5, -1], num_slots=8, seed=5,
                        v_block=8)
     check_against_twin("cpu", F32, H=2, d=16, W=2, slots=[1], num_slots=3, seed=6, v_block=8)
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 7], num_slots=8, seed=7,
+                       v_block=4, pdl=True, prefetch_state=True)
     check_against_layer("cpu", F32, H=2, d=16, W=4, hidden=40, slots=[3, 0, 6, 7], num_slots=8)
     check_against_layer("cpu", F32, H=3, d=8, W=2, hidden=24, slots=[2], num_slots=3, seed=4)
 
@@ -363,6 +366,28 @@ def test_pdl_sm90_only_weights_before_the_wait():
                                      "ss_part_ptr"}, written
 
 
+def test_pdl_sm90_prefetch_state_order():
+    """PREFETCH_STATE: the state index and both caches join the weights before the wait (all
+    read there), still nothing stored before it; proj is read after it."""
+    _ptxas()
+    import gemv_checks as gc
+    from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
+
+    k = gc.sm90_compile(kda_decode_fused_kernel, SM90_TYPES,
+                        dict(SM90_CONSTS, USE_PDL=True, PREFETCH_STATE=True), num_warps=8,
+                        launch_pdl=True)
+    ops = global_ops_with_params(k.asm["ptx"], _param_names())
+    waits = [i for i, (op, _) in enumerate(ops) if op == "griddepcontrol.wait"]
+    assert len(waits) == 1, ops
+    before, after = ops[:waits[0]], ops[waits[0] + 1:]
+    early = WEIGHT_PARAMS | {"idx_ptr", "conv_ptr", "rec_ptr"}
+    assert all(op.startswith("ld.global") and p and p <= early for op, p in before), before
+    assert set().union(*(p for _, p in before)) == early, before
+    assert after[0][0] == "griddepcontrol.launch_dependents", after[:2]
+    assert "proj_ptr" in set().union(*(p for op, p in after if op.startswith("ld.global")))
+    assert "proj_ptr" not in set().union(*(p for _, p in before))
+
+
 def test_no_pdl_ptx_has_no_griddepcontrol():
     _ptxas()
     k = _compile(use_pdl=False)
@@ -413,37 +438,41 @@ def test_matches_unfused_layer_gpu(N):
                         state_bound=1e-2)
 
 
-def _run_pdl(inp: dict, pdl: bool):
+def _run_pdl(inp: dict, pdl: bool, prefetch_state: bool = False):
     caches = fresh_caches(inp)
-    out = kda_decode_fused(**caches, pdl=pdl)
+    out = kda_decode_fused(**caches, pdl=pdl, prefetch_state=prefetch_state)
     return out, caches["conv_cache"], caches["rec_cache"]
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("N", [1, 4])
-def test_pdl_matches_gpu(N):
+@pytest.mark.parametrize("prefetch_state", [False, True])
+def test_pdl_matches_gpu(N, prefetch_state):
     inp = make_inputs("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N)
-    want, got = _run_pdl(inp, False), _run_pdl(inp, True)
+    want, got = _run_pdl(inp, False), _run_pdl(inp, True, prefetch_state)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(got, want)), "pdl=True differs from pdl=False"
 
 
-def _chain(x, w_in, w_o, inp, pdl):
+def _chain(x, w_in, w_o, inp, pdl, prefetch_state=False):
     """in-proj GEMV -> fused KDA decode -> o_proj GEMV, every launch with pdl."""
     from kdaserve.kernels.linear.gemv import gemv
 
     proj = gemv(x, w_in, pdl=pdl)                                    # [N, 3P + 2d + H]
-    o = kda_decode_fused(**dict(inp, proj=proj), pdl=pdl)             # [N, P]
+    o = kda_decode_fused(**dict(inp, proj=proj), pdl=pdl,
+                         prefetch_state=prefetch_state)               # [N, P]
     return gemv(o, w_o, pdl=pdl)                                      # [N, hidden]
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("N", [1, 4])
-def test_pdl_chain_in_cuda_graph_gpu(N):
-    """gemv -> fused decode -> gemv captured with PDL launches: a replay from the same caches
-    equals the eager pdl=False chain bit for bit (output and both caches), and a replay after
+@pytest.mark.parametrize("prefetch_state", [False, True])
+def test_pdl_chain_in_cuda_graph_gpu(N, prefetch_state):
+    """gemv -> fused decode -> gemv captured with PDL launches (and with the states read before
+    the wait): a replay from the same caches equals the eager pdl=False chain bit for bit
+    (output and both caches), two replays in a row equal two eager steps, and a replay after
     new inputs reads them."""
     inp = make_inputs("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N)
     g = torch.Generator(device="cuda").manual_seed(N)
@@ -459,7 +488,10 @@ def test_pdl_chain_in_cuda_graph_gpu(N):
 
     want = _chain(x, w_in, w_o, inp, pdl=False)
     want_conv, want_rec = inp["conv_cache"].clone(), inp["rec_cache"].clone()
-    graph, out = kc.capture_graph(lambda: _chain(x, w_in, w_o, inp, pdl=True))
+    want2 = _chain(x, w_in, w_o, inp, pdl=False)                  # a second step on them
+    want2_rec = inp["rec_cache"].clone()
+    graph, out = kc.capture_graph(lambda: _chain(x, w_in, w_o, inp, pdl=True,
+                                                 prefetch_state=prefetch_state))
     for _ in range(2):
         restore()
         graph.replay()
@@ -467,6 +499,10 @@ def test_pdl_chain_in_cuda_graph_gpu(N):
         assert torch.equal(out, want), "graph replay output differs from eager pdl=False"
         assert torch.equal(inp["conv_cache"], want_conv), "graph replay conv windows differ"
         assert torch.equal(inp["rec_cache"], want_rec), "graph replay states differ"
+        graph.replay()                          # reads the states the replay above wrote
+        torch.cuda.synchronize()
+        assert torch.equal(out, want2) and torch.equal(inp["rec_cache"], want2_rec), \
+            "second replay in a row differs from two eager steps"
     x.copy_(torch.randn(N, HIDDEN48, generator=g, device="cuda").to(BF16))
     restore()
     graph.replay()

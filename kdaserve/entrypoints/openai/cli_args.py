@@ -141,6 +141,8 @@ KERNEL_SWITCHES: dict[str, str] = {
     "router_splitk": "CUDA: MoE routers of decode batches <= 64 through the split-K fp32 GEMV "
                      "reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by default: "
                      "slower on the H200 at batch 1.",
+    "kda_state_prefetch": "CUDA (with --pdl): the one-launch KDA decode reads its states "
+                          "before its PDL wait. Off by default: not yet measured.",
     "mla_absorb_gemv": "CUDA: MLA's per-head W_UK / W_UV products of decode batches <= 2 as "
                        "one batched Triton GEMV launch each (off: cuBLAS). Off by default: "
                        "not yet measured.",

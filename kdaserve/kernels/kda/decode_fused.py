@@ -118,7 +118,7 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      lower_bound: float | None = None, out: torch.Tensor | None = None,
                      pdl: bool = False, num_warps: int | None = None,
                      tickets: torch.Tensor | None = None,
-                     v_block: int | None = None) -> torch.Tensor:
+                     v_block: int | None = None, prefetch_state: bool = False) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -143,6 +143,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     counters that elect the program finishing a head (kernel docstring). Owned by the caller,
     one buffer per launch that may run concurrently with another; None allocates a zeroed one.
     v_block: value columns per program, a power of two dividing head_dim (default_v_block).
+    prefetch_state (with pdl): state_indices and both caches are also read before the wait, so
+    the previous kernel must not write them either (in the layer it is the input projection).
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
@@ -182,7 +184,7 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2), rec_cache.stride(3),
         fg_b_weight.stride(0), fg_b_weight.stride(1),
         D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
-        **pdl_opts)
+        PREFETCH_STATE=bool(prefetch_state), **pdl_opts)
     return out
 
 

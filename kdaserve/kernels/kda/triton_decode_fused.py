@@ -66,7 +66,7 @@ def kda_decode_fused_kernel(
     stride_pn, stride_on, stride_wd, stride_wj, stride_cs, stride_cd, stride_cj,
     stride_rs, stride_rh, stride_rk, stride_rv, stride_fg, stride_fp,
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
 ):
     """Program (n, h, s): row n's token through head h, value columns [s * BV, (s + 1) * BV)
     of its state. proj row n = [q | k | v (3P) | f_a (D) | g_a (D) | beta logits (H)]; the
@@ -89,7 +89,10 @@ def kda_decode_fused_kernel(
 
     USE_PDL (programmatic dependent launch, sm_90+): only weights (conv taps, f_b / g_b rows,
     dt_bias, A_log, norm weight) are read before griddepcontrol.wait; proj, the state index,
-    both caches and every store come after it, then launch_dependents.
+    both caches and every store come after it, then launch_dependents. With PREFETCH_STATE
+    the state index, the conv windows and the recurrent state columns are read before the wait
+    too (they stream while the previous kernel, the input projection, finishes): the previous
+    kernel must not write them. proj and every store still come after it.
     """
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -112,19 +115,12 @@ def kda_decode_fused_kernel(
     dt_b = tl.load(dt_bias_ptr + h * D + offs).to(tl.float32)       # [D]
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     norm_w = tl.load(norm_w_ptr + offs_v).to(tl.float32)            # [BV]
-    if USE_PDL:
+    if USE_PDL and not PREFETCH_STATE:
         tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
         tl.extra.cuda.gdc_launch_dependents()
-    # ---- activations and state
+    # ---- state: the slot, its conv windows and recurrent state columns
     slot = tl.load(idx_ptr + n).to(tl.int64)
     live = slot >= 0
-    row = proj_ptr + n * stride_pn
-    x_q = tl.load(row + ch_q).to(tl.float32)                        # [D] pre-conv inputs
-    x_k = tl.load(row + ch_k).to(tl.float32)
-    x_v = tl.load(row + ch_v).to(tl.float32)                        # [BV]
-    f_a = tl.load(row + 3 * P + offs).to(tl.float32)                # [D] low-rank gate input
-    g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
-    b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
     cache = conv_ptr + tl.maximum(slot, 0) * stride_cs
     win_q, nxt_q = _conv_load(cache, ch_q, offs_j, live, stride_cd, stride_cj, W)
     win_k, nxt_k = _conv_load(cache, ch_k, offs_j, live, stride_cd, stride_cj, W)
@@ -132,6 +128,17 @@ def kda_decode_fused_kernel(
     s_ptrs = (rec_ptr + tl.maximum(slot, 0) * stride_rs + h * stride_rh
               + offs[:, None] * stride_rk + offs_v[None, :] * stride_rv)    # [D(k), BV]
     S = tl.load(s_ptrs, mask=live, other=0.0)                       # [D, BV] fp32
+    if USE_PDL and PREFETCH_STATE:
+        tl.extra.cuda.gdc_wait()                  # proj (the previous kernel's output) next
+        tl.extra.cuda.gdc_launch_dependents()
+    # ---- activations
+    row = proj_ptr + n * stride_pn
+    x_q = tl.load(row + ch_q).to(tl.float32)                        # [D] pre-conv inputs
+    x_k = tl.load(row + ch_k).to(tl.float32)
+    x_v = tl.load(row + ch_v).to(tl.float32)                        # [BV]
+    f_a = tl.load(row + 3 * P + offs).to(tl.float32)                # [D] low-rank gate input
+    g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
+    b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
     # ---- conv, gates, l2norm
     q = _l2norm(_conv_out(win_q, wq_win, x_q, wq_new)) * scale      # [D]
     k = _l2norm(_conv_out(win_k, wk_win, x_k, wk_new))
