@@ -252,6 +252,16 @@ MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_PAGE = 32, 512, 64, 16
 MLA_SPLITS = (16, 32, 48, 64, 96, 128)
 
 
+def mla_caches(C: int, context: int):
+    """C latent caches of one sequence of `context` tokens (bf16, page MLA_PAGE, its blocks in
+    a random order): ([nb, page, rank + rope] x C, block tables [1, nb] x C, seq_lens [1])."""
+    nb = context // MLA_PAGE
+    caches = [torch.randn(nb, MLA_PAGE, MLA_RANK + MLA_ROPE, device="cuda", dtype=BF16)
+              for _ in range(C)]
+    tables = [torch.randperm(nb, device="cuda").int().view(1, nb) for _ in range(C)]
+    return caches, tables, torch.full((1,), context, device="cuda", dtype=torch.int32)
+
+
 def bench_mla(ceil, budget, quick, results, context: int = 8192) -> None:
     """mla_decode(q [1, H, rank], q_pe [1, H, rope]) over `context` cached latents (bf16, page
     16) as the engine calls it, each call of the chain on its own cache: sweeps num_kv_splits
@@ -259,12 +269,9 @@ def bench_mla(ceil, budget, quick, results, context: int = 8192) -> None:
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.mla.decode import MLADecodeConfig, default_config, mla_decode
 
-    H, R, P, page = MLA_HEADS, MLA_RANK, MLA_ROPE, MLA_PAGE
-    nb = context // page
+    H, R, P = MLA_HEADS, MLA_RANK, MLA_ROPE
     C = chain_len(context * (R + P) * 2)
-    caches = [torch.randn(nb, page, R + P, device="cuda", dtype=BF16) for _ in range(C)]
-    tables = [torch.randperm(nb, device="cuda").int().view(1, nb) for _ in range(C)]  # [1, nb]
-    seq_lens = torch.full((1,), context, device="cuda", dtype=torch.int32)
+    caches, tables, seq_lens = mla_caches(C, context)
     qs = [torch.randn(1, H, R + P, device="cuda", dtype=BF16) for _ in range(C)]
     outs = [torch.empty(1, H, R, device="cuda", dtype=BF16) for _ in range(C)]
     scale = (128 + P) ** -0.5
@@ -298,16 +305,13 @@ def bench_mla_layer(ceil, results, M: int = 1, context: int = 8192) -> None:
     from kdaserve.kernels.linear.gemv import gemv_batched
     from kdaserve.kernels.mla.decode import mla_decode, store_latent
 
-    H, nope, R, P, v, page = MLA_HEADS, 128, MLA_RANK, MLA_ROPE, 128, MLA_PAGE
-    nb = context // page
+    H, nope, R, P, v = MLA_HEADS, 128, MLA_RANK, MLA_ROPE, 128
     C = chain_len(H * (nope + v) * R * 2 + context * (R + P) * 2)
     dev = dict(device="cuda", dtype=BF16)
     w_uk = [torch.randn(H, nope, R, **dev) * 0.05 for _ in range(C)]       # [H, nope, rank]
     w_uk_t = [w.transpose(1, 2).contiguous() for w in w_uk]                # [H, rank, nope]
     w_uv = [torch.randn(H, v, R, **dev) * 0.05 for _ in range(C)]         # [H, v, rank]
-    caches = [torch.randn(nb, page, R + P, **dev) for _ in range(C)]
-    tables = [torch.randperm(nb, device="cuda").int().view(1, nb) for _ in range(C)]
-    seq_lens = torch.full((1,), context, device="cuda", dtype=torch.int32)
+    caches, tables, seq_lens = mla_caches(C, context)
     slot = torch.full((1,), context - 1, device="cuda", dtype=torch.int64)  # (a block's row)
     norm_w = torch.ones(R, **dev)
     qs = [torch.randn(M, H, nope + P, **dev) for _ in range(C)]            # [M, H, qk]

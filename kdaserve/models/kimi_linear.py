@@ -18,6 +18,12 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.hf_config import KimiLinearArgs
 
 
+KERNEL_ATTRS = {"decode_gemv": "decode_gemv", "router_splitk": "router_splitk",
+                "fused_router": "fused_router", "pdl": "pdl", "fused_decode": "fused_kda_decode",
+                "absorb_gemv": "mla_absorb_gemv", "state_prefetch": "kda_state_prefetch"}
+"""Layer attribute -> the KernelConfig field configure_kernels sets it from."""
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: KimiLinearArgs, layer_idx: int) -> None:
         super().__init__()
@@ -82,22 +88,12 @@ class KimiLinearForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def configure_kernels(self, kernel_config) -> None:
-        """Apply a KernelConfig to the layers that have a decode-size kernel choice."""
+        """Apply a KernelConfig to the layers that have a decode-size kernel choice: every
+        module attribute of KERNEL_ATTRS takes its KernelConfig field."""
         for module in self.modules():
-            if hasattr(module, "decode_gemv"):
-                module.decode_gemv = kernel_config.decode_gemv
-            if hasattr(module, "router_splitk"):
-                module.router_splitk = kernel_config.router_splitk
-            if hasattr(module, "fused_router"):
-                module.fused_router = kernel_config.fused_router
-            if hasattr(module, "pdl"):
-                module.pdl = kernel_config.pdl
-            if hasattr(module, "fused_decode"):
-                module.fused_decode = kernel_config.fused_kda_decode
-            if hasattr(module, "absorb_gemv"):
-                module.absorb_gemv = kernel_config.mla_absorb_gemv
-            if hasattr(module, "state_prefetch"):
-                module.state_prefetch = kernel_config.kda_state_prefetch
+            for attr, field_name in KERNEL_ATTRS.items():
+                if hasattr(module, attr):
+                    setattr(module, attr, getattr(kernel_config, field_name))
 
     def process_weights_after_loading(self) -> None:
         """Run once after every tensor is in place (the loader calls it): merges projections
