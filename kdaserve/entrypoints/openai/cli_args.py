@@ -142,10 +142,9 @@ KERNEL_SWITCHES: dict[str, str] = {
                      "reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by default: "
                      "slower on the H200 at batch 1.",
     "kda_state_prefetch": "CUDA (with --pdl): the one-launch KDA decode reads its states "
-                          "before its PDL wait. Off by default: not yet measured.",
+                          "before its PDL wait (on by default).",
     "mla_absorb_gemv": "CUDA: MLA's per-head W_UK / W_UV products of decode batches <= 2 as "
-                       "one batched Triton GEMV launch each (off: cuBLAS). Off by default: "
-                       "not yet measured.",
+                       "one batched Triton GEMV launch each (off: cuBLAS; on by default).",
     "sampling_threshold_kernel": "CUDA: top-k / top-p by a sort-free threshold search (default "
                                  "on; --no-... = a full sort per row).",
 }
