@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 BF16, F32 = torch.bfloat16, torch.float32
 GEMV_CASES = {"kda_in": (12576, 2304, BF16), "o_proj": (2304, 4096, BF16),   # name: N, K, weight
               "mla_q_kv_a": (6720, 2304, BF16), "router": (256, 2304, F32)}
-ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_layer", "topk", "kda_layer")
+ALL_CASES = (*GEMV_CASES, "moe", "mla", "mla_layer", "topk", "kda_layer", "dense_mlp")
 CHAIN_BYTES, MIN_CHAIN, MAX_CHAIN = 400e6, 8, 64
 WARM, REPLAYS, TOL, TOP = 3, 25, 1e-2, 5
 MAX_ELEMS_PER_THREAD = 256
@@ -347,8 +347,8 @@ def bench_mla_layer(ceil, results, M: int = 1, context: int = 8192) -> None:
 
 def bench_topk(ceil, results, M: int = 1) -> None:
     """The router's sigmoid top-8 (+ the shared expert column) over 256 fp32 logits per token,
-    as the decode graph runs it after the router GEMV: moe_topk_sigmoid with pdl, one warp per
-    program against the default (2 warps at 256 experts) and 4."""
+    as the decode graph runs it after the router GEMV: moe_topk_sigmoid with pdl, the default
+    (router.topk_num_warps: one warp at 256 experts, chain_h200_v4.json) against 2 and 4."""
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
@@ -358,7 +358,7 @@ def bench_topk(ceil, results, M: int = 1) -> None:
     want = ref.moe_topk_sigmoid(logits[0], bias, 8, True, 2.446)[0].sort(dim=-1).values  # [M, 8]
     floor = floor_us(nbytes(logits[0]), ceil)
     rows = []
-    for warps in (None, 1, 4):
+    for warps in (None, 2, 4):
         w0 = torch.full((M, 8), float("nan"), device="cuda")      # call 0's weights, sorted
 
         def call(i, warps=warps, w0=w0):
@@ -376,9 +376,11 @@ def bench_topk(ceil, results, M: int = 1) -> None:
 def bench_kda_layer(ceil, results, M: int = 1) -> None:
     """A KDA layer's decode at batch 1 as the graph runs it: input GEMV -> the one-launch KDA
     decode -> o_proj GEMV, all with pdl, each chain entry with its own weights and state slot
-    (32 heads of 128, conv 4). The decode reads its states after its PDL wait (the default) or
-    before it (KernelConfig.kda_state_prefetch); checked against the first variant's eager
-    output (the states restored in between)."""
+    (32 heads of 128, conv 4). The decode reads its states after its PDL wait or before it
+    (KernelConfig.kda_state_prefetch, the default), then the prefetching decode with other
+    value blocks per program and warps (default_v_block / default_num_warps pick 32 and 8 at
+    batch 1); each checked against the first variant's eager output (the states restored in
+    between)."""
     from kdaserve.kernels.kda.decode_fused import kda_decode_fused
     from kdaserve.kernels.linear.gemv import gemv
 
@@ -401,10 +403,11 @@ def bench_kda_layer(ceil, results, M: int = 1) -> None:
     tickets = [torch.zeros(M * H, device="cuda", dtype=torch.int32) for _ in range(C)]
     outs = [torch.empty(M, D_, **dev) for _ in range(C)]
 
-    def step(i, prefetch):
+    def step(i, prefetch, v_block=None, num_warps=None):
         proj = gemv(xs[i], w_in[i], pdl=True)                                 # [M, width]
         o = kda_decode_fused(proj, **layer[i], pdl=True, tickets=tickets[i],
-                             prefetch_state=prefetch)                        # [M, P]
+                             prefetch_state=prefetch, v_block=v_block,
+                             num_warps=num_warps)                            # [M, P]
         gemv(o, w_o[i], out=outs[i], pdl=True)
 
     saved = [(lay["conv_cache"].clone(), lay["rec_cache"].clone()) for lay in layer]
@@ -413,12 +416,52 @@ def bench_kda_layer(ceil, results, M: int = 1) -> None:
     floor = floor_us(nbytes(w_in[0], w_o[0], layer[0]["fg_b_weight"]) + 2 * nbytes(
         layer[0]["rec_cache"][:M]), ceil)
     rows = []
-    for name, prefetch in (("states after the wait", False), ("states before the wait", True)):
+    variants = [("states after the wait", dict(prefetch=False)),
+                ("states before the wait", dict(prefetch=True))]
+    variants += [(f"before the wait, v_block {bv}, {warps} warps",
+                  dict(prefetch=True, v_block=bv, num_warps=warps))
+                 for bv, warps in ((16, 4), (16, 8), (32, 4), (32, 16), (64, 8), (64, 16),
+                                   (128, 8))]
+    for name, kw in variants:
         for lay, (conv, rec) in zip(layer, saved):      # every variant from the same states
             lay["conv_cache"].copy_(conv)
             lay["rec_cache"].copy_(rec)
-        run_config(f"kda_layer M={M}", name, [partial(step, i, prefetch) for i in range(C)],
-                   outs[0], ref, floor, rows, baseline=not prefetch)
+        run_config(f"kda_layer M={M}", name, [partial(step, i, **kw) for i in range(C)],
+                   outs[0], ref, floor, rows, baseline=not kw["prefetch"])
+    results.extend(rows)
+
+
+def bench_dense_mlp(ceil, results, M: int = 1) -> None:
+    """Layer 0's dense SwiGLU MLP (2304 -> 2 x 9216 -> 2304) at batch 1: cuBLAS (gate, up and
+    down GEMMs, silu, mul: the path without decode_gemv) against the gate|up GEMV then the down
+    GEMV reading silu(gate) * up (layers/mlp.py with decode_gemv), both with pdl."""
+    import torch.nn.functional as F
+
+    from kdaserve.kernels.linear.gemv import gemv
+
+    I_ = 9216
+    dev = dict(device="cuda", dtype=BF16)
+    C = chain_len(3 * I_ * D * 2)
+    w_gu = [torch.randn(2 * I_, D, **dev) * D ** -0.5 for _ in range(C)]     # [2I, D]
+    w_down = [torch.randn(D, I_, **dev) * I_ ** -0.5 for _ in range(C)]      # [D, I]
+    xs = [torch.randn(M, D, **dev) for _ in range(C)]
+    outs = [torch.empty(M, D, **dev) for _ in range(C)]
+
+    def by_cublas(i):
+        gate, up = w_gu[i][:I_], w_gu[i][I_:]
+        outs[i].copy_(F.linear(F.silu(F.linear(xs[i], gate)) * F.linear(xs[i], up), w_down[i]))
+
+    def by_gemv(i):
+        gate_up = gemv(xs[i], w_gu[i], pdl=True)                              # [M, 2I]
+        gemv(gate_up, w_down[i], out=outs[i], pdl=True, swiglu=True)
+
+    by_cublas(0)
+    ref = outs[0].clone()
+    floor = floor_us(nbytes(w_gu[0], w_down[0]), ceil)
+    rows = []
+    for name, fn in (("cuBLAS + silu, mul", by_cublas), ("gemv + swiglu gemv", by_gemv)):
+        run_config(f"dense_mlp M={M}", name, [partial(fn, i) for i in range(C)], outs[0], ref,
+                   floor, rows, baseline=fn is by_cublas)
     results.extend(rows)
 
 
@@ -458,6 +501,8 @@ def main(argv=None) -> int:
         bench_topk(ceil, results)
     if "kda_layer" in names:
         bench_kda_layer(ceil, results)
+    if "dense_mlp" in names:
+        bench_dense_mlp(ceil, results)
     write_results(args.out, meta, t0, ceil, results)
     return 0
 

@@ -120,6 +120,7 @@ class SparseMoE(nn.Module):
         inter = sh.gate_proj.weight.shape[0]
         sh.gate_proj.weight.data, sh.up_proj.weight.data = w13[-1, :inter], w13[-1, inter:]
         sh.down_proj.weight.data = w2[-1]
+        sh.gate_up_weight = w13[-1]                                  # [2I, D]
         self.w13_all, self.w2_all = w13, w2
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor | None:

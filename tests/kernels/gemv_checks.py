@@ -25,26 +25,30 @@ def _rand(shape, dtype, device, g, scale=1.0, row_pad=0):
 
 
 def check_gemv(device, M, N, K, x_dtype, w_dtype, out_dtype=None, strided_out=False,
-               strided_in=False, config=None, bound=None, seed=0, pdl=False):
+               strided_in=False, config=None, bound=None, seed=0, pdl=False, swiglu=False):
     """gemv vs gemv_reference computed from fp64 copies of the inputs (immune to a global TF32
-    switch); relative error <= bound (1e-5 for fp32 output, 1e-2 otherwise)."""
+    switch); relative error <= bound (1e-5 for fp32 output, 1e-2 otherwise). swiglu: x is
+    [M, 2K] (gate | up)."""
     from kdaserve.kernels.linear.gemv import gemv, gemv_reference
 
     g = torch.Generator(device=device).manual_seed(seed)
     pad = 5 if strided_in else 0
-    x = _rand((M, K), x_dtype, device, g, row_pad=pad)                   # [M, K]
+    x = _rand((M, 2 * K if swiglu else K), x_dtype, device, g, row_pad=pad)   # [M, K or 2K]
     w = _rand((N, K), w_dtype, device, g, scale=K ** -0.5, row_pad=pad)  # [N, K]
     dtype = out_dtype or x_dtype
     out = None
     if strided_out:
         full = torch.full((M, N + 7), float("nan"), dtype=dtype, device=device)
         out = full[:, 3:3 + N]                                           # [M, N], row stride N + 7
-    y = gemv(x, w, out=out, out_dtype=out_dtype, config=config, pdl=pdl)
+    y = gemv(x, w, out=out, out_dtype=out_dtype, config=config, pdl=pdl, swiglu=swiglu)
     if strided_out:
         assert y.data_ptr() == out.data_ptr(), "gemv did not write into out"
         assert full[:, :3].isnan().all() and full[:, 3 + N:].isnan().all(), "wrote outside out"
-    ref = gemv_reference(x.double(), w.double(), dtype)   # fp64 math: no TF32 in the check
-    name = f"gemv M={M} N={N} K={K} x={x_dtype} w={w_dtype} out={dtype} cfg={config} pdl={pdl}"
+    # fp64 math (no TF32 in the check); the kernel's x-dtype rounding of silu(gate) * up is
+    # inside the bound
+    ref = gemv_reference(x.double(), w.double(), dtype, swiglu=swiglu)
+    name = (f"gemv M={M} N={N} K={K} x={x_dtype} w={w_dtype} out={dtype} cfg={config} "
+            f"pdl={pdl} swiglu={swiglu}")
     assert y.shape == (M, N) and y.dtype == dtype, f"{name}: got {tuple(y.shape)} {y.dtype}"
     assert not torch.isnan(y).any(), f"{name}: NaN in output (unwritten columns?)"
     limit = bound if bound is not None else (1e-5 if dtype == torch.float32 else 1e-2)
@@ -154,6 +158,12 @@ def run_interpreter_suite() -> None:
         check_gemv("cpu", 2, 37, 100, f32, f32, config=GemvConfig(8, 32, 2, 2, prefetch),
                    strided_out=True, pdl=True)
     check_gemv("cpu", 1, 37, 100, f32, f32, pdl=True)                    # default config
+    # swiglu x (gate | up): K masked and even, strided rows, prefetched tiles
+    check_gemv("cpu", 1, 37, 100, f32, f32, swiglu=True)
+    check_gemv("cpu", 3, 24, 64, f32, f32, swiglu=True, strided_in=True,
+               config=GemvConfig(8, 16, 2, 2))
+    check_gemv("cpu", 2, 37, 100, f32, f32, swiglu=True, pdl=True,
+               config=GemvConfig(8, 32, 2, 2, 2))
     # batched (MLA's per-head products): K-tail masked, N tail clamped, pdl order
     check_gemv_batched("cpu", 3, 1, 24, 40, f32)
     check_gemv_batched("cpu", 4, 2, 16, 64, f32, config=GemvConfig(8, 16, 2, 2), seed=1)

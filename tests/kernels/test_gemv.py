@@ -60,6 +60,11 @@ def test_bad_layouts_and_outputs_name_the_value():
         gemv(x, w, config=GemvConfig(16, 128, 4, 2, prefetch=3), pdl=True)
 
 
+def test_swiglu_bad_shapes_name_the_value():
+    with pytest.raises(ValueError, match=r"swiglu: x must be \[M, 2K\].*\(2, 64\)"):
+        gemv(torch.randn(2, 64), torch.randn(32, 64), swiglu=True)
+
+
 def test_batched_bad_shapes_name_the_value():
     with pytest.raises(ValueError, match="same B"):
         gemv_batched(torch.randn(3, 1, 64), torch.randn(2, 8, 64))
@@ -155,14 +160,18 @@ def test_reference_twin():
     y = gemv_reference(x, w)
     assert y.dtype == BF16 and y.shape == (3, 24)
     torch.testing.assert_close(y, (x.double() @ w.double().T).to(BF16))
+    gu = torch.randn(3, 80, dtype=BF16)                                  # [M, 2K] gate | up
+    act = (torch.nn.functional.silu(gu[:, :40].float()) * gu[:, 40:].float()).to(BF16)
+    torch.testing.assert_close(gemv_reference(gu, w, swiglu=True), gemv_reference(act, w))
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
 
-# Kimi-Linear-48B: q|k|v, o_proj, MLA q|kv_a, low-rank heads, layer 0's dense gate|up
-MODEL_SHAPES = [(12288, 2304), (2304, 4096), (6720, 2304), (288, 2304), (22528, 2304)]
+# Kimi-Linear-48B: q|k|v, o_proj, MLA q|kv_a, low-rank heads, a wide N, layer 0's dense gate|up
+MODEL_SHAPES = [(12288, 2304), (2304, 4096), (6720, 2304), (288, 2304), (22528, 2304),
+                (18432, 2304)]
 
 
 @pytest.mark.gpu
@@ -172,6 +181,16 @@ MODEL_SHAPES = [(12288, 2304), (2304, 4096), (6720, 2304), (288, 2304), (22528, 
 def test_gemv_model_shapes_gpu(N, K, M):
     gc.check_gemv("cuda", M, N, K, BF16, BF16, seed=M)
     gc.check_gemv("cuda", M, N, K, BF16, F32, seed=M + 10)               # bf16 x, fp32 weight
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_swiglu_dense_down_gpu(M):
+    """Layer 0's down projection reading silu(gate) * up of the gate|up GEMV's output."""
+    gc.check_gemv("cuda", M, 2304, 9216, BF16, BF16, swiglu=True, seed=M)
+    gc.check_gemv("cuda", M, 2304, 9216, BF16, BF16, swiglu=True, pdl=True, seed=M)
+    gc.check_gemv("cuda", M, 300, 100, F32, F32, swiglu=True, strided_in=True, seed=M)
 
 
 @pytest.mark.gpu

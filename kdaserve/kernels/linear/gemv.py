@@ -85,11 +85,22 @@ def guess_config(N: int, K: int, weight_dtype: torch.dtype, sms: int = 132) -> G
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3)
 
 
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    """x: [M, 2K] = [gate | up] -> silu(gate) * up in fp32 (fp64 stays fp64), rounded to
+    x.dtype: [M, K]."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    gate, up = x.to(acc).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """F.linear(x.float(), weight.float()) cast to out_dtype (default x.dtype): [M, N].
+                   out_dtype: torch.dtype | None = None, swiglu: bool = False) -> torch.Tensor:
+    """F.linear(x.float(), weight.float()) cast to out_dtype (default x.dtype): [M, N]; with
+    swiglu, x is [M, 2K] and swiglu_reference(x) takes its place.
 
     fp64 inputs stay fp64 (the checks use that to keep TF32 out of the reference)."""
+    if swiglu:
+        x = swiglu_reference(x)
     acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
     y = torch.nn.functional.linear(x.to(acc), weight.to(acc))     # [M, N]
     return y.to(out_dtype or x.dtype)
@@ -151,7 +162,7 @@ def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-         pdl: bool = False) -> torch.Tensor:
+         pdl: bool = False, swiglu: bool = False) -> torch.Tensor:
     """y = x @ weight.T with fp32 accumulation.
 
     x: [M, K], 1 <= M <= 4, bf16/fp16/fp32, last dim contiguous (rows may be strided).
@@ -162,9 +173,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     On CPU tensors (the Triton interpreter, which cannot run the PTX) only the prefetch order
     is kept. weight is read before the wait, so the previous kernel must not write it. Results
     are the same as with pdl=False. Returns out ([M, N]).
+    swiglu: x is [M, 2K] = [gate | up] (a SwiGLU MLP's gate/up projection) and the product
+    reads silu(gate) * up, rounded to x.dtype, in place of x (gemv_reference(swiglu=True)).
     """
     if config is not None:
         check_config(config)
+    if swiglu:
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != 2 * weight.shape[1]:
+            raise ValueError(f"swiglu: x must be [M, 2K] for weight [N, K], got "
+                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        x = x[:, :weight.shape[1]]       # the gate half; the kernel reads up at +K
     dtype = _check_inputs(x, weight, out, out_dtype)
     M, K = x.shape
     N = weight.shape[0]
@@ -173,7 +191,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     if N == 0:
         return out
     cfg = config or default_config(M, N, K, weight.dtype, x.device)
-    _launch(x, weight, out, cfg, pdl, batch=1, batch_strides=(0, 0, 0))
+    _launch(x, weight, out, cfg, pdl, batch=1, batch_strides=(0, 0, 0), swiglu=swiglu)
     return out
 
 
@@ -211,7 +229,8 @@ def gemv_batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
-            pdl: bool, batch: int, batch_strides: tuple[int, int, int]) -> None:
+            pdl: bool, batch: int, batch_strides: tuple[int, int, int],
+            swiglu: bool = False) -> None:
     """gemv_kernel over (cdiv(N, block_n), batch) programs; x / weight / out are batch entry 0
     ([M, K] / [N, K] / [M, N]) and batch_strides step to the next entry of each."""
     require_triton()
@@ -223,5 +242,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvC
     gemv_kernel[(cdiv(N, cfg.block_n), batch)](
         x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0), *batch_strides,
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, STAGES=cfg.num_stages,
+        EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, STAGES=cfg.num_stages, SWIGLU=swiglu,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))

@@ -15,17 +15,29 @@ def _load_tile(w_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_x(x_ptrs, k_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        xm = tl.load(x_ptrs)
+    else:
+        xm = tl.load(x_ptrs, mask=k_mask, other=0.0)
+    return xm
+
+
+@triton.jit
 def _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M: tl.constexpr,
-                EVEN_K: tl.constexpr):
-    """acc[n, m] += sum_k w[n, k] * x[m, k0 + k] in fp32 for every x row m < M; returns acc."""
+                EVEN_K: tl.constexpr, SWIGLU: tl.constexpr):
+    """acc[n, m] += sum_k w[n, k] * x[m, k0 + k] in fp32 for every x row m < M; returns acc.
+    SWIGLU: x row m is [gate (K) | up (K)] and its value at k is silu(gate) * up (fp32,
+    rounded once to x's dtype, as a separate silu-and-mul launch would store it)."""
     k_mask = (k0 + offs_k) < K                                       # [BLOCK_K]
     w = w.to(tl.float32)                                             # [BLOCK_N, BLOCK_K]
     for m in tl.static_range(M):
         x_ptrs = x_ptr + m * stride_xm + k0 + offs_k
-        if EVEN_K:
-            xm = tl.load(x_ptrs)
-        else:
-            xm = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        xm = _load_x(x_ptrs, k_mask, EVEN_K)                         # [BLOCK_K]
+        if SWIGLU:
+            g = xm.to(tl.float32)
+            u = _load_x(x_ptrs + K, k_mask, EVEN_K).to(tl.float32)
+            xm = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
         part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)         # [BLOCK_N]
         acc += tl.where(offs_m[None, :] == m, part[:, None], 0.0)
     return acc
@@ -36,7 +48,7 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                 stride_xb, stride_wb, stride_ob, M: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                 PREFETCH: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
-                STAGES: tl.constexpr = 1):
+                STAGES: tl.constexpr = 1, SWIGLU: tl.constexpr = False):
     """One program per BLOCK_N output columns, all M (<= 4) rows, the whole K (no split-K);
     grid axis 1 runs batch entries (x, w and out each offset by their stride_*b).
 
@@ -50,6 +62,9 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
     griddepcontrol.launch_dependents follows the wait. Nothing that another kernel writes (x)
     is read, and nothing is written, before the wait. The K steps are reduced in the same order
     whatever PREFETCH is (the prefetched tiles first), so results do not depend on it.
+
+    SWIGLU: x rows are [gate | up] (2K wide) and the product reads silu(gate) * up
+    (_accumulate): a SwiGLU MLP's down projection without a separate activation launch.
 
     STAGES: software pipelining of the K loop (tl.range num_stages: the next STAGES - 1 weight
     tiles are in flight, through shared memory, while one is reduced). Triton pipelines only
@@ -75,14 +90,17 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
         tl.extra.cuda.gdc_launch_dependents()     # the next PDL kernel may start its preamble
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)             # acc[n, m]
     if PREFETCH >= 1:
-        acc = _accumulate(acc, w0, x_ptr, 0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
+        acc = _accumulate(acc, w0, x_ptr, 0, offs_k, offs_m, K, stride_xm, M, EVEN_K,
+                          SWIGLU)
     if PREFETCH >= 2:
-        acc = _accumulate(acc, w1, x_ptr, BLOCK_K, offs_k, offs_m, K, stride_xm, M, EVEN_K)
+        acc = _accumulate(acc, w1, x_ptr, BLOCK_K, offs_k, offs_m, K, stride_xm, M, EVEN_K,
+                          SWIGLU)
     if PREFETCH > 0:
         w_ptrs += PREFETCH * BLOCK_K
     for k0 in tl.range(PREFETCH * BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_tile(w_ptrs, k0, offs_k, K, EVEN_K)                # [BLOCK_N, BLOCK_K]
-        acc = _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M, EVEN_K)
+        acc = _accumulate(acc, w, x_ptr, k0, offs_k, offs_m, K, stride_xm, M, EVEN_K,
+                          SWIGLU)
         w_ptrs += BLOCK_K
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
