@@ -433,11 +433,12 @@ def bench_kda_layer(ceil, results, M: int = 1) -> None:
 
 def bench_dense_mlp(ceil, results, M: int = 1) -> None:
     """Layer 0's dense SwiGLU MLP (2304 -> 2 x 9216 -> 2304) at batch 1: cuBLAS (gate, up and
-    down GEMMs, silu, mul: the path without decode_gemv) against the gate|up GEMV then the down
-    GEMV reading silu(gate) * up (layers/mlp.py with decode_gemv), both with pdl."""
+    down GEMMs, silu, mul: the path without dense_mlp_gemv) against the gate|up GEMV then the
+    down GEMV reading silu(gate) * up (layers/mlp.py), both with pdl: the default configs, then
+    a small grid of (gate|up, down) configs."""
     import torch.nn.functional as F
 
-    from kdaserve.kernels.linear.gemv import gemv
+    from kdaserve.kernels.linear.gemv import GemvConfig, gemv
 
     I_ = 9216
     dev = dict(device="cuda", dtype=BF16)
@@ -451,15 +452,22 @@ def bench_dense_mlp(ceil, results, M: int = 1) -> None:
         gate, up = w_gu[i][:I_], w_gu[i][I_:]
         outs[i].copy_(F.linear(F.silu(F.linear(xs[i], gate)) * F.linear(xs[i], up), w_down[i]))
 
-    def by_gemv(i):
-        gate_up = gemv(xs[i], w_gu[i], pdl=True)                              # [M, 2I]
-        gemv(gate_up, w_down[i], out=outs[i], pdl=True, swiglu=True)
+    def by_gemv(i, cfg_gu=None, cfg_down=None):
+        gate_up = gemv(xs[i], w_gu[i], pdl=True, config=cfg_gu)               # [M, 2I]
+        gemv(gate_up, w_down[i], out=outs[i], pdl=True, swiglu=True, config=cfg_down)
 
     by_cublas(0)
     ref = outs[0].clone()
     floor = floor_us(nbytes(w_gu[0], w_down[0]), ceil)
     rows = []
-    for name, fn in (("cuBLAS + silu, mul", by_cublas), ("gemv + swiglu gemv", by_gemv)):
+    variants = [("cuBLAS + silu, mul", by_cublas), ("gemv + swiglu gemv", by_gemv)]
+    grid_gu = [GemvConfig(8, 256, 1, 3), GemvConfig(4, 512, 1, 3), GemvConfig(16, 256, 2, 3),
+               GemvConfig(8, 512, 2, 4)]
+    grid_down = [GemvConfig(2, 1024, 1, 5), GemvConfig(4, 512, 1, 4), GemvConfig(1, 2048, 1, 4),
+                 GemvConfig(4, 1024, 2, 4)]
+    variants += [(f"gate|up {gu}, down {dn}", partial(by_gemv, cfg_gu=gu, cfg_down=dn))
+                 for gu, dn in itertools.product(grid_gu, grid_down)]
+    for name, fn in variants:
         run_config(f"dense_mlp M={M}", name, [partial(fn, i) for i in range(C)], outs[0], ref,
                    floor, rows, baseline=fn is by_cublas)
     results.extend(rows)

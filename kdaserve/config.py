@@ -260,6 +260,10 @@ class KernelConfig:
     cuBLAS; the MLA decode kernel behind it then reads its first cache tile before its PDL
     wait. H200, batch 1: 23.80 against 27.91 us for the layer's attention part
     (chain_h200_v4.json)."""
+    dense_mlp_gemv: bool = True
+    """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
+    launches, gate|up then the down projection reading silu(gate) * up in its K loop
+    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

@@ -15,6 +15,8 @@ class MLP(nn.Module):
     """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
     pdl = False
     """KernelConfig.pdl (set by the model's configure_kernels)."""
+    dense_gemv = False
+    """KernelConfig.dense_mlp_gemv (set by the model's configure_kernels)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -31,9 +33,10 @@ class MLP(nn.Module):
             self.gate_up_weight = merge_rows(self.gate_proj.weight, self.up_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, D] -> [T, D]. Decode rows with decode_gemv: two GEMV launches, the gate|up
-        projection then the down projection reading silu(gate) * up directly."""
-        if self.gate_up_weight is not None and use_gemv(x, self.decode_gemv):
+        """x: [T, D] -> [T, D]. Decode rows with decode_gemv and dense_gemv: two GEMV launches,
+        the gate|up projection then the down projection reading silu(gate) * up directly."""
+        if (self.dense_gemv and self.gate_up_weight is not None
+                and use_gemv(x, self.decode_gemv)):
             from kdaserve.kernels.linear.gemv import gemv
 
             gate_up = gemv(x, self.gate_up_weight, pdl=self.pdl)               # [T, 2I]

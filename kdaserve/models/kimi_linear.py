@@ -20,7 +20,8 @@ from kdaserve.models.hf_config import KimiLinearArgs
 
 KERNEL_ATTRS = {"decode_gemv": "decode_gemv", "router_splitk": "router_splitk",
                 "fused_router": "fused_router", "pdl": "pdl", "fused_decode": "fused_kda_decode",
-                "absorb_gemv": "mla_absorb_gemv", "state_prefetch": "kda_state_prefetch"}
+                "absorb_gemv": "mla_absorb_gemv", "state_prefetch": "kda_state_prefetch",
+                "dense_gemv": "dense_mlp_gemv"}
 """Layer attribute -> the KernelConfig field configure_kernels sets it from."""
 
 

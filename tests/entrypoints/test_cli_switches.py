@@ -47,10 +47,11 @@ def test_kernel_config_reaches_the_layers(tmp_path):
     outs = []
     for on in (False, True):
         llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on, fused_kda_decode=on,
-                  fused_router=on, mla_absorb_gemv=on, kda_state_prefetch=on)
+                  fused_router=on, mla_absorb_gemv=on, kda_state_prefetch=on,
+                  dense_mlp_gemv=on)
         mods = list(llm.llm_engine.model_runner.model.modules())
         for name in ("decode_gemv", "fused_decode", "fused_router", "absorb_gemv",
-                     "state_prefetch"):
+                     "state_prefetch", "dense_gemv"):
             flags = [getattr(m, name) for m in mods if hasattr(m, name)]
             assert flags and all(f == on for f in flags), name
         # PDL is for captured graphs only: eager steps (all of them on the CPU) launch without.

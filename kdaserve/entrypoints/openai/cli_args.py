@@ -145,6 +145,9 @@ KERNEL_SWITCHES: dict[str, str] = {
                           "before its PDL wait (on by default).",
     "mla_absorb_gemv": "CUDA: MLA's per-head W_UK / W_UV products of decode batches <= 2 as "
                        "one batched Triton GEMV launch each (off: cuBLAS; on by default).",
+    "dense_mlp_gemv": "CUDA (with --decode-gemv): the dense MLP of decode batches <= 2 as two "
+                      "GEMVs, the second reading silu(gate) * up (off: cuBLAS GEMMs, silu, "
+                      "mul).",
     "sampling_threshold_kernel": "CUDA: top-k / top-p by a sort-free threshold search (default "
                                  "on; --no-... = a full sort per row).",
 }
