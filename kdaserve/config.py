@@ -263,7 +263,8 @@ class KernelConfig:
     dense_mlp_gemv: bool = True
     """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
     launches, gate|up then the down projection reading silu(gate) * up in its K loop
-    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
+    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul. H200, batch
+    1: 38.36 against 47.42 us (chain_h200_v6.json)."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

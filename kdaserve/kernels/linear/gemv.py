@@ -51,13 +51,13 @@ TUNED_132_SMS: dict[tuple[int, int, int, torch.dtype], GemvConfig] = {
     # MoE router, fp32 weight: 2.26 against 3.72 us (chain_h200_v3.json)
     (1, 256, 2304, torch.float32): GemvConfig(block_n=2, block_k=1024, num_warps=1,
                                               num_stages=2),
-    # Layer 0's dense MLP, gate|up and the swiglu down projection: by analogy with the KDA in
-    # and o_proj shapes (the guess took 55.93 us for both against cuBLAS's 47.66,
-    # chain_h200_v5.json)
+    # Layer 0's dense MLP, gate|up then the swiglu down projection: the fastest pair of a 4 x 4
+    # grid, 38.36 us for both against cuBLAS's 47.42 and the guess's 55.93
+    # (chain_h200_v6.json, chain_h200_v5.json)
     (1, 18432, 2304, torch.bfloat16): GemvConfig(block_n=8, block_k=256, num_warps=1,
                                                  num_stages=3),
-    (1, 2304, 9216, torch.bfloat16): GemvConfig(block_n=2, block_k=1024, num_warps=1,
-                                                num_stages=5),
+    (1, 2304, 9216, torch.bfloat16): GemvConfig(block_n=4, block_k=1024, num_warps=2,
+                                                num_stages=4),
 }
 """Measured configs, used on devices with 132 SMs (H100 SXM / H200) before the guess."""
 
