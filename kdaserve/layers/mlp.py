@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdaserve.kernels.linear.gemv import gemv
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import use_gemv
 
@@ -37,8 +38,6 @@ class MLP(nn.Module):
         the gate|up projection then the down projection reading silu(gate) * up directly."""
         if (self.dense_gemv and self.gate_up_weight is not None
                 and use_gemv(x, self.decode_gemv)):
-            from kdaserve.kernels.linear.gemv import gemv
-
             gate_up = gemv(x, self.gate_up_weight, pdl=self.pdl)               # [T, 2I]
             return gemv(gate_up, self.down_proj.weight, pdl=self.pdl, swiglu=True)  # [T, D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
