@@ -28,7 +28,7 @@ from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
 from kdaserve.entrypoints.openai.cli_args import (add_kernel_switches,  # noqa: E402
                                                   kernel_switches_from_args)
 from kdaserve.bench.roofline import byte_floor, experts_touched, measure_copy_bandwidth  # noqa: E402,E501
-from kdaserve.worker.cache import state_bytes_per_slot  # noqa: E402
+from kdaserve.attention.caches import state_bytes_per_slot  # noqa: E402
 
 
 

@@ -108,7 +108,7 @@ def main(cli_args: argparse.Namespace) -> int:
 
     from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,
                                  ModelConfig, SchedulerConfig)
-    from kdaserve.worker.cache import state_bytes_per_slot
+    from kdaserve.attention.caches import state_bytes_per_slot
     from kdaserve.worker.model_runner import ModelRunner
 
     batches = [int(b) for b in cli_args.batches.split(",")]

@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 
 def measure_copy_bandwidth(device, nbytes: int | None = None) -> float:

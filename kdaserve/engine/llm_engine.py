@@ -24,7 +24,7 @@ from kdaserve.engine.stats import EngineStats
 from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kdaserve.request import Request, RequestStatus
 from kdaserve.sampling_params import SamplingParams
-from kdaserve.worker.cache import state_bytes_per_slot
+from kdaserve.attention.caches import state_bytes_per_slot
 
 if TYPE_CHECKING:
     from kdaserve.worker.model_runner import LaunchedStep

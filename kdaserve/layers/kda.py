@@ -11,7 +11,7 @@ from kdaserve.kernels import reference as ref
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNormGated
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 MAX_FUSED_ROWS = 1024
 """Decode rows covered by a layer's persistent fused-decode tickets; larger steps (beyond any

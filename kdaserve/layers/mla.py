@@ -11,7 +11,7 @@ from kdaserve.layers.fuse import merge_rows
 from kdaserve.kernels.linear.gemv import gemv_batched
 from kdaserve.layers.linear import linear, use_gemv
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 
 class MLAttention(nn.Module):

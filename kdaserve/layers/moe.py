@@ -11,7 +11,7 @@ from kdaserve.kernels import reference as ref
 from kdaserve.kernels.moe.router import ROUTER_SPLITK_MAX_TOKENS
 from kdaserve.layers.linear import GEMV_MAX_ROWS, linear
 from kdaserve.layers.mlp import MLP
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 
 class TopkRouter(nn.Module):

@@ -15,7 +15,7 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 
 KERNEL_ATTRS = {"decode_gemv": "decode_gemv", "router_splitk": "router_splitk",

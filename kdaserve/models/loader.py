@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kdaserve.config import LoadConfig
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.loader import tensor_seed, expected_tensors
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")

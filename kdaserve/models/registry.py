@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 _ARCHITECTURES = {

@@ -30,7 +30,7 @@ from kdaserve.attention import kda_spec
 from kdaserve.attention.builder import slot_mapping
 from kdaserve.attention.metadata import ForwardContext, ModelCaches
 from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes
-from kdaserve.worker.spec_graphs import WindowBuffers
+from kdaserve.spec_decode.verify_graphs import WindowBuffers
 
 logger = logging.getLogger(__name__)
 

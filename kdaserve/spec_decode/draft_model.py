@@ -30,8 +30,8 @@ from torch import nn
 
 from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.metadata import ForwardContext, ModelCaches
-from kdaserve.models.hf_config import KimiLinearArgs
-from kdaserve.worker.cache import allocate_caches
+from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.attention.caches import allocate_caches
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 

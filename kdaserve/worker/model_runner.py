@@ -27,7 +27,7 @@ from kdaserve.sample.sampler import Sampler, SamplerOutput, to_logprob_dicts
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker import cache as cache_mod
 from kdaserve.worker import checkpoints
-from kdaserve.worker.spec_decode import SpecDecoder
+from kdaserve.spec_decode.decoder import SpecDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.capture_graphs()
                 if not self.spec.per_position and self.spec.layout == "contiguous":
-                    from kdaserve.worker.spec_graphs import SpecVerifyGraphs
+                    from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
 
                     self.spec_graphs = SpecVerifyGraphs(self, self.graphs.pool)
                     self.spec_graphs.capture()

@@ -254,7 +254,7 @@ def test_w3_shaped_cpu_checkpoint_switch(ablation, tiny_model, tmp_path):
 def test_make_draft_model_takes_the_target_vocabulary(ablation, tiny_model, tmp_path):
     import shutil
 
-    from kdaserve.models.hf_config import KimiLinearArgs
+    from kdaserve.config.model_args import KimiLinearArgs
     from kdaserve.spec_decode.draft_model import DraftModelProposer
 
     target = tmp_path / "target"

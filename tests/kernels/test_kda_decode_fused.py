@@ -111,7 +111,7 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
 def make_layer(H, d, W, hidden, device, dtype, seed=0):
     """A KimiDeltaAttention with random weights (fp32 A_log / dt_bias, as the loader keeps)."""
     from kdaserve.layers.kda import KimiDeltaAttention
-    from kdaserve.models.hf_config import KimiLinearArgs
+    from kdaserve.config.model_args import KimiLinearArgs
 
     args = KimiLinearArgs(vocab_size=16, hidden_size=hidden, num_hidden_layers=1,
                           layer_types=["linear_attention"], mlp_layer_types=["dense"],

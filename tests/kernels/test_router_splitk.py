@@ -100,7 +100,7 @@ def test_splitk_batch_invariance_gpu():
 def test_topk_router_layer_gpu(n):
     """TopkRouter with router_splitk on (split-K up to 64 rows, cuBLAS past) and off agree."""
     from kdaserve.layers.moe import TopkRouter
-    from kdaserve.models.hf_config import KimiLinearArgs
+    from kdaserve.config.model_args import KimiLinearArgs
 
     args = KimiLinearArgs(vocab_size=64, hidden_size=D, num_hidden_layers=1,
                           layer_types=["full_attention"], mlp_layer_types=["sparse"])

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from kdaserve.config import LoadConfig
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.loader import (FP32_SUFFIXES, expected_tensors, load_weights,
                                     map_checkpoint_name)
 

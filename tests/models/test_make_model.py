@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kdaserve.config import LoadConfig
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.loader import expected_tensors, load_weights
 from kdaserve.models.make_model import (MARKUP_TOKENS, SPECIAL_TOKENS, build_hf_tokenizer,
                                         make_model, preset_config)

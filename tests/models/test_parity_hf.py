@@ -7,9 +7,9 @@ import torch
 
 from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.metadata import ForwardContext
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.registry import build_model
-from kdaserve.worker.cache import allocate_caches
+from kdaserve.attention.caches import allocate_caches
 from tests.models.hf_tiny import make_hf_model
 
 BLOCK = 16

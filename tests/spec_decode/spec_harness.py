@@ -21,15 +21,15 @@ from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.config import LoadConfig
 from kdaserve.kernels.kda import recover as rc
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
 from kdaserve.sample.metadata import SamplingMetadata
-from kdaserve.sample.rejection_sampler import RejectionSampler, SpecDecodeMetadata
+from kdaserve.spec_decode.rejection_sampler import RejectionSampler, SpecDecodeMetadata
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.spec_decode.metrics import SpecDecodingStats
 from kdaserve.spec_decode.ngram import NgramProposer
-from kdaserve.worker.cache import allocate_caches
+from kdaserve.attention.caches import allocate_caches
 
 BS = 16
 

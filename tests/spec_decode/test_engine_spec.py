@@ -254,7 +254,7 @@ def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
     """The spec-verify CUDA-graph path (buffers, in-graph MLA rows, padding requests on the
     scratch slot, the padded commit) gives the plain greedy output. On the CPU the 'graph' runs
     the captured work eagerly over the same buffers."""
-    from kdaserve.worker.spec_graphs import SpecVerifyGraphs
+    from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
 
     class EagerSpecGraphs(SpecVerifyGraphs):
         def capture(self):

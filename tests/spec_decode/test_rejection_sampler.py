@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kdaserve.sample.metadata import SamplingMetadata
-from kdaserve.sample.rejection_sampler import (
+from kdaserve.spec_decode.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     RejectionSampler,
     SpecDecodeMetadata,

@@ -10,7 +10,7 @@ from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.metadata import ForwardContext
 from kdaserve.spec_decode.draft_model import DraftModelProposer
 from kdaserve.spec_decode.ngram import NgramProposer
-from kdaserve.worker.cache import allocate_caches
+from kdaserve.attention.caches import allocate_caches
 from tests.models.hf_tiny import make_hf_model
 from tests.spec_decode.spec_harness import BS, SpecHarness, load_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.attention.metadata import ModelCaches
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 
 def kv_bytes_per_block(args: KimiLinearArgs, block_size: int, dtype: torch.dtype) -> int:

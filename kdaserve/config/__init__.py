@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdaserve.models.hf_config import KimiLinearArgs
+from kdaserve.config.model_args import KimiLinearArgs
 
 
 @dataclass
@@ -163,8 +163,6 @@ class SpeculativeConfig:
     """draft_model only. window: the draft's catch-up over the accepted tokens runs as K+1-row
     windows in the verify form, commit included (one CUDA-graph replay on the GPU); varlen: the
     baseline, a varlen prefill of exactly the new tokens (eager)."""
-    synthetic_rates: list[float] | None = field(default=None, init=False)
-    """Resolved unconditional per-position rates (rejection_sample_method="synthetic")."""
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -191,12 +189,6 @@ class SpeculativeConfig:
         if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.rejection_sample_method == "synthetic" and self.enabled:
-            from kdaserve.spec_decode.synthetic import resolve_synthetic_rates
-
-            self.synthetic_rates = resolve_synthetic_rates(
-                self.num_speculative_tokens, self.synthetic_acceptance_rates,
-                self.synthetic_acceptance_length)
 
     @property
     def enabled(self) -> bool:
@@ -223,51 +215,43 @@ class LoadConfig:
 
 @dataclass
 class KernelConfig:
-    """Kernel choices on CUDA (no effect on the CPU reference path). All off = the baseline:
+    """Kernel choices on CUDA (no effect on the CPU reference path), read once at start-up to
+    pick each layer kind's backend (kdaserve/layers/backends.py). All off = the baseline:
     cuBLAS projections, the tensor-core fused MoE, a sorting top-k / top-p, five launches per
     KDA decode, ordinary launches. The defaults are the fastest measured set
-    (decode_variants_h200_v2.json, engine_h200_v6.json)."""
+    (benchmarks/PERF_NOTES.md)."""
     decode_gemv: bool = True
-    """Projections of 1-2 token rows (decode batches <= 2, layers/linear.py GEMV_MAX_ROWS)
-    through the Triton GEMV (kernels/linear/gemv.py) instead of cuBLAS; the router reads its
-    fp32 weight directly."""
-    router_splitk: bool = False
-    """MoE routers of <= 64 token rows (decode) through one split-K fp32 GEMV launch whose
-    partial sums the top-k launch reduces (kernels/moe/router.py: moe_router_splitk) instead of
-    the cuBLAS fp32 GEMM then the top-k launch. Off: slower on the H200 at 1 row (18.7 against
-    13.4 us) and 64 rows, even at 16, ahead only at 4-8 rows (layers_h200_run8.json)."""
+    """Projections of 1-2 token rows (decode batches <= 2) through the Triton GEMV
+    (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
     pdl: bool = True
     """Triton kernels inside the captured CUDA graphs launched with programmatic dependent
-    launch (Hopper and newer; the runner turns it off on older GPUs): each may start while the
-    previous kernel finishes, reading only weights before `griddepcontrol.wait`. Takes effect
-    with decode_gemv for the projections. Eager steps launch without it."""
-    fused_router: bool = False
-    """MoE routers of 1-2 token rows (decode batches <= 2) as one launch: the fp32 logits GEMV
-    and the sigmoid top-k, finished by the last program (kernels/moe/router.py:
-    moe_router_gemv_topk) instead of a GEMV launch then a top-k launch. Off: slower on the H200
-    with PDL (router_fused_h200_v1.json: 7.80 against 7.53 us a call at 1 row, 11.60 against
-    7.72 at 2 rows)."""
+    launch (Hopper and newer; off on older GPUs): each may start while the previous kernel
+    finishes, reading only weights before `griddepcontrol.wait`. Takes effect with decode_gemv
+    for the projections. Eager steps launch without it (the step plan decides)."""
     fused_kda_decode: bool = True
     """Decode-only steps run each KDA layer's conv update, gate projections, delta rule and
     gated norm in one Triton launch (kernels/kda/decode_fused.py) instead of five."""
     kda_state_prefetch: bool = True
     """With fused_kda_decode and pdl: the one-launch KDA decode reads its state index, conv
-    windows and recurrent state before its PDL wait (they stream while the input projection
-    finishes). H200, batch 1: 28.39 against 29.19 us a layer (chain_h200_v4.json)."""
+    windows and recurrent state before its PDL wait, so they stream while the input
+    projection finishes."""
     mla_absorb_gemv: bool = True
     """Decode batches <= 2: MLA's per-head W_UK and W_UV products (the absorbed decode) as one
-    batched Triton GEMV launch each (kernels/linear/gemv.py gemv_batched, with PDL) instead of
-    cuBLAS; the MLA decode kernel behind it then reads its first cache tile before its PDL
-    wait. H200, batch 1: 23.80 against 27.91 us for the layer's attention part
-    (chain_h200_v4.json)."""
+    batched Triton GEMV launch each (kernels/linear/gemv.py gemv_batched) instead of cuBLAS;
+    the MLA decode kernel behind the W_UK GEMV then reads its first cache tile before its PDL
+    wait (the GEMV does not write the cache)."""
     dense_mlp_gemv: bool = True
     """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
     launches, gate|up then the down projection reading silu(gate) * up in its K loop
-    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul. H200, batch
-    1: 38.36 against 47.42 us (chain_h200_v6.json)."""
+    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""
+
+    @classmethod
+    def baseline(cls) -> "KernelConfig":
+        """Every switch off: the plain path each optimisation is measured against."""
+        return cls(**{f: False for f in cls.__dataclass_fields__})
 
 
 @dataclass

@@ -38,7 +38,7 @@ from kdaserve.kernels.kda.recover import spec_state_bytes_written, spec_state_me
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata
 from kdaserve.sample.penalties import PenaltyCache, logits_processing
-from kdaserve.sample.rejection_sampler import (
+from kdaserve.spec_decode.rejection_sampler import (
     RejectionSampler,
     SpecDecodeMetadata,
     spec_banned_ids,
