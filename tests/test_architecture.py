@@ -31,12 +31,6 @@ import kdaserve
 
 ROOT = "kdaserve"
 
-_LEAVES = {"config", "sampling_params", "outputs"}
-_BELOW_WORKER = _LEAVES | {
-    "request", "kernels", "attention", "sample", "layers", "models", "spec_decode", "core",
-}
-_BELOW_BENCH = _BELOW_WORKER | {"worker", "engine", "distributed", "disagg"}
-
 # package -> the kdaserve packages it may import (besides itself). Layers, lowest first.
 ALLOWED: dict[str, set[str]] = {
     # 0. leaves
@@ -47,21 +41,30 @@ ALLOWED: dict[str, set[str]] = {
     # 1.
     "kernels": set(),
     # 2.
-    "attention": {"kernels"} | _LEAVES,
-    "sample": {"kernels"} | _LEAVES,
+    "attention": {"kernels", "config", "sampling_params", "outputs"},
+    "sample": {"kernels", "config", "sampling_params", "outputs"},
     # 3.
     "layers": {"attention", "kernels", "config"},
     # 4.
     "models": {"layers", "attention", "kernels", "config"},
     # 5. (core: the scheduler-output types)
-    "spec_decode": {"models", "layers", "attention", "sample", "kernels", "core"} | _LEAVES,
+    "spec_decode": {"models", "layers", "attention", "sample", "kernels", "config",
+                    "sampling_params", "outputs", "core"},
     # 6.
-    "worker": _BELOW_WORKER | {"distributed", "disagg"},
+    "worker": {"spec_decode", "models", "layers", "attention", "sample", "kernels", "config",
+               "sampling_params", "outputs", "request", "core", "distributed", "disagg"},
     # 7.
-    "engine": _BELOW_WORKER | {"worker", "distributed", "disagg"},
-    # 8., 9.
-    "bench": _BELOW_BENCH,
-    "entrypoints": _BELOW_BENCH | {"bench"},
+    "engine": {"worker", "spec_decode", "models", "layers", "attention", "sample", "kernels",
+               "config", "sampling_params", "outputs", "request", "core", "distributed",
+               "disagg"},
+    # 8.
+    "bench": {"engine", "worker", "spec_decode", "models", "layers", "attention", "sample",
+              "kernels", "config", "sampling_params", "outputs", "request", "core",
+              "distributed", "disagg"},
+    # 9.
+    "entrypoints": {"bench", "engine", "worker", "spec_decode", "models", "layers", "attention",
+                    "sample", "kernels", "config", "sampling_params", "outputs", "request",
+                    "core", "distributed", "disagg"},
     # beside the layers
     "core": {"config", "request", "sampling_params"},
     "distributed": {"config"},
