@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve.attention.builder import build_metadata  # noqa: E402
-from kdaserve.attention.metadata import ForwardContext  # noqa: E402
+from kdaserve.attention.forward_context import ForwardContext  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
@@ -107,7 +107,7 @@ def main() -> None:
 
         def prefill() -> None:
             with torch.inference_mode():
-                runner.model(ids, ids, ForwardContext(md, runner.caches))
+                runner.model(ids, ForwardContext(md, runner.caches))
             torch.cuda.synchronize()
 
         prefill()   # first use autotunes fla's kernels for this shape: keep that out

@@ -1,4 +1,5 @@
-"""Build AttentionMetadata from plain per-request lists (tests, CPU runner, eager GPU steps)."""
+"""Build AttentionMetadata from plain per-request lists (tests, CPU runner, eager GPU steps) or
+over CUDA-graph input buffers."""
 
 from __future__ import annotations
 
@@ -162,3 +163,18 @@ def _gather_metadata(md: AttentionMetadata, rows: list[int], tok: list[int]) -> 
         block_table=md.block_table[r_dev], state_indices=md.state_indices[r_dev],
         has_initial_state=md.has_initial_state[r_dev], max_query_len=int(q_cpu.max()),
         max_seq_len=int(seq_cpu.max()), kda_checkpoints=ckpt)
+
+
+def decode_metadata(buf, bs: int) -> AttentionMetadata:
+    """Metadata of a captured decode step of bs one-token rows over graph input buffers (`buf`
+    has query_start_loc, seq_lens, slot_mapping, block_table, state_indices, has_initial_state
+    and max_seq_len, the MLA split bound that keeps one grid across replays)."""
+    return AttentionMetadata(
+        num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
+        query_start_loc=buf.query_start_loc[:bs + 1],
+        query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+        seq_lens=buf.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+        num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
+        slot_mapping=buf.slot_mapping[:bs], block_table=buf.block_table[:bs],
+        state_indices=buf.state_indices[:bs], has_initial_state=buf.has_initial_state[:bs],
+        max_query_len=1, max_seq_len=buf.max_seq_len)

@@ -156,11 +156,3 @@ class ModelCaches:
     def copy_block(self, src: int, dst: int) -> None:
         for kv in self.mla_kv:
             kv[dst].copy_(kv[src])
-
-
-@dataclass
-class ForwardContext:
-    """Everything a layer needs besides its input: passed explicitly down the model."""
-
-    attn: AttentionMetadata
-    caches: ModelCaches

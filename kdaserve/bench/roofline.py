@@ -109,7 +109,7 @@ def main(cli_args: argparse.Namespace) -> int:
     from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,
                                  ModelConfig, SchedulerConfig)
     from kdaserve.attention.caches import state_bytes_per_slot
-    from kdaserve.worker.model_runner import ModelRunner
+    from kdaserve.worker.worker import Worker
 
     batches = [int(b) for b in cli_args.batches.split(",")]
     contexts = [int(c) for c in cli_args.contexts.split(",")]
@@ -128,9 +128,9 @@ def main(cli_args: argparse.Namespace) -> int:
                                dummy_routing=cli_args.dummy_routing),
         enforce_eager=cli_args.enforce_eager,
         kernel_config=KernelConfig(decode_gemv=cli_args.decode_gemv))
-    runner = ModelRunner(config)
-    runner.eos_token_ids = []
-    runner.initialize_cache(blocks, max(batches))
+    worker = Worker(config)
+    worker.initialize_cache(blocks, max(batches))
+    runner = worker.model_runner
     bw = cli_args.bandwidth or measure_copy_bandwidth(runner.device)
     args = mc.arch
     slot_bytes = state_bytes_per_slot(args, runner.dtype)
@@ -151,7 +151,7 @@ def main(cli_args: argparse.Namespace) -> int:
                   f"experts/layer {touched}", flush=True)
     result = {"command": " ".join(sys.argv), "device": str(runner.device),
               "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else "none",
-              "bandwidth_Bps": bw, "cuda_graphs": runner.graphs is not None,
+              "bandwidth_Bps": bw, "cuda_graphs": runner.decode_graphs is not None,
               "dummy_routing": cli_args.dummy_routing,
               "kernel_config": {"decode_gemv": cli_args.decode_gemv}, "rows": rows}
     from kdaserve.bench.report import git_commit

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.config.synthetic import resolve_synthetic_rates
 
 
 @dataclass
@@ -164,6 +165,9 @@ class SpeculativeConfig:
     windows in the verify form, commit included (one CUDA-graph replay on the GPU); varlen: the
     baseline, a varlen prefill of exactly the new tokens (eager)."""
 
+    synthetic_rates: list[float] | None = field(default=None, init=False)
+    """Resolved unconditional per-position rates (rejection_sample_method="synthetic")."""
+
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got "
@@ -189,6 +193,10 @@ class SpeculativeConfig:
         if self.prompt_lookup_min < 1 or self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.rejection_sample_method == "synthetic" and self.enabled:
+            self.synthetic_rates = resolve_synthetic_rates(
+                self.num_speculative_tokens, self.synthetic_acceptance_rates,
+                self.synthetic_acceptance_length)
 
     @property
     def enabled(self) -> bool:

@@ -27,7 +27,7 @@ from kdaserve.sampling_params import SamplingParams
 from kdaserve.attention.caches import state_bytes_per_slot
 
 if TYPE_CHECKING:
-    from kdaserve.worker.model_runner import LaunchedStep
+    from kdaserve.worker.input_batch import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -127,19 +127,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
 
-        from kdaserve.worker.model_runner import ModelRunner
+        from kdaserve.worker.worker import Worker
 
         self.engine_config = config
         mc = config.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
         self.vocab_size = mc.arch.vocab_size
-        self.model_runner = ModelRunner(config)
-        self.model_runner.eos_token_ids = self.eos_token_ids
+        self.worker = Worker(config)
+        self.model_runner = self.worker.model_runner
         self.step_floor = self._make_step_floor()
         self.step_floor_ratio: float | None = None
-        num_blocks, num_slots = self.model_runner.determine_num_blocks_and_slots()
-        self.model_runner.initialize_cache(num_blocks, num_slots)
+        num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
+        self.worker.initialize_cache(num_blocks, num_slots)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    num_slots, config.speculative_config,
                                    max_model_len=mc.max_model_len)

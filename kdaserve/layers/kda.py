@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from kdaserve.attention import kda_backend
-from kdaserve.attention.metadata import ForwardContext
+from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.kernels import reference as ref
+from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear
 from kdaserve.layers.norm import RMSNormGated
-from kdaserve.config.model_args import KimiLinearArgs
 
 MAX_FUSED_ROWS = 1024
 """Decode rows covered by a layer's persistent fused-decode tickets; larger steps (beyond any
@@ -40,18 +41,11 @@ class ForgetGate(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    decode_gemv = False
-    """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    pdl = False
-    """KernelConfig.pdl (set by the model's configure_kernels)."""
-    fused_decode = False
-    """KernelConfig.fused_kda_decode (set by the model's configure_kernels)."""
-    state_prefetch = False
-    """KernelConfig.kda_state_prefetch (set by the model's configure_kernels)."""
-
-    def __init__(self, args: KimiLinearArgs, kda_index: int) -> None:
+    def __init__(self, args: KimiLinearArgs, kda_index: int,
+                 backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         self.kda_index = kda_index
+        self.gemv = backends.gemv
         h, d, w = args.linear_num_heads, args.linear_head_dim, args.linear_conv_kernel_dim
         self.num_heads, self.head_dim, self.conv_kernel = h, d, w
         p = h * d
@@ -67,9 +61,11 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(d, p, bias=False)
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
-        self.fusable = (self.forget_gate.lower_bound is None and 8 <= d <= 128
-                        and not d & (d - 1))
-        """The one-launch decode kernel takes this layer (unbounded gate, power-of-two d)."""
+        fusable = self.forget_gate.lower_bound is None and 8 <= d <= 128 and not d & (d - 1)
+        self.fused_decode = backends.kda == "fla_fused_decode" and fusable
+        """Decode-only steps run the one-launch decode kernel (it takes the unbounded gate and a
+        power-of-two head_dim <= 128)."""
+        self.state_prefetch = backends.kda_state_prefetch
 
     def process_weights_after_loading(self) -> None:
         # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
@@ -87,37 +83,28 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
-        md, caches = ctx.attn, ctx.caches
+        md, caches, pdl = ctx.attn, ctx.caches, ctx.plan.pdl
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        proj = linear(x, self.in_weight, self.decode_gemv, pdl=self.pdl)  # [T, 3P + 2d + H]
-        if self._can_fuse(x, md):
-            o = self._fused_decode(proj, md, caches)                          # [T, P]
-            return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
+        proj = linear(x, self.in_weight, self.gemv, pdl=pdl)              # [T, 3P + 2d + H]
+        if self.fused_decode and ctx.plan.decode_only and x.is_cuda:
+            o = self._fused_decode(proj, md, caches, pdl)                     # [T, P]
+            return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
         p = 3 * h * d
         qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
         q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
                                          caches.kda_conv[self.kda_index], h, d,
-                                         pdl=self.pdl)                  # [T, H, K]
+                                         pdl=pdl)                       # [T, H, K]
         f_g = torch.bmm(small[:, :2 * d].view(T, 2, d).transpose(0, 1),
                         self.fg_b_weight.transpose(1, 2))            # [2, T, P]: f_b | g_b
         g_raw = f_g[0].view(T, h, d)                                 # gate pre-activation
         o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         gate = f_g[1]                                                # [T, P]
-        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d),
-                        pdl=self.pdl).view(T, h * d)
-        return linear(o, self.o_proj.weight, self.decode_gemv, pdl=self.pdl)
+        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d), pdl=pdl).view(T, h * d)
+        return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
 
-    def _can_fuse(self, x: torch.Tensor, md) -> bool:
-        """Decode-only step (every row one token on its state), no spec rows, no checkpoint
-        exports, the unbounded gate, a power-of-two head_dim <= 128: the one-launch path
-        applies."""
-        return (self.fused_decode and self.fusable and x.is_cuda
-                and md.num_decodes == md.num_reqs == x.shape[0]
-                and md.spec is None and md.kda_checkpoints is None)
-
-    def _fused_decode(self, proj: torch.Tensor, md, caches) -> torch.Tensor:
+    def _fused_decode(self, proj: torch.Tensor, md, caches, pdl: bool) -> torch.Tensor:
         from kdaserve.kernels.kda.decode_fused import kda_decode_fused
 
         gate = self.forget_gate
@@ -125,6 +112,6 @@ class KimiDeltaAttention(nn.Module):
             proj, self.conv1d.weight[:, 0], caches.kda_conv[self.kda_index],
             caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
             self.fg_b_weight, gate.A_log, gate.dt_bias, self.o_norm.weight, self.o_norm.eps,
-            self.num_heads, self.head_dim, pdl=self.pdl,
+            self.num_heads, self.head_dim, pdl=pdl,
             tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None,
             prefetch_state=self.state_prefetch)   # the previous launch: the input projection

@@ -1,4 +1,4 @@
-"""Projection dispatch: decode-size rows to the Triton GEMV when the kernel config asks for it."""
+"""Projection dispatch: decode-size rows to the Triton GEMV under the gemv backend."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 GEMV_MAX_ROWS = 2
-"""Rows up to which decode_gemv routes projections to the Triton GEMV (the kernel takes 1..4);
-larger inputs stay on cuBLAS. At 4 rows the GEMV loses: the b4 decode graph took 3.87 ms with
-it against 3.28 ms on cuBLAS (decode_variants_h200_v1.json)."""
+"""Rows up to which the gemv backend routes projections to the Triton GEMV (the kernel takes
+1..4); larger inputs stay on cuBLAS, which was measured faster from 4 rows on
+(benchmarks/PERF_NOTES.md)."""
 
 
 def use_gemv(x: torch.Tensor, enabled: bool) -> bool:

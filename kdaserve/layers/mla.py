@@ -6,25 +6,22 @@ import torch
 from torch import nn
 
 from kdaserve.attention import mla_backend
-from kdaserve.attention.metadata import ForwardContext
-from kdaserve.layers.fuse import merge_rows
+from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.kernels.linear.gemv import gemv_batched
+from kdaserve.layers.backends import LayerBackends
+from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear, use_gemv
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.config.model_args import KimiLinearArgs
 
 
 class MLAttention(nn.Module):
-    decode_gemv = False
-    """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    pdl = False
-    """KernelConfig.pdl (set by the model's configure_kernels)."""
-    absorb_gemv = False
-    """KernelConfig.mla_absorb_gemv (set by the model's configure_kernels)."""
-
-    def __init__(self, args: KimiLinearArgs, mla_index: int) -> None:
+    def __init__(self, args: KimiLinearArgs, mla_index: int,
+                 backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         self.mla_index = mla_index
+        self.gemv = backends.gemv
+        self.absorb_gemv = backends.mla == "triton_absorb_gemv"
         self.num_heads = args.num_attention_heads
         self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = args.v_head_dim, args.kv_lora_rank
@@ -56,7 +53,7 @@ class MLAttention(nn.Module):
         return k, kv[..., self.nope_dim:]
 
     def _absorbed(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, out: torch.Tensor) -> None:
+                  seq_lens: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
         """q [R, H, qk] -> out [R, H, v]: row r attends to the first seq_lens[r] cached
         latents of block_table[r], in the latent space (W_UK folded into q, W_UV applied
         after). With absorb_gemv (CUDA, <= GEMV_MAX_ROWS rows) both per-head products run as
@@ -68,16 +65,16 @@ class MLAttention(nn.Module):
         if by_gemv:
             q_nope = q.new_empty(R, h, self.kv_lora_rank)                     # [R, H, rank]
             gemv_batched(q[..., :self.nope_dim].transpose(0, 1), self.w_uk_t,
-                         out=q_nope.transpose(0, 1), pdl=self.pdl)
+                         out=q_nope.transpose(0, 1), pdl=pdl)
         else:
             q_nope = torch.einsum("bhn,hnr->bhr", q[..., :self.nope_dim], w_uk)   # [R, H, rank]
         # With the W_UK GEMV (a PDL launch after store_latent) in between, the decode kernel
         # may read the cache before its wait.
         o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
                                                block_table, seq_lens, self.scale,
-                                               pdl=self.pdl, prefetch_kv=by_gemv)  # [R, H, rank]
+                                               pdl=pdl, prefetch_kv=by_gemv)  # [R, H, rank]
         if by_gemv:
-            gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=self.pdl)
+            gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=pdl)
         else:
             out.copy_(torch.einsum("bhr,hvr->bhv", o_lat, w_uv))
 
@@ -88,36 +85,35 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x: [T, D] -> [T, D]."""
-        md = ctx.attn
+        md, pdl = ctx.attn, ctx.plan.pdl
         kv_cache = ctx.caches.mla_kv[self.mla_index]
         T, h = x.shape[0], self.num_heads
-        q_ckv = linear(x, self.q_kva_weight, self.decode_gemv,
-                       pdl=self.pdl)                               # [T, H*qk + rank + rope]
+        q_ckv = linear(x, self.q_kva_weight, self.gemv, pdl=pdl)  # [T, H*qk + rank + rope]
         q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
         ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
-        out = self._attend(q, ckv, kv_cache, md)                          # [T, H, v_dim]
-        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.decode_gemv,
-                      pdl=self.pdl)
+        out = self._attend(q, ckv, kv_cache, md, pdl)                     # [T, H, v_dim]
+        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.gemv, pdl=pdl)
 
     def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,
-                md) -> torch.Tensor:
+                md, pdl: bool) -> torch.Tensor:
         """Stores the new latent rows, then attends: absorbed rows (decodes, spec
         verification) and prefills. q: [T, H, qk_dim]; ckv: [T, rank + rope]."""
         T, h = q.shape[0], self.num_heads
         mla_backend.store_latent(kv_cache, md.slot_mapping[:T], ckv,
-                                 self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-                                 pdl=self.pdl)
+                                 self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, pdl=pdl)
         out = q.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:
-            self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], out[:nd])
+            self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], out[:nd],
+                           pdl)
         absorbed = md.mla_absorbed
         skip = set()
         if absorbed is not None:   # spec verification rows: one absorbed row per token
             rows = absorbed.rows()
             q_rows = q[rows]                                              # [rows, H, qk]
             o_rows = q.new_empty(q_rows.shape[0], h, self.v_dim)          # [rows, H, v]
-            self._absorbed(q_rows, kv_cache, absorbed.block_table, absorbed.seq_lens, o_rows)
+            self._absorbed(q_rows, kv_cache, absorbed.block_table, absorbed.seq_lens, o_rows,
+                           pdl)
             out[rows] = o_rows
             skip = set(absorbed.reqs)
         prefills = [i for i in range(nd, md.num_reqs) if i not in skip]

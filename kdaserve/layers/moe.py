@@ -7,25 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.kernels import reference as ref
-from kdaserve.kernels.moe.router import ROUTER_SPLITK_MAX_TOKENS
-from kdaserve.layers.linear import GEMV_MAX_ROWS, linear
-from kdaserve.layers.mlp import MLP
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.kernels import reference as ref
+from kdaserve.layers.backends import LayerBackends
+from kdaserve.layers.linear import linear
+from kdaserve.layers.mlp import MLP
 
 
 class TopkRouter(nn.Module):
-    decode_gemv = False
-    """KernelConfig.decode_gemv (set by the model's configure_kernels)."""
-    pdl = False
-    """KernelConfig.pdl (set by the model's configure_kernels)."""
-    router_splitk = False
-    """KernelConfig.router_splitk (set by the model's configure_kernels)."""
-    fused_router = False
-    """KernelConfig.fused_router (set by the model's configure_kernels)."""
-
-    def __init__(self, args: KimiLinearArgs) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
+        self.gemv = backends.gemv
         self.top_k = args.num_experts_per_token
         self.renormalize = args.moe_renormalize
         self.scaling = args.routed_scaling_factor
@@ -34,44 +26,24 @@ class TopkRouter(nn.Module):
                                                dtype=torch.float32))
         self.register_buffer("e_score_correction_bias",
                              torch.zeros(args.num_experts, dtype=torch.float32))
-        self.ticket: torch.Tensor | None = None
-        """The one-launch router's ticket (zero between launches; CUDA graphs keep its
-        address, so it is allocated once)."""
-
-    def process_weights_after_loading(self) -> None:
-        self.ticket = torch.zeros(1, dtype=torch.int32, device=self.weight.device)
 
     def forward(self, x: torch.Tensor, extra_expert: int | None = None,
-                x32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                x32: torch.Tensor | None = None, pdl: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
         only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
         when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM.
-        On CUDA with <= GEMV_MAX_ROWS rows and fused_router: one launch (moe_router_gemv_topk,
-        x read as is, x32 unused). Else with <= ROUTER_SPLITK_MAX_TOKENS rows and router_splitk:
-        the split-K GEMV with its partial sums reduced in the top-k launch (moe_router_splitk,
-        no cuBLAS)."""
-        if x.is_cuda and self.fused_router and x.shape[0] <= GEMV_MAX_ROWS:
-            from kdaserve.kernels.moe.router import moe_router_gemv_topk
-
-            return moe_router_gemv_topk(x, self.weight, self.e_score_correction_bias,
-                                        self.top_k, self.renormalize, self.scaling, self.ticket,
-                                        extra_expert=extra_expert, pdl=self.pdl)
-        if x.is_cuda and self.router_splitk and x.shape[0] <= ROUTER_SPLITK_MAX_TOKENS:
-            from kdaserve.kernels.moe.router import moe_router_splitk
-
-            return moe_router_splitk(x32 if x32 is not None else x, self.weight,
-                                     self.e_score_correction_bias, self.top_k, self.renormalize,
-                                     self.scaling, extra_expert=extra_expert, pdl=self.pdl)
+        pdl: the CUDA kernels launch with programmatic dependent launch."""
         if x32 is not None:
             logits = F.linear(x32, self.weight)                           # [N, E] fp32
         else:
-            logits = linear(x, self.weight, self.decode_gemv, torch.float32, pdl=self.pdl)
+            logits = linear(x, self.weight, self.gemv, torch.float32, pdl=pdl)
         if x.is_cuda:
             from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
             return moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
                                     self.renormalize, self.scaling, extra_expert=extra_expert,
-                                    pdl=self.pdl)
+                                    pdl=pdl)
         return ref.moe_topk_sigmoid(logits, self.e_score_correction_bias, self.top_k,
                                     self.renormalize, self.scaling)
 
@@ -96,19 +68,21 @@ class SparseMoE(nn.Module):
     """On CUDA with one shared expert, the shared expert is folded into the fused MoE as expert
     E with weight 1 for every token: one grouped kernel pass computes routed + shared."""
 
-    def __init__(self, args: KimiLinearArgs) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         self.num_experts = args.num_experts
-        self.gate = TopkRouter(args)
+        self.fold_shared = backends.moe == "triton"
+        """Fold the shared expert into the fused MoE as expert E (when its width matches)."""
+        self.gate = TopkRouter(args, backends)
         self.experts = Experts(args)
         self.shared_experts = MLP(args.hidden_size,
-                                  args.moe_intermediate_size * args.num_shared_experts)
+                                  args.moe_intermediate_size * args.num_shared_experts, backends)
         self.w13_all: torch.Tensor | None = None
         self.w2_all: torch.Tensor | None = None
 
     def process_weights_after_loading(self) -> None:
         sh_inter = self.shared_experts.gate_proj.weight.shape[0]
-        if not self.experts.gate_up_proj.is_cuda or sh_inter != self.experts.down_proj.shape[-1]:
+        if not self.fold_shared or sh_inter != self.experts.down_proj.shape[-1]:
             return
         e, sh = self.experts, self.shared_experts
         # [E+1, 2I, D] / [E+1, D, I]: the shared expert becomes the last expert; every original
@@ -126,16 +100,18 @@ class SparseMoE(nn.Module):
     def router_input(self, x: torch.Tensor) -> torch.Tensor | None:
         """An fp32 buffer like x for the preceding norm to write the router's input into
         (CUDA, fused path only); None where the router casts x itself."""
-        if self.w13_all is None or self.gate.decode_gemv:
+        if self.w13_all is None or self.gate.gemv:
             return None
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
-    def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [N, D]; x32: x in fp32 (from router_input, filled by the norm) or None."""
+    def forward(self, x: torch.Tensor, x32: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
+        """x: [N, D]; x32: x in fp32 (from router_input, filled by the norm) or None; pdl: the
+        CUDA kernels launch with programmatic dependent launch."""
         if self.w13_all is not None:
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
-            w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32)   # [N, k + 1]
-            return fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=self.gate.pdl)
-        topk_weights, topk_ids = self.gate(x)
-        return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x)
+            w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32, pdl=pdl)  # [N, k + 1]
+            return fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=pdl)
+        topk_weights, topk_ids = self.gate(x, pdl=pdl)
+        return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x, pdl)

@@ -9,9 +9,6 @@ from kdaserve.kernels import reference as ref
 
 
 class RMSNorm(nn.Module):
-    pdl = False
-    """KernelConfig.pdl (set by the model's configure_kernels)."""
-
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -21,13 +18,15 @@ class RMSNorm(nn.Module):
         return self.forward_residual(x, None)[0]
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None,
-                         out32: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         out32: torch.Tensor | None = None, pdl: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, D]; s = x + residual (x alone when None). Returns (norm(s), s); norm(s) is
-        also written, widened, into out32 (fp32 [N, D]) when given."""
+        also written, widened, into out32 (fp32 [N, D]) when given. pdl: the CUDA kernel
+        launches with programmatic dependent launch."""
         if x.is_cuda:
             from kdaserve.kernels.norm.rms_norm import add_rms_norm
 
-            return add_rms_norm(x, self.weight, self.eps, residual, out32, pdl=self.pdl)
+            return add_rms_norm(x, self.weight, self.eps, residual, out32, pdl=pdl)
         out, s = ref.add_rms_norm(x, self.weight, self.eps, residual)
         if out32 is not None:
             out32.copy_(out)

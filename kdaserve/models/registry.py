@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kdaserve.config import KernelConfig
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.layers.backends import LayerBackends, select_backends
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 _ARCHITECTURES = {
@@ -22,14 +24,18 @@ def resolve_architecture(hf_config: dict) -> type[nn.Module]:
 
 
 def build_model(args: KimiLinearArgs, dtype: torch.dtype, device: torch.device | str,
-                cls: type[nn.Module] = KimiLinearForCausalLM) -> nn.Module:
+                cls: type[nn.Module] = KimiLinearForCausalLM,
+                backends: LayerBackends | None = None) -> nn.Module:
     """Build on the meta device, then allocate uninitialised storage on `device`: parameters
-    declared fp32 (router, gate biases) stay fp32, the rest take `dtype`. The loader fills them."""
+    declared fp32 (router, gate biases) stay fp32, the rest take `dtype`. The loader fills them.
+    backends: the layers' kernel backends (default: the baseline set for `device`)."""
+    if backends is None:
+        backends = select_backends(KernelConfig.baseline(), device)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(args)
+            model = cls(args, backends)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)

@@ -1,5 +1,6 @@
-"""The model runner's speculative-decoding half: spec metadata, verification sampling, the KDA
-state commit, and the next step's drafts.
+"""Speculative decoding behind one interface the model runner calls: spec metadata,
+verification (eager, or a CUDA-graph replay), rejection sampling, the KDA state commit, and the
+next step's drafts from the proposer (ngram or a draft model).
 
 One step with spec rows (requests the scheduler gave drafts, query = [last token] + drafts):
   1. `build_step`: AttentionMetadata.spec (kda_spec runs the spec rows through the verify
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +48,11 @@ from kdaserve.spec_decode.rejection_sampler import (
 )
 from kdaserve.spec_decode.metrics import SpecDecodingStats
 from kdaserve.spec_decode.ngram import NgramProposer
+from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
+
+if TYPE_CHECKING:
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
+    from kdaserve.worker.input_batch import CachedRequestState, StepBatch
 
 
 @dataclass
@@ -64,7 +71,9 @@ class _PendingCommit:
 
 class SpecDecoder:
     def __init__(self, config: EngineConfig, target_args, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, threshold_kernel: bool = False) -> None:
+        """threshold_kernel: the rejection sampler's top-k / top-p through the sort-free
+        threshold search (the sampler backend)."""
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         self.method = sc.method
@@ -76,7 +85,7 @@ class SpecDecoder:
         self.conv_dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.max_model_len = config.scheduler_config.max_model_len
         self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates,
-                                        config.kernel_config.sampling_threshold_kernel)
+                                        threshold_kernel)
         self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
         self.probabilistic = sc.method == "draft_model" and \
             sc.draft_sample_method == "probabilistic"
@@ -95,6 +104,8 @@ class SpecDecoder:
         """req_id -> [K_i, V] distributions its pending drafts were sampled from."""
         self.scratch_base: int | None = None
         self._pending: _PendingCommit | None = None
+        self.verify_graphs: SpecVerifyGraphs | None = None
+        """Graphs of uniform verification steps (CUDA, recover + contiguous), once captured."""
 
     def warmup(self) -> None:
         """Compile the draft model's kernels at start-up (draft_model method only)."""
@@ -102,11 +113,32 @@ class SpecDecoder:
         if warmup is not None:
             warmup()
 
-    def capture_graphs(self) -> None:
-        """CUDA graphs of the draft model's one-token steps (draft_model method only)."""
+    def capture_graphs(self, graphs: "CudaGraphManager", model: torch.nn.Module,
+                       caches: ModelCaches, pad_slot: int, block_size: int) -> None:
+        """Capture, into `graphs`, the target's verification steps (recover + contiguous only:
+        the graph reads the state pool and keeps records for the captured commit) and the
+        draft model's steps. pad_slot: the KDA scratch row of padding requests."""
+        if not self.per_position and self.layout == "contiguous":
+            self.verify_graphs = SpecVerifyGraphs(graphs, model, caches, self.k, pad_slot,
+                                                  block_size, self.max_model_len, self.device)
+            self.verify_graphs.capture()
         capture = getattr(self.proposer, "capture_graphs", None)
         if capture is not None:
-            capture()
+            capture(graphs)
+
+    def can_replay_verify(self, batch: "StepBatch") -> bool:
+        """A captured verification graph covers this step (every row verifies K drafts)."""
+        return self.verify_graphs is not None and self.verify_graphs.can_run(batch)
+
+    def replay_verify(self, batch: "StepBatch", states: list["CachedRequestState"]
+                      ) -> torch.Tensor:
+        """Replay the verification graph of the step; returns the hidden states of every window
+        token [n * (1 + K), D] and keeps the captured commit for `commit`."""
+        vg = self.verify_graphs
+        hidden, step, bs = vg.run(batch, states)
+        self._pending = _PendingCommit(step, [s.state_slot for s in states], [], bs,
+                                       lambda accepted: vg.commit(bs, step, accepted))
+        return hidden
 
     # -----------------------------------------------------------------------------------------
     # Sizing
@@ -241,12 +273,6 @@ class SpecDecoder:
                     torch.tensor(d, device=logits.device), logits.shape[1]).float()
             rows.append(q[:len(d)])
         return torch.cat(rows) if rows else None
-
-    def set_pending(self, step: SpecStep, own_slots: list[int], pad_to: int = 0,
-                    commit: Callable[[list[int]], None] | None = None) -> None:
-        """The commit of a step whose SpecStep was built elsewhere (a spec-verify CUDA graph,
-        which brings its own captured commit)."""
-        self._pending = _PendingCommit(step, own_slots, [], pad_to, commit)
 
     def commit(self, caches: ModelCaches, num_accepted: list[int]) -> None:
         """num_accepted: per spec row, tokens emitted (= accepted drafts + 1)."""

@@ -2,8 +2,8 @@
 
 After a verification, each request has 1..K+1 committed tokens the draft has not seen (the
 accepted drafts and the bonus token). The plain path runs them as a varlen prefill: about ten
-launches per KDA layer, prefill attention per request, and Python launch overhead that cost
-~12 ms of an ~19 ms speculative step on the H200 (step_breakdown_h200_v2_spec.json). Here every
+launches per KDA layer, prefill attention per request, and Python launch overhead that made it
+most of a speculative step's time (benchmarks/PERF_NOTES.md). Here every
 request gets a window of exactly K+1 token rows, its new tokens first and padding after, and the
 step runs in the RecoverSSM verify form the target's verification already uses:
 - KDA: the verify kernels read the committed state (read only) and keep per-token records; the
@@ -12,8 +12,8 @@ step runs in the RecoverSSM verify form the target's verification already uses:
 - MLA: one absorbed row per token; a real token j sees its context and tokens 0..j, a padding
   token only its row's context (its output is never used), and padding writes no KV;
 - the logits are taken at each row's last real token;
-- each committed state is then copied to the row's scratch slot, where drafts 2..K run (the
-  eager copy was ~24 launches and two host syncs a step).
+- each committed state is then copied to the row's scratch slot, where drafts 2..K run (eagerly
+  that copy is two launches per cache tensor and two host syncs a step).
 Rows past n (up to the capture size) run on the draft's padding slot and commit nothing.
 """
 
@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,9 +30,13 @@ from torch import nn
 
 from kdaserve.attention import kda_spec
 from kdaserve.attention.builder import slot_mapping
-from kdaserve.attention.metadata import ForwardContext, ModelCaches
-from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes
+from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
+                                                StepPlan, capture_sizes)
+from kdaserve.attention.metadata import ModelCaches
 from kdaserve.spec_decode.verify_graphs import WindowBuffers
+
+if TYPE_CHECKING:
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +56,12 @@ class DraftCatchup(WindowBuffers):
         self.scratch_indices = torch.full((bs,), pad_slot, dtype=torch.long, device=device)
         self.num_real = torch.zeros(bs, dtype=torch.int64, device=device)       # commit counts
         self.last_row = torch.zeros(bs, dtype=torch.long, device=device)        # logits rows
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: "CudaGraphManager | None" = None
+        """The manager holding this step's graphs, once capture() ran (CUDA)."""
         self.num_runs = 0
+
+    def descriptor(self, bs: int) -> BatchDescriptor:
+        return BatchDescriptor(ExecMode.DRAFT_GRAPH, bs, self.k1)
 
     def can_run(self, new_tokens: list[int], num_computed: list[int]) -> bool:
         """Every row continues a context with 1..K+1 new tokens, and the rows fit a size."""
@@ -67,8 +77,9 @@ class DraftCatchup(WindowBuffers):
         self._token_block_tables(bs)
         md.spec.records.clear()
         md.spec.conv_inputs.clear()
-        ids = self.input_ids[:t]
-        hidden = self.model(ids, ids, ForwardContext(md, self.caches))          # [t, D]
+        # the draft model runs the baseline backends: no PDL
+        plan = StepPlan.graph(self.descriptor(bs), pdl=False)
+        hidden = self.model(self.input_ids[:t], ForwardContext(md, self.caches, plan))  # [t, D]
         logits = self.model.compute_logits(hidden.index_select(0, self.last_row[:bs]))
         kda_spec.commit(md.spec, self.caches.kda_recurrent, self.caches.kda_conv,
                         self.num_real[:bs])
@@ -78,18 +89,16 @@ class DraftCatchup(WindowBuffers):
         return logits
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, graphs: "CudaGraphManager") -> None:
         """One graph per capture size (CUDA). The warm-up runs commit zero tokens into the
         padding slot: the buffers hold padding rows until the first fill()."""
         t0 = time.perf_counter()
-        pool = None
         for bs in reversed(self.sizes):
-            graph, logits = capture_graph(lambda: self._forward(bs), pool)
-            pool = pool or graph.pool()
-            self.graphs[bs] = (graph, logits)
+            graphs.capture(self.descriptor(bs), lambda: self._forward(bs))
+        self.graphs = graphs
         torch.cuda.synchronize()
         logger.info("captured %d draft catch-up CUDA graphs (sizes %s, %d rows per request) in "
-                    "%.1f s", len(self.graphs), self.sizes, self.k1, time.perf_counter() - t0)
+                    "%.1f s", len(self.sizes), self.sizes, self.k1, time.perf_counter() - t0)
 
     # ---- one step ----
     def fill(self, queries: list[list[int]], num_computed: list[int],
@@ -148,8 +157,6 @@ class DraftCatchup(WindowBuffers):
         n = len(queries)
         bs = self.fill(queries, num_computed, block_ids, slots, scratch_slots)
         self.num_runs += 1
-        if bs in self.graphs:
-            graph, logits = self.graphs[bs]
-            graph.replay()
-            return logits[:n]
+        if self.graphs is not None:
+            return self.graphs.replay(self.descriptor(bs))[:n]
         return self._forward(bs)[:n]

@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
-from kdaserve.attention.builder import slot_mapping
-from kdaserve.attention.metadata import AttentionMetadata, ForwardContext, ModelCaches
-from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes, decode_metadata
+from kdaserve.attention.builder import decode_metadata, slot_mapping
+from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
+                                                StepPlan, capture_sizes)
+from kdaserve.attention.metadata import AttentionMetadata, ModelCaches
+
+if TYPE_CHECKING:
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
 
 logger = logging.getLogger(__name__)
 
@@ -50,26 +55,35 @@ class DraftDecodeGraphs:
         self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
         self.state_indices = torch.full((bs,), scratch_slot, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.manager: "CudaGraphManager | None" = None
+        """The manager holding the graphs, once capture() ran."""
         self._size = 0
         self._n = 0
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return decode_metadata(self, bs)
 
+    @staticmethod
+    def descriptor(bs: int) -> BatchDescriptor:
+        return BatchDescriptor(ExecMode.DRAFT_GRAPH, bs)
+
+    def context(self, bs: int) -> ForwardContext:
+        """The forward context of a step of bs rows (the draft model runs the baseline
+        backends: no PDL)."""
+        return ForwardContext(self._metadata(bs), self.caches,
+                              StepPlan.graph(self.descriptor(bs), pdl=False))
+
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, graphs: "CudaGraphManager") -> None:
         t0 = time.perf_counter()
-        pool = None
         for bs in reversed(self.sizes):
-            ctx = ForwardContext(self._metadata(bs), self.caches)
+            ctx = self.context(bs)
             ids = self.input_ids[:bs]
-            graph, logits = capture_graph(
-                lambda: self.model.compute_logits(self.model(ids, ids, ctx)), pool)
-            pool = pool or graph.pool()
-            self.graphs[bs] = (graph, logits)
+            graphs.capture(self.descriptor(bs),
+                           lambda: self.model.compute_logits(self.model(ids, ctx)))
+        self.manager = graphs
         torch.cuda.synchronize()
-        logger.info("captured %d draft-model CUDA graphs (sizes %s) in %.1f s", len(self.graphs),
+        logger.info("captured %d draft-model CUDA graphs (sizes %s) in %.1f s", len(self.sizes),
                     self.sizes, time.perf_counter() - t0)
 
     def load(self, block_table: np.ndarray, state_slots: list[int]) -> None:
@@ -103,6 +117,4 @@ class DraftDecodeGraphs:
 
     def _run(self, size: int) -> torch.Tensor:
         """Replay the graph of `size` over the buffers; its logits [size, V]."""
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits
+        return self.manager.replay(self.descriptor(size))

@@ -23,15 +23,20 @@ argmax; returns q for the rejection sampler's ratio test).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from kdaserve.attention.builder import build_metadata
-from kdaserve.attention.metadata import ForwardContext, ModelCaches
+from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.attention.caches import allocate_caches
+
+if TYPE_CHECKING:
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
 
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
@@ -147,21 +152,21 @@ class DraftModelProposer:
             for b in blocks:
                 self._blocks.give(b)
 
-    def capture_graphs(self) -> None:
-        """Capture CUDA graphs of the one-token draft steps (call after the target's caches
-        are allocated, like the target's graphs)."""
+    def capture_graphs(self, graphs: "CudaGraphManager") -> None:
+        """Capture CUDA graphs of the catch-up window and the one-token draft steps into
+        `graphs` (call after the target's caches are allocated, like the target's graphs)."""
         from kdaserve.spec_decode.draft_graphs import DraftDecodeGraphs
 
         if self.device.type != "cuda":
             return
         if self.catchup is not None:
-            self.catchup.capture()
+            self.catchup.capture(graphs)
         if self.k < 2:
             return
         self.graphs = DraftDecodeGraphs(self.model, self.caches, 2 * self.max_num_seqs,
                                         self.block_size, self.max_blocks_per_req,
                                         self.max_num_seqs, self.max_model_len, self.device)
-        self.graphs.capture()
+        self.graphs.capture(graphs)
 
     # -----------------------------------------------------------------------------------------
 
@@ -289,7 +294,7 @@ class DraftModelProposer:
         md = build_metadata([len(x) for x in queries], num_computed, block_ids, slots,
                             self.block_size, self.device)
         ids = torch.tensor([t for x in queries for t in x], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, ids, ForwardContext(md, self.caches))
+        hidden = self.model(ids, ForwardContext(md, self.caches))
         last = (md.query_start_loc[1:] - 1).long()
         return self.model.compute_logits(hidden[last])
 

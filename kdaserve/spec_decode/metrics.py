@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kdaserve.spec_decode.synthetic import SYNTHETIC_LABEL
+from kdaserve.config.synthetic import SYNTHETIC_LABEL
 
 
 @dataclass

@@ -12,8 +12,8 @@ Padding requests (up to the capture size) verify on the runner's scratch KDA slo
 and commit nothing that matters (zero accepted tokens, into the scratch slot).
 
 The commit after sampling is a second graph per size over the forward graph's records: the
-accepted counts are its only input (two Triton launches per KDA layer otherwise, ~2.8 ms of
-host time per step at 20 layers on the H200).
+accepted counts are its only input (eagerly it is two Triton launches per KDA layer, whose host
+launch cost is comparable to the whole verification forward).
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import numpy as np
 import torch
 
 from kdaserve.attention import kda_spec
-from kdaserve.attention.metadata import (AttentionMetadata, ForwardContext, MLAAbsorbedRows,
-                                         SpecStep)
 from kdaserve.attention.builder import slot_mapping
-from kdaserve.worker.cuda_graphs import capture_graph, capture_sizes
+from kdaserve.attention.forward_context import BatchDescriptor, ExecMode, ForwardContext
+from kdaserve.attention.metadata import (AttentionMetadata, MLAAbsorbedRows, ModelCaches,
+                                         SpecStep)
 
 if TYPE_CHECKING:
-    from kdaserve.worker.model_runner import CachedRequestState, ModelRunner, StepBatch
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
+    from kdaserve.worker.input_batch import CachedRequestState, StepBatch
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class WindowBuffers:
     def __init__(self, max_bs: int, k1: int, max_blocks: int, pad_slot: int, max_seq_len: int,
                  device: torch.device) -> None:
         self.max_bs, self.k1, self.max_seq_len = max_bs, k1, max_seq_len
+        self.pad_slot = pad_slot
         tok = max_bs * k1
         self.input_ids = torch.zeros(tok, dtype=torch.long, device=device)
         self.query_start_loc = torch.arange(0, (max_bs + 1) * k1, k1, dtype=torch.int32,
@@ -89,23 +91,24 @@ class WindowBuffers:
 
 
 class SpecVerifyGraphs(WindowBuffers):
-    def __init__(self, runner: "ModelRunner", pool=None) -> None:
-        spec = runner.spec
-        if spec.per_position or spec.layout != "contiguous":
-            raise ValueError("spec verification graphs need kda_state_mode=recover and "
-                             "batch_layout=contiguous")
-        self.runner, self.spec, self.pool = runner, spec, pool
-        self.sizes = capture_sizes(runner.config.scheduler_config.max_num_seqs)
-        max_len = runner.config.scheduler_config.max_model_len
-        super().__init__(self.sizes[-1], spec.k + 1, -(-(max_len + spec.k) // runner.block_size),
-                         runner.num_slots, max_len, runner.device)
+    def __init__(self, graphs: "CudaGraphManager", model: torch.nn.Module, caches: ModelCaches,
+                 k: int, pad_slot: int, block_size: int, max_model_len: int,
+                 device: torch.device) -> None:
+        self.graphs, self.model, self.caches = graphs, model, caches
+        self.block_size = block_size
+        self.sizes = graphs.sizes
+        super().__init__(self.sizes[-1], k + 1, -(-(max_model_len + k) // block_size),
+                         pad_slot, max_model_len, device)
         tok = self.max_bs * self.k1
         # per token: its offset in the window (for the absorbed MLA rows' sequence lengths)
-        self.token_off = (torch.arange(tok, device=runner.device) % self.k1).to(torch.int32)
-        self.num_accepted = torch.zeros(self.max_bs, dtype=torch.int64, device=runner.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, SpecStep]] = {}
-        self.commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.token_off = (torch.arange(tok, device=device) % self.k1).to(torch.int32)
+        self.num_accepted = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+        self.steps: dict[int, SpecStep] = {}
+        """Per capture size, the SpecStep its graph fills (the commit reads its records)."""
         self.num_replays = 0
+
+    def descriptor(self, bs: int, stage: str = "forward") -> BatchDescriptor:
+        return BatchDescriptor(ExecMode.VERIFY_GRAPH, bs, self.k1, stage)
 
     # ---- capture ----
     def _forward(self, bs: int, md: AttentionMetadata) -> torch.Tensor:
@@ -118,23 +121,22 @@ class SpecVerifyGraphs(WindowBuffers):
             - (self.k1 - 1) + self.token_off[:t]
         md.spec.records.clear()
         md.spec.conv_inputs.clear()
-        ids = self.input_ids[:t]
-        return self.runner.model(ids, ids, ForwardContext(md, self.runner.caches))
+        ctx = ForwardContext(md, self.caches, self.graphs.plan(self.descriptor(bs)))
+        return self.model(self.input_ids[:t], ctx)
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):
             md = self._metadata(bs)
-            graph, hidden = capture_graph(lambda: self._forward(bs, md), self.pool)
-            self.pool = self.pool or graph.pool()
-            self.graphs[bs] = (graph, hidden, md.spec)
+            self.graphs.capture(self.descriptor(bs), lambda: self._forward(bs, md))
+            self.steps[bs] = md.spec
             # the buffers hold padding rows here: the warm-up commits zero tokens to scratch
-            self.commit_graphs[bs], _ = capture_graph(lambda: self._commit_work(bs, md.spec),
-                                                      self.pool, warmups=1)
+            self.graphs.capture(self.descriptor(bs, "commit"),
+                                lambda: self._commit_work(bs, md.spec), warmups=1)
         torch.cuda.synchronize()
         logger.info("captured %d spec-verify CUDA graphs (sizes %s, %d tokens per request) in "
-                    "%.1f s", len(self.graphs), self.sizes, self.k1, time.perf_counter() - t0)
+                    "%.1f s", len(self.sizes), self.sizes, self.k1, time.perf_counter() - t0)
 
     # ---- replay ----
     def can_run(self, batch: "StepBatch") -> bool:
@@ -146,7 +148,7 @@ class SpecVerifyGraphs(WindowBuffers):
         """Write the step into the buffers; returns the capture size."""
         n = len(batch.req_ids)
         bs = next(s for s in self.sizes if s >= n)
-        k1, bsz, t = self.k1, self.runner.block_size, n * self.k1
+        k1, bsz, t = self.k1, self.block_size, n * self.k1
         computed = np.asarray(batch.num_computed, dtype=np.int64)
         pos = (computed[:, None] + np.arange(k1)[None, :]).reshape(-1)          # [t]
         req = np.repeat(np.arange(n), k1)
@@ -160,7 +162,7 @@ class SpecVerifyGraphs(WindowBuffers):
         ids[:t] = batch.input_ids
         seq = np.full(bs, k1, dtype=np.int32)
         seq[:n] = computed + k1
-        state = np.full(bs, self.runner.num_slots, dtype=np.int32)
+        state = np.full(bs, self.pad_slot, dtype=np.int32)
         state[:n] = [s.state_slot for s in states]
         self.input_ids[:bs * k1].copy_(torch.from_numpy(ids))
         self.slot_mapping[:bs * k1].copy_(torch.from_numpy(slots))
@@ -169,20 +171,19 @@ class SpecVerifyGraphs(WindowBuffers):
         self.block_table[:bs, :width].copy_(torch.from_numpy(table))
         return bs
 
-    def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
-        """Hidden states of every window token [n * (1 + K), D]; the pending commit is set."""
+    def run(self, batch: "StepBatch", states: list["CachedRequestState"]
+            ) -> tuple[torch.Tensor, SpecStep, int]:
+        """Replay the step: (hidden states of every window token [n * (1 + K), D], the SpecStep
+        the commit reads, the capture size replayed)."""
         bs = self.fill(batch, states)
         hidden, step = self._run(bs)
         self.num_replays += 1
-        n = len(batch.req_ids)
-        self.spec.set_pending(step, [s.state_slot for s in states], pad_to=bs,
-                              commit=lambda accepted: self.commit(bs, step, accepted))
-        return hidden[:n * self.k1]
+        return hidden[:len(batch.req_ids) * self.k1], step, bs
 
     def _commit_work(self, bs: int, step: SpecStep) -> None:
         """The captured commit: the first num_accepted[i] window tokens into row i's slot."""
-        caches = self.runner.caches
-        kda_spec.commit(step, caches.kda_recurrent, caches.kda_conv, self.num_accepted[:bs])
+        kda_spec.commit(step, self.caches.kda_recurrent, self.caches.kda_conv,
+                        self.num_accepted[:bs])
 
     def commit(self, bs: int, step: SpecStep, num_accepted: list[int]) -> None:
         """After sampling the step replayed at size bs: num_accepted per real row (padding
@@ -193,9 +194,7 @@ class SpecVerifyGraphs(WindowBuffers):
         self._replay_commit(bs, step)
 
     def _replay_commit(self, bs: int, step: SpecStep) -> None:
-        self.commit_graphs[bs].replay()
+        self.graphs.replay(self.descriptor(bs, "commit"))
 
     def _run(self, bs: int) -> tuple[torch.Tensor, SpecStep]:
-        graph, hidden, step = self.graphs[bs]
-        graph.replay()
-        return hidden, step
+        return self.graphs.replay(self.descriptor(bs)), self.steps[bs]

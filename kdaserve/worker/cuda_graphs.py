@@ -1,60 +1,85 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs: one manager for every graph the engine replays, and the decode graphs' inputs.
 
-One graph per capture size; a step with B decode requests replays the graph of the smallest size
->= B. Padding rows compute on a scratch KDA slot (the runner's last slot), write no KV
-(slot_mapping -1) and read one cached token; their outputs are dropped.
+The manager keys each graph by its BatchDescriptor (execution mode, padded request count, tokens
+per request, stage) and serves the target's decode and verification graphs and the draft
+model's graphs alike: each user captures a piece of work at each capture size, then replays the
+graph of the smallest size that holds its batch. Padding rows compute on a scratch KDA slot,
+write no KV (slot_mapping -1) and are dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from kdaserve.attention.metadata import AttentionMetadata, ForwardContext
+from kdaserve.attention.builder import decode_metadata
+from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
+                                                StepPlan, capture_sizes)
+from kdaserve.attention.metadata import ModelCaches
 
 if TYPE_CHECKING:
-    from kdaserve.worker.model_runner import CachedRequestState, ModelRunner, StepBatch
+    from kdaserve.worker.input_batch import CachedRequestState, StepBatch
 
 logger = logging.getLogger(__name__)
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
-    return [s for s in sizes if s <= max_num_seqs] or [1]
+class CudaGraphManager:
+    """Captured graphs by BatchDescriptor, with their outputs. Two memory pools: one for the
+    target model's graphs, one for the draft model's, whose replays fall between a
+    verification forward and its commit's consumers. Within a pool, graphs are replayed one at
+    a time and each output is used before another graph of the pool replays."""
 
+    def __init__(self, max_num_seqs: int, pdl: bool) -> None:
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = self.sizes[-1]
+        self.pdl = pdl
+        """Graphs launch their Triton kernels with PDL (the plan each is captured with)."""
+        self._graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._pools: dict[bool, Any] = {}
 
-def capture_graph(work, pool=None, warmups: int = 2):
-    """Run `work` eagerly `warmups` times (autotuning and lazy init stay out of the capture),
-    capture it in a CUDA graph on `pool`, and replay it once so that the graph's upload
-    happens at start-up, not in the first serving step of its size. Returns (graph, what work
-    returned in the capture: the graph's output tensors)."""
-    for _ in range(warmups):
-        work()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = work()
-    graph.replay()
-    return graph, out
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The capture size a batch of num_reqs requests replays at (None: too many)."""
+        return next((s for s in self.sizes if s >= num_reqs), None)
 
+    def plan(self, batch: BatchDescriptor) -> StepPlan:
+        """The plan a target-model graph of `batch` is captured with."""
+        return StepPlan.graph(batch, pdl=self.pdl)
 
-def decode_metadata(buf, bs: int) -> AttentionMetadata:
-    """Metadata of a captured decode step of bs one-token rows over graph input buffers (`buf`
-    has query_start_loc, seq_lens, slot_mapping, block_table, state_indices, has_initial_state
-    and max_seq_len, the MLA split bound that keeps one grid across replays)."""
-    return AttentionMetadata(
-        num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
-        query_start_loc=buf.query_start_loc[:bs + 1],
-        query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
-        seq_lens=buf.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
-        num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
-        slot_mapping=buf.slot_mapping[:bs], block_table=buf.block_table[:bs],
-        state_indices=buf.state_indices[:bs], has_initial_state=buf.has_initial_state[:bs],
-        max_query_len=1, max_seq_len=buf.max_seq_len)
+    def __contains__(self, batch: BatchDescriptor) -> bool:
+        return batch in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def capture(self, batch: BatchDescriptor, work: Callable[[], Any], warmups: int = 2) -> Any:
+        """Run `work` eagerly `warmups` times (autotuning and lazy init stay out of the
+        capture), capture it, and replay it once so that the graph's upload happens at
+        start-up, not in the first serving step of its size. Returns what work returned in the
+        capture: the graph's output, which each replay rewrites."""
+        for _ in range(warmups):
+            work()
+        torch.cuda.synchronize()
+        draft = batch.mode is ExecMode.DRAFT_GRAPH
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pools.get(draft)):
+            out = work()
+        self._pools.setdefault(draft, graph.pool())
+        graph.replay()
+        self._graphs[batch] = (graph, out)
+        return out
+
+    def replay(self, batch: BatchDescriptor) -> Any:
+        graph, out = self._graphs[batch]
+        graph.replay()
+        return out
+
+    def graph(self, batch: BatchDescriptor) -> torch.cuda.CUDAGraph:
+        return self._graphs[batch][0]
 
 
 class _HostStaging:
@@ -71,43 +96,45 @@ class _HostStaging:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: "ModelRunner") -> None:
-        self.runner = runner
-        self.sizes = capture_sizes(runner.config.scheduler_config.max_num_seqs)
-        self.max_bs = self.sizes[-1]
-        bs, dev = self.max_bs, runner.device
-        max_blocks = -(-runner.config.scheduler_config.max_model_len // runner.block_size)
-        self.input_ids = torch.zeros(bs, dtype=torch.long, device=dev)
-        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((bs,), -1, dtype=torch.int64, device=dev)
-        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=dev)
-        self.state_indices = torch.full((bs,), runner.num_slots, dtype=torch.int32, device=dev)
-        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=dev)
+    """The target's decode-only steps: graph input buffers, their host staging, and the
+    captured forward at every capture size."""
+
+    def __init__(self, graphs: CudaGraphManager, model: torch.nn.Module, caches: ModelCaches,
+                 pad_slot: int, block_size: int, max_model_len: int,
+                 device: torch.device) -> None:
+        self.graphs, self.model, self.caches = graphs, model, caches
+        self.pad_slot, self.block_size = pad_slot, block_size
+        self.sizes, self.max_bs = graphs.sizes, graphs.max_size
+        bs = self.max_bs
+        max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((bs,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
+        self.state_indices = torch.full((bs,), pad_slot, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
+        self.max_seq_len = max_model_len
         # Host staging (pinned): one H2D copy per buffer per step. Two sets, used in turn: with
         # async scheduling a step fills its inputs while the previous step's copies may still
         # be queued behind the device work before them.
         self._staging = [_HostStaging(bs, max_blocks) for _ in range(2)]
         self._turn = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
-        self.max_seq_len = runner.config.scheduler_config.max_model_len
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        return decode_metadata(self, bs)
+    @staticmethod
+    def descriptor(bs: int) -> BatchDescriptor:
+        return BatchDescriptor(ExecMode.DECODE_GRAPH, bs)
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
-        model, caches = self.runner.model, self.runner.caches
         for bs in reversed(self.sizes):
-            ctx = ForwardContext(self._metadata(bs), caches)
+            desc = self.descriptor(bs)
+            ctx = ForwardContext(decode_metadata(self, bs), self.caches, self.graphs.plan(desc))
             ids = self.input_ids[:bs]
-            graph, hidden = capture_graph(lambda: model(ids, ids, ctx), self.pool)
-            self.pool = self.pool or graph.pool()
-            self.graphs[bs] = (graph, hidden)
+            self.graphs.capture(desc, lambda: self.model(ids, ctx))
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (sizes %s) in %.1f s", len(self.graphs),
+        logger.info("captured %d decode CUDA graphs (sizes %s) in %.1f s", len(self.sizes),
                     self.sizes, time.perf_counter() - t0)
 
     def can_run(self, batch: "StepBatch") -> bool:
@@ -122,7 +149,7 @@ class DecodeGraphs:
         scratch KDA slot and write no KV. Returns (capture size, block-table width)."""
         n = len(batch.req_ids)
         bs = next(s for s in self.sizes if s >= n)
-        bsz = self.runner.block_size
+        bsz = self.block_size
         computed = np.asarray(batch.num_computed, dtype=np.int64)
         self._turn ^= 1
         h = self._staging[self._turn]
@@ -136,7 +163,7 @@ class DecodeGraphs:
         slot[:n] = last_block * bsz + computed % bsz
         slot[n:bs] = -1
         state[:n] = [s.state_slot for s in states]
-        state[n:bs] = self.runner.num_slots
+        state[n:bs] = self.pad_slot
         width = 1
         for i, s in enumerate(states):
             nb = len(s.block_ids)
@@ -145,17 +172,22 @@ class DecodeGraphs:
         table[n:bs, 0] = 0
         return bs, width
 
-    def run(self, batch: "StepBatch", states: list["CachedRequestState"]) -> torch.Tensor:
+    def load(self, batch: "StepBatch", states: list["CachedRequestState"]) -> int:
+        """Copy one step's inputs into the graph buffers (stream order, no host wait); returns
+        the capture size to replay. Placeholder input ids (async scheduling) are patched by
+        the caller before the replay."""
         bs, width = self.fill_host_inputs(batch, states)
         h = self._staging[self._turn]
         self.input_ids[:bs].copy_(h.ids[:bs], non_blocking=True)
-        self.runner.patch_pending_inputs(self.input_ids, batch)
         self.seq_lens[:bs].copy_(h.seq[:bs], non_blocking=True)
         self.slot_mapping[:bs].copy_(h.slot[:bs], non_blocking=True)
         self.state_indices[:bs].copy_(h.state[:bs], non_blocking=True)
         self.block_table[:bs, :width].copy_(h.table[:bs, :width], non_blocking=True)
-        graph, hidden = self.graphs[bs]
-        graph.replay()
+        return bs
+
+    def replay(self, bs: int, batch: "StepBatch") -> torch.Tensor:
+        """The hidden states of the batch's sampling rows (a view when every row samples)."""
+        hidden = self.graphs.replay(self.descriptor(bs))
         n = len(batch.req_ids)
         if len(batch.sample_rows) == n:            # every decode row samples: a view, no copy
             return hidden[:n]

@@ -1,101 +1,30 @@
-"""SchedulerOutput -> flattened inputs + metadata -> model -> sampler -> ModelRunnerOutput.
+"""SchedulerOutput -> step plan -> flattened inputs + metadata -> model -> sampler ->
+ModelRunnerOutput.
 
 The runner keeps a persistent copy of every running request (token ids, block ids, state slot,
-seeded generator) keyed by req_id; each step applies the scheduler's delta to it.
+seeded generator) keyed by req_id; each step applies the scheduler's delta to it, builds the
+step's plan (attention/forward_context.py: a captured decode or verification graph, or an eager
+forward) and runs it. Start-up (model load, cache sizing, warm-up, graph capture) is the
+worker's (worker/worker.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import time
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
 from kdaserve.attention.builder import build_metadata
-from kdaserve.attention.metadata import ForwardContext, ModelCaches
-from kdaserve.config import EngineConfig, KernelConfig
+from kdaserve.attention.forward_context import ExecMode, ForwardContext, StepPlan
+from kdaserve.attention.metadata import ModelCaches
+from kdaserve.config import EngineConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kdaserve.models.loader import load_weights
-from kdaserve.models.registry import build_model, resolve_architecture
 from kdaserve.outputs import Logprob
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
 from kdaserve.sample.penalties import PenaltyCache, logits_processing
 from kdaserve.sample.sampler import Sampler, SamplerOutput, to_logprob_dicts
-from kdaserve.sampling_params import SamplingParams
-from kdaserve.worker import cache as cache_mod
-from kdaserve.worker import checkpoints
 from kdaserve.spec_decode.decoder import SpecDecoder
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    """Prompt + outputs known to the worker."""
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    state_slot: int
-    num_computed_tokens: int
-    block_np: np.ndarray = field(default=None, repr=False)
-    """block_ids as int32 with spare capacity: rows of the graph block table copy from it."""
-    num_pending: int = 0
-    """Tokens sampled by launched steps and not yet collected (not in token_ids yet)."""
-
-    def __post_init__(self) -> None:
-        self.block_np = np.empty(max(16, 2 * len(self.block_ids)), dtype=np.int32)
-        self.block_np[:len(self.block_ids)] = self.block_ids
-
-    def add_blocks(self, new_blocks: list[int]) -> None:
-        n = len(self.block_ids)
-        self.block_ids.extend(new_blocks)
-        if len(self.block_ids) > len(self.block_np):
-            grown = np.empty(2 * len(self.block_ids), dtype=np.int32)
-            grown[:n] = self.block_np[:n]
-            self.block_np = grown
-        self.block_np[n:len(self.block_ids)] = new_blocks
-
-
-@dataclass
-class StepBatch:
-    """One step's flattened batch on the host, requests ordered decodes first."""
-
-    req_ids: list[str]
-    input_ids: list[int]
-    query_lens: list[int]
-    num_computed: list[int]
-    sample_rows: list[int]
-    """Indices (into req_ids) of requests that sample a token this step."""
-    drafts: list[list[int]] = field(default_factory=list)
-    """Per request, the draft tokens it verifies ([] for non-spec rows)."""
-    pending_inputs: list[tuple[int, str]] = field(default_factory=list)
-    """(position in input_ids, req_id) of decode inputs that the previous launched step sampled
-    and the host has not seen yet: they are copied on the device from its sampled ids."""
-
-    @property
-    def has_spec(self) -> bool:
-        return any(self.drafts)
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device; ModelRunner.collect turns it into its ModelRunnerOutput.
-
-    Either `output` is already final (steps that need the host in the loop: speculative
-    decoding, penalties, steps that sample nothing), or the sampled ids are on their way into
-    pinned host memory and `done` fires when they are there."""
-
-    output: ModelRunnerOutput | None = None
-    batch: StepBatch | None = None
-    states: list[CachedRequestState] = field(default_factory=list)
-    host: SamplerOutput | None = None
-    """The sampler's output in host memory (filled once `done` has fired)."""
-    done: torch.cuda.Event | None = None
+from kdaserve.worker import checkpoints
+from kdaserve.worker.cuda_graphs import CudaGraphManager, DecodeGraphs
+from kdaserve.worker.input_batch import CachedRequestState, LaunchedStep, StepBatch
 
 
 def _to_host(out: SamplerOutput) -> SamplerOutput:
@@ -109,233 +38,40 @@ def _to_host(out: SamplerOutput) -> SamplerOutput:
                          copy(out.logprobs), copy(out.ranks))
 
 
-def _supported_kernels(kc: KernelConfig, device: torch.device) -> KernelConfig:
-    """kc less what this device cannot run: PDL needs compute capability 9.0 (Hopper)."""
-    if kc.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
-        logger.info("pdl off: compute capability %s < 9.0",
-                    torch.cuda.get_device_capability(device))
-        return dataclasses.replace(kc, pdl=False)
-    return kc
-
-
-def _use_expandable_segments() -> None:
-    """Expandable allocator segments unless the user configured the allocator: loading folds
-    and merges weights (new tensors, old ones freed), which otherwise leaves tens of GiB of
-    reserved fragments that the multi-GiB cache pools cannot use."""
-    import os
-
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)  # < 2.13
-    if setter is None:
-        logger.info("expandable segments not set: this torch has no allocator-settings call")
-        return
-    try:
-        setter("expandable_segments:True")
-    except RuntimeError as exc:   # refused: keep the default allocator
-        logger.info("expandable segments not set: %s", exc)
-
-
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, sampler: Sampler,
+                 spec: SpecDecoder | None, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
-        self.device = torch.device(config.device)
-        mc = config.model_config
-        self.args = mc.arch
-        self.dtype = mc.torch_dtype(self.device.type)
+        self.model, self.sampler, self.spec = model, sampler, spec
+        self.device, self.dtype = device, dtype
+        self.args = config.model_config.arch
         self.block_size = config.cache_config.block_size
-        if self.device.type == "cuda":
-            _use_expandable_segments()
-        t0 = time.perf_counter()
-        cls = resolve_architecture(mc.hf_config)
-        self.model = build_model(self.args, self.dtype, self.device, cls)
-        load_weights(self.model, mc.model, config.load_config)
-        self.kernel_config = _supported_kernels(config.kernel_config, self.device)
-        self.model.configure_kernels(dataclasses.replace(self.kernel_config, pdl=False))
-        logger.info("model loaded in %.2f s (%s, %s)", time.perf_counter() - t0, self.dtype,
-                    self.device)
-        self.sampler = Sampler(config.kernel_config.sampling_threshold_kernel)
-        self.penalties = PenaltyCache(self.args.vocab_size, self.device)
+        self.penalties = PenaltyCache(self.args.vocab_size, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.caches: ModelCaches | None = None
-        self.graphs = None
-        self.spec_graphs = None
-        """SpecVerifyGraphs (CUDA, recover + contiguous spec decoding)."""
-        self.spec: SpecDecoder | None = None
-        if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
-            self.spec = SpecDecoder(config, self.args, self.device, self.dtype)
+        self.graphs: CudaGraphManager | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        """The decode-only steps' graphs (None: every decode step runs eager)."""
         self._last_sampled: torch.Tensor | None = None
         """[R] sampled ids of the last launched step, on the device."""
         self._last_rows: dict[str, int] = {}
         """req_id -> its row in _last_sampled."""
 
-    # -----------------------------------------------------------------------------------------
-    # Cache sizing and allocation
-    # -----------------------------------------------------------------------------------------
-
-    def determine_num_blocks_and_slots(self) -> tuple[int, int]:
-        """CPU: explicit sizes or defaults. CUDA: profile the largest step, then split the free
-        memory under gpu_memory_utilization between KDA slots (max_num_seqs of them) and KV."""
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        num_slots = cc.num_state_slots or sc.max_num_seqs + 8
-        if self.device.type != "cuda":
-            cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
-                cc, None, 0, sc.max_num_seqs)
-            return cc.num_gpu_blocks or 512, num_slots
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self._profile_run()
-        peak = torch.cuda.max_memory_allocated()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        used_elsewhere = total - free - torch.cuda.memory_reserved()
-        budget = total * cc.gpu_memory_utilization - peak - used_elsewhere
-        # The pools are new multi-GiB tensors: only memory the driver reports free can hold
-        # them (reserved-but-unused fragments cannot), less room for the activation peak.
-        activations = peak - torch.cuda.memory_allocated()
-        budget = min(budget, free - activations - (256 << 20))
-        slot_bytes = cache_mod.state_bytes_per_slot(self.args, self.dtype)
-        block_bytes = cache_mod.kv_bytes_per_block(self.args, self.block_size, self.dtype)
-        if cc.num_state_slots is None:
-            num_slots = sc.max_num_seqs
-        budget -= num_slots * self._spec_rows_per_slot() * slot_bytes
-        cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
-            cc, budget - (num_slots + 1) * slot_bytes, slot_bytes, sc.max_num_seqs)
-        num_blocks = cc.num_gpu_blocks or int(
-            (budget - (num_slots + 1 + cc.num_kda_checkpoint_slots) * slot_bytes) // block_bytes)
-        if num_blocks < 1:
-            raise RuntimeError(
-                f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, "
-                f"{num_slots} KDA slots need {num_slots * slot_bytes / 2**30:.2f} GiB; lower "
-                "max_num_seqs or raise gpu_memory_utilization")
-        return num_blocks, num_slots
-
-    def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
-        """KDA rows: num_slots request slots, then the prefix-cache checkpoint slots, then one
-        scratch row (index self.num_slots) for CUDA-graph padding rows, then (per-position spec
-        decoding) K scratch rows per request slot."""
-        cc = self.config.cache_config
-        cc.num_kda_checkpoint_slots = num_ckpt = checkpoints.resolve_num_checkpoint_slots(cc)
-        self.first_ckpt_slot, self.num_ckpt_slots = num_slots, num_ckpt
-        self.num_blocks, self.num_slots = num_blocks, num_slots + num_ckpt
-        extra_rows = num_slots * self._spec_rows_per_slot()
-        self.caches = cache_mod.allocate_caches(self.args, num_blocks, self.block_size,
-                                                self.num_slots + 1 + extra_rows, self.dtype,
-                                                self.device)
+    def bind_caches(self, caches: ModelCaches, num_blocks: int, num_slots: int,
+                    num_ckpt_slots: int) -> None:
+        """The caches the worker allocated. KDA rows: num_slots request slots, then the
+        prefix-cache checkpoint slots, then one scratch row (index self.num_slots) for
+        CUDA-graph padding rows, then (per-position spec decoding) K scratch rows per request
+        slot."""
+        self.caches = caches
+        self.first_ckpt_slot, self.num_ckpt_slots = num_slots, num_ckpt_slots
+        self.num_blocks, self.num_slots = num_blocks, num_slots + num_ckpt_slots
         if self.spec is not None:
             self.spec.scratch_base = self.num_slots + 1
-        kv_tokens = num_blocks * self.block_size
-        max_len = self.config.scheduler_config.max_model_len
-        logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
-                    kv_tokens, checkpoints.capacity_line(
-                        num_slots, num_ckpt, cache_mod.state_bytes_per_slot(self.args, self.dtype)),
-                    min(num_slots, kv_tokens / max_len))
-        if self.spec is not None:
-            logger.info("%s", self.spec.memory_line())
-        if self.device.type == "cuda":
-            self._warmup_mixed_step()
-            self._warmup_sampler()
-            if self.spec is not None:
-                self.spec.warmup()
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            self._capture_graphs()
 
-    def _capture_graphs(self) -> None:
-        """Decode (and spec verification) graphs, captured with the PDL launches when
-        KernelConfig.pdl is on. Eager steps launch without PDL: it saves ~1 us per kernel
-        boundary, nothing against eager launch overhead, and each prefill shape would JIT its
-        own PDL kernel variants on first use."""
-        from kdaserve.worker.cuda_graphs import DecodeGraphs
-
-        self.model.configure_kernels(self.kernel_config)
-        try:
-            self.graphs = DecodeGraphs(self)
-            self.graphs.capture()
-            if self.spec is not None:
-                self.spec.capture_graphs()
-                if not self.spec.per_position and self.spec.layout == "contiguous":
-                    from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
-
-                    self.spec_graphs = SpecVerifyGraphs(self, self.graphs.pool)
-                    self.spec_graphs.capture()
-        finally:
-            self.model.configure_kernels(dataclasses.replace(self.kernel_config, pdl=False))
-
-    def _warmup_mixed_step(self) -> None:
-        """Eager forwards over the step compositions serving meets, so the kernel variants they
-        JIT-compile (Triton specialises on integer values and pointer alignment; fla autotunes
-        its l2norm per token-count bucket) are built at start-up, not in a request's TTFT:
-        every count of decode rows from 0 to 16 and some beyond (the prefill rows' index arrays
-        start after them), each alone (eager decode steps: past the captured graph sizes, or
-        enforce_eager) and next to a chunk over a cached prefix and a fresh prefill, one
-        decode row at a long context (the MLA split count follows the longest context), and
-        fresh prefills across the token budget. Runs on the live caches before any request
-        holds a block or a slot: what it writes is garbage that a request overwrites before it
-        reads (new KV rows are stored before attention reads them; a new request's KDA state
-        is not read, has_initial_state is false)."""
-        sc = self.config.scheduler_config
-        max_rows = min(sc.max_num_seqs, self.num_slots) - 2
-        long_ctx = min(sc.max_model_len, self.num_blocks * self.block_size // 2) - 1
-        for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
-            computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
-            if d <= max_rows:
-                self._warmup_forward([1] * d + [100, 61], computed + [33, 0])
-            if d:                                   # decode only: eager past the graph sizes
-                self._warmup_forward([1] * d, computed)
-        budget = min(sc.max_num_batched_tokens, sc.max_model_len)
-        for j in range(1, 9):
-            self._warmup_forward([max(1, budget * j // 8 - 3)], [0])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def _warmup_forward(self, query_lens: list[int], computed: list[int]) -> None:
-        bs = self.block_size
-        need = [-(-(c + q) // bs) for q, c in zip(query_lens, computed)]
-        if sum(need) > self.num_blocks:
-            return
-        starts = np.cumsum([0] + need)
-        blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
-        md = build_metadata(query_lens, computed, blocks, list(range(len(query_lens))), bs,
-                            self.device)
-        # distinct tokens (the routed experts spread as in real steps)
-        ids = torch.arange(sum(query_lens), device=self.device) * 7919 % self.args.vocab_size
-        pos = torch.from_numpy(np.concatenate([np.arange(c, c + q) for q, c in
-                                               zip(query_lens, computed)])).to(self.device)
-        with torch.inference_mode():
-            h = self.model(ids, pos, ForwardContext(md, self.caches))
-            self.model.compute_logits(h[-len(query_lens):])
-
-    def _warmup_sampler(self) -> None:
-        """Sample once with top-p alone and once with top-p plus top-k on some rows: the
-        threshold kernels' variants compile at start-up, not in the first requests' steps.
-        Seeded rows, so the global CUDA generator is left as it was."""
-        logits = torch.randn(2, self.args.vocab_size, device=self.device)
-        gens = {i: torch.Generator(device=self.device).manual_seed(i) for i in range(2)}
-        for params in ([SamplingParams(temperature=1.0, top_p=0.9, seed=0)] * 2,
-                       [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0),
-                        SamplingParams(temperature=1.0, top_p=0.9, seed=1)]):
-            self.sampler(logits, SamplingMetadata.build(params, gens, None, self.device))
-        torch.cuda.synchronize()
-
-    def _spec_rows_per_slot(self) -> int:
-        return self.spec.extra_rows_per_slot if self.spec is not None else 0
-
-    def _profile_run(self) -> None:
-        """A forward over max_num_batched_tokens prefill tokens on throwaway caches."""
-        sc = self.config.scheduler_config
-        n = min(sc.max_num_batched_tokens, sc.max_model_len)
-        nb = (n + self.block_size - 1) // self.block_size
-        caches = cache_mod.allocate_caches(self.args, nb, self.block_size, 1, self.dtype,
-                                           self.device)
-        md = build_metadata([n], [0], [list(range(nb))], [0], self.block_size, self.device)
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            h = self.model(ids, ids, ForwardContext(md, caches))
-            self.model.compute_logits(h[-min(n, sc.max_num_seqs):])
-        torch.cuda.synchronize()
-        del caches, h
+    def bind_graphs(self, graphs: CudaGraphManager, decode_graphs: DecodeGraphs) -> None:
+        self.graphs, self.decode_graphs = graphs, decode_graphs
 
     # -----------------------------------------------------------------------------------------
     # Step
@@ -539,16 +275,34 @@ class ModelRunner:
         self.spec.commit(self.caches, [len(e) for e, d in zip(emitted, drafts) if d])
         return emitted, logprobs
 
+    def _plan(self, batch: StepBatch, kda_checkpoints, spec_exports) -> StepPlan:
+        """How this step runs: decode-only steps and uniform verification steps (every request
+        verifying K drafts) without checkpoint exports replay a captured graph; the others run
+        eager (without PDL)."""
+        n = len(batch.req_ids)
+        if kda_checkpoints is None and self.graphs is not None:
+            if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+                return self.graphs.plan(DecodeGraphs.descriptor(self.graphs.padded_size(n)))
+            if not spec_exports and self.spec is not None and self.spec.can_replay_verify(batch):
+                return self.graphs.plan(self.spec.verify_graphs.descriptor(
+                    self.graphs.padded_size(n)))
+        num_spec = sum(1 for d in batch.drafts if d)
+        num_decodes = sum(1 for q, c, d in zip(batch.query_lens, batch.num_computed,
+                                               batch.drafts) if q == 1 and c > 0 and not d)
+        return StepPlan.eager_for(num_decodes, num_spec, n - num_decodes - num_spec,
+                                  kda_checkpoints is not None)
+
     def _forward(self, batch: StepBatch, states: list[CachedRequestState],
                  kda_checkpoints=None, spec_exports=()) -> torch.Tensor:
-        """Runs the model; returns the final hidden state of each sampling row (every position
-        of a spec row). Decode-only steps and uniform verification steps (every request verifying K
-drafts) replay CUDA graphs; other steps run eager."""
-        if kda_checkpoints is None and self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, states)
-        if (kda_checkpoints is None and not spec_exports and self.spec_graphs is not None
-                and self.spec_graphs.can_run(batch)):
-            return self.spec_graphs.run(batch, states)
+        """Runs the step's plan; returns the final hidden state of each sampling row (every
+        position of a spec row)."""
+        plan = self._plan(batch, kda_checkpoints, spec_exports)
+        if plan.mode is ExecMode.DECODE_GRAPH:
+            bs = self.decode_graphs.load(batch, states)
+            self.patch_pending_inputs(self.decode_graphs.input_ids, batch)
+            return self.decode_graphs.replay(bs, batch)
+        if plan.mode is ExecMode.VERIFY_GRAPH:
+            return self.spec.replay_verify(batch, states)
         md = build_metadata(batch.query_lens, batch.num_computed,
                             [s.block_np[:len(s.block_ids)] for s in states],
                             [s.state_slot for s in states], self.block_size, self.device)
@@ -558,7 +312,7 @@ drafts) replay CUDA graphs; other steps run eager."""
                                  [s.state_slot for s in states], list(spec_exports))
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         self.patch_pending_inputs(ids, batch)
-        hidden = self.model(ids, ids, ForwardContext(md, self.caches))
+        hidden = self.model(ids, ForwardContext(md, self.caches, plan))
         qsl = md.query_start_loc_cpu.tolist()
         rows = [t for i in batch.sample_rows
                 for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]

@@ -9,7 +9,7 @@ import numpy as np
 
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.worker.cuda_graphs import DecodeGraphs
-from kdaserve.worker.model_runner import CachedRequestState, StepBatch
+from kdaserve.worker.input_batch import CachedRequestState, StepBatch
 
 
 def _staging(max_bs: int, max_blocks: int) -> types.SimpleNamespace:
@@ -21,7 +21,7 @@ def _staging(max_bs: int, max_blocks: int) -> types.SimpleNamespace:
 
 def make_graphs(max_bs: int, max_blocks: int, block_size: int, num_slots: int) -> DecodeGraphs:
     g = DecodeGraphs.__new__(DecodeGraphs)        # no CUDA buffers: only the host side
-    g.runner = types.SimpleNamespace(block_size=block_size, num_slots=num_slots)
+    g.block_size, g.pad_slot = block_size, num_slots
     g.sizes = [1, 2, 4, 8, 16]
     g._staging = [_staging(max_bs, max_blocks) for _ in range(2)]
     g._turn = 0

@@ -36,10 +36,12 @@ def test_switches_reach_engine_config(tmp_path):
     assert dk.decode_gemv and dk.pdl and dk.fused_kda_decode and not dk.fused_router
 
 
-def test_kernel_config_reaches_the_layers(tmp_path):
-    """configure_kernels sets the flags on every KDA, MLA, router and MoE layer; on the CPU the
-    reference path ignores them (same tokens)."""
+def test_kernel_config_reaches_the_worker(tmp_path):
+    """The kernel switches reach the worker's KernelConfig; on the CPU every layer kind runs
+    the reference backend whatever they say (same tokens). Which backend each switch picks on
+    CUDA: tests/models/test_backends.py."""
     from kdaserve import LLM, SamplingParams
+    from kdaserve.layers.backends import LayerBackends
     from kdaserve.models.make_model import make_model
 
     model = make_model(str(tmp_path / "tiny"), preset="tiny")
@@ -47,16 +49,11 @@ def test_kernel_config_reaches_the_layers(tmp_path):
     outs = []
     for on in (False, True):
         llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on, fused_kda_decode=on,
-                  fused_router=on, mla_absorb_gemv=on, kda_state_prefetch=on,
-                  dense_mlp_gemv=on)
-        mods = list(llm.llm_engine.model_runner.model.modules())
-        for name in ("decode_gemv", "fused_decode", "fused_router", "absorb_gemv",
-                     "state_prefetch", "dense_gemv"):
-            flags = [getattr(m, name) for m in mods if hasattr(m, name)]
-            assert flags and all(f == on for f in flags), name
-        # PDL is for captured graphs only: eager steps (all of them on the CPU) launch without.
-        assert llm.llm_engine.model_runner.kernel_config.pdl == on
-        assert not any(getattr(m, "pdl", False) for m in mods)
+                  mla_absorb_gemv=on, kda_state_prefetch=on, dense_mlp_gemv=on)
+        worker = llm.llm_engine.worker
+        assert worker.kernel_config.pdl == on and worker.kernel_config.decode_gemv == on
+        assert worker.backends == LayerBackends()
+        assert worker.model.backends == LayerBackends()
         outs.append(llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0]
                     .outputs[0].token_ids)
         del llm

@@ -144,7 +144,8 @@ def check_against_layer(device, dtype, H, d, W, hidden, slots, num_slots, seed=0
     """KimiDeltaAttention.forward (the unfused path, decode rows) vs linear -> fused kernel ->
     o_proj on the same input and caches: layer output, conv windows (exact), states."""
     from kdaserve.attention.builder import build_metadata
-    from kdaserve.attention.metadata import ForwardContext, ModelCaches
+    from kdaserve.attention.forward_context import ForwardContext
+    from kdaserve.attention.metadata import ModelCaches
     from kdaserve.layers.linear import linear
 
     layer = make_layer(H, d, W, hidden, device, dtype, seed)
@@ -203,7 +204,8 @@ def test_interpreter_checks():
 def test_reference_matches_the_layer_cpu():
     """The twin alone (no Triton): the layer's CPU path through linear -> twin -> o_proj."""
     from kdaserve.attention.builder import build_metadata
-    from kdaserve.attention.metadata import ForwardContext, ModelCaches
+    from kdaserve.attention.forward_context import ForwardContext
+    from kdaserve.attention.metadata import ModelCaches
     from kdaserve.layers.linear import linear
 
     H, d, W, hidden, slots = 2, 16, 4, 40, [3, 0, 6]

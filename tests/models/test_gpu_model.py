@@ -123,27 +123,27 @@ def run_one_request(runner, extra):
 
 
 @pytest.mark.parametrize("mla_absorb_gemv", [False, True])
-def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, gpu_model, mla_absorb_gemv):
-    """KernelConfig(decode_gemv, pdl, fused_kda_decode) on: 3-row decode steps (cuBLAS
-    projections, PDL kernels, the fused KDA decode) and 1-row steps (the GEMV at M=1, the router
-    reading its fp32 weight with bf16 x; with mla_absorb_gemv MLA's W_UK / W_UV products as
-    batched GEMVs) against the fp32 reference."""
+def test_bf16_gpu_decode_kernels_match_cpu_reference(pair, cpu_ref, mla_absorb_gemv):
+    """The decode-kernel backends (GEMV projections, the fused KDA decode; with
+    mla_absorb_gemv MLA's W_UK / W_UV products as batched GEMVs) launched with PDL: 3-row
+    decode steps (cuBLAS projections, PDL kernels, the fused KDA decode) and 1-row steps (the
+    GEMV at M=1, the router reading its fp32 weight with bf16 x) against the fp32 reference."""
     from kdaserve.config import KernelConfig
+    from kdaserve.layers.backends import select_backends
 
     _, _, args = pair
-    model, _ = gpu_model
-    model.configure_kernels(KernelConfig(decode_gemv=True, pdl=True, fused_kda_decode=True,
-                                         mla_absorb_gemv=mla_absorb_gemv))
-    try:
-        ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
-        got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda"), EXTRA)
-        for i in range(len(PROMPTS)):
-            assert rel(got[i], ref[i]) <= 2e-2, i
-        ref1 = run_one_request(Runner(cpu_ref, args, 1), EXTRA)
-        got1 = run_one_request(Runner(model, args, 1, torch.bfloat16, "cuda"), EXTRA)
-        assert rel(got1, ref1) <= 2e-2
-    finally:
-        model.configure_kernels(KernelConfig())
+    kc = KernelConfig(decode_gemv=True, pdl=True, fused_kda_decode=True,
+                      mla_absorb_gemv=mla_absorb_gemv)
+    model = build_model(args, torch.bfloat16, "cuda", backends=select_backends(kc, "cuda"))
+    model.load_state_dict(cpu_ref.state_dict())
+    model.process_weights_after_loading()
+    ref = run_chunked(Runner(cpu_ref, args, len(PROMPTS)), EXTRA)
+    got = run_chunked(Runner(model, args, len(PROMPTS), torch.bfloat16, "cuda", pdl=True), EXTRA)
+    for i in range(len(PROMPTS)):
+        assert rel(got[i], ref[i]) <= 2e-2, i
+    ref1 = run_one_request(Runner(cpu_ref, args, 1), EXTRA)
+    got1 = run_one_request(Runner(model, args, 1, torch.bfloat16, "cuda", pdl=True), EXTRA)
+    assert rel(got1, ref1) <= 2e-2
 
 
 def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
@@ -182,7 +182,7 @@ def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
             prop = runner.spec.proposer
             assert prop.graphs is not None and prop.catchup.graphs
             assert prop.catchup.num_runs > 0
-            assert runner.spec_graphs is not None and runner.spec_graphs.num_replays > 0
+            assert runner.spec.verify_graphs is not None and runner.spec.verify_graphs.num_replays > 0
         if name == "other-graphs":
             assert runner.spec.stats.num_accepted_tokens < runner.spec.stats.num_draft_tokens
         del llm

@@ -8,7 +8,7 @@ import copy
 import torch
 
 from kdaserve.attention.builder import _mla_absorbed_rows, build_metadata
-from kdaserve.attention.metadata import ForwardContext
+from kdaserve.attention.forward_context import ForwardContext
 from tests.models.test_parity_hf import BLOCK, PROMPTS, Runner, pair, rel  # noqa: F401
 
 
@@ -21,7 +21,7 @@ def _step(model, caches, reqs, blocks, slots, absorbed_reqs, contiguous=True):
                                              md.query_start_loc_cpu.tolist(), contiguous)
     ids = torch.tensor([t for _, toks, _ in reqs for t in toks])
     with torch.no_grad():
-        return model.compute_logits(model(ids, ids, ForwardContext(md, caches)))
+        return model.compute_logits(model(ids, ForwardContext(md, caches)))
 
 
 def test_absorbed_window_rows_match_the_expanded_path(pair):

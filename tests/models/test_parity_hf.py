@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kdaserve.attention.builder import build_metadata
-from kdaserve.attention.metadata import ForwardContext
+from kdaserve.attention.forward_context import ForwardContext, StepPlan
 from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.registry import build_model
 from kdaserve.attention.caches import allocate_caches
@@ -41,8 +43,9 @@ def hf_logits(hf, ids):
 class Runner:
     """Drives the model with explicit per-request block lists and state slots."""
 
-    def __init__(self, model, args, num_reqs, dtype=torch.float32, device="cpu"):
-        self.model, self.args, self.device = model, args, device
+    def __init__(self, model, args, num_reqs, dtype=torch.float32, device="cpu", pdl=False):
+        """pdl: the eager steps launch their kernels with PDL (as captured graphs do)."""
+        self.model, self.args, self.device, self.pdl = model, args, device, pdl
         self.caches = allocate_caches(args, num_blocks=64, block_size=BLOCK, num_slots=num_reqs + 2,
                                       dtype=dtype, device=device)
         self.blocks = [list(range(i * 16, (i + 1) * 16)) for i in range(num_reqs)]
@@ -55,8 +58,9 @@ class Runner:
                             [self.blocks[r[0]] for r in reqs], [self.slots[r[0]] for r in reqs],
                             BLOCK, self.device)
         ids = torch.tensor([t for r in reqs for t in r[1]], device=self.device)
+        plan = dataclasses.replace(StepPlan.eager(md), pdl=self.pdl)
         with torch.no_grad():
-            h = self.model(ids, torch.zeros_like(ids), ForwardContext(md, self.caches))
+            h = self.model(ids, ForwardContext(md, self.caches, plan))
             logits = self.model.compute_logits(h)
         out, qsl = {}, md.query_start_loc_cpu.tolist()
         for i, r in enumerate(reqs):

@@ -18,7 +18,7 @@ import torch
 
 from kdaserve.attention import kda_backend
 from kdaserve.attention.builder import build_metadata
-from kdaserve.attention.metadata import ForwardContext
+from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import LoadConfig
 from kdaserve.kernels.kda import recover as rc
 from kdaserve.config.model_args import KimiLinearArgs
@@ -128,7 +128,7 @@ class SpecHarness:
                             num_decodes=0)
         ids = torch.tensor([t for q in queries for t in q])
         with torch.inference_mode(), _patched_backend(self):
-            hidden = self.model(ids, ids, ForwardContext(md, self.caches))
+            hidden = self.model(ids, ForwardContext(md, self.caches))
         # logits rows: all positions of spec rows, the last of the others
         qsl = md.query_start_loc_cpu.tolist()
         rows, sample_reqs, drafts = [], [], []

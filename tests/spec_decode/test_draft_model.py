@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kdaserve.attention.builder import build_metadata
-from kdaserve.attention.metadata import ForwardContext
+from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import LoadConfig
 from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.models.loader import load_weights
@@ -58,7 +58,7 @@ class Target:
                             [self.blocks[r] for r in rows], rows, BS, "cpu")
         ids = torch.tensor([t for q in queries for t in q])
         with torch.inference_mode():
-            h = self.model(ids, ids, ForwardContext(md, self.caches))
+            h = self.model(ids, ForwardContext(md, self.caches))
             return self.model.compute_logits(h)
 
 
@@ -179,7 +179,7 @@ def test_draft_graph_inputs_match_the_eager_steps(model_dirs):
         def _run(self, size):
             ids = self.input_ids[:size]
             return self.model.compute_logits(
-                self.model(ids, ids, ForwardContext(self._metadata(size), self.caches)))
+                self.model(ids, ForwardContext(self._metadata(size), self.caches)))
 
     prompts = _prompts(3)
     seqs = plain_greedy(model_dirs[0], prompts, 16)

@@ -255,6 +255,7 @@ def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
     scratch slot, the padded commit) gives the plain greedy output. On the CPU the 'graph' runs
     the captured work eagerly over the same buffers."""
     from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
 
     class EagerSpecGraphs(SpecVerifyGraphs):
         def capture(self):
@@ -275,16 +276,22 @@ def test_spec_verify_graph_inputs_match_the_eager_steps(make_llm, plain_outputs,
                                                 kda_state_mode="recover",
                                                 batch_layout="contiguous"), max_num_seqs=8)
         runner = llm.llm_engine.model_runner
-        runner.spec_graphs = EagerSpecGraphs(runner)
-        runner.spec_graphs.capture()
-        runner.spec_graphs.commits = 0
+        runner.graphs = CudaGraphManager(8, pdl=False)   # the CPU run keeps no graphs
+        vg = runner.spec.verify_graphs = EagerSpecGraphs(
+            runner.graphs, runner.model, runner.caches, runner.spec.k, runner.num_slots,
+            runner.block_size, runner.config.scheduler_config.max_model_len, runner.device)
+        vg.capture()
+        vg.commits = 0
         got, _ = _run(llm)
         assert got == plain_outputs
-        assert runner.spec_graphs.num_replays >= 10, runner.spec_graphs.num_replays
-        assert runner.spec_graphs.commits == runner.spec_graphs.num_replays
-    with pytest.raises(ValueError, match="recover"):
-        SpecVerifyGraphs(make_llm(speculative_config=_spec(kda_state_mode="per_position"))
-                         .llm_engine.model_runner)
+        assert vg.num_replays >= 10, vg.num_replays
+        assert vg.commits == vg.num_replays
+    # the per-position state mode has no verification graphs (they read the pool read-only)
+    runner = make_llm(speculative_config=_spec(kda_state_mode="per_position")
+                      ).llm_engine.model_runner
+    runner.spec.capture_graphs(CudaGraphManager(8, pdl=False), runner.model, runner.caches,
+                               runner.num_slots, runner.block_size)
+    assert runner.spec.verify_graphs is None
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -11,7 +11,7 @@ from kdaserve.spec_decode.rejection_sampler import (
 )
 from kdaserve.sample.sampler import Sampler
 from kdaserve.sampling_params import SamplingParams as SP
-from kdaserve.spec_decode.synthetic import rates_from_length
+from kdaserve.config.synthetic import rates_from_length
 
 
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:

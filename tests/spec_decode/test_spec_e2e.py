@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kdaserve.attention.builder import build_metadata
-from kdaserve.attention.metadata import ForwardContext
+from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.spec_decode.draft_model import DraftModelProposer
 from kdaserve.spec_decode.ngram import NgramProposer
 from kdaserve.attention.caches import allocate_caches
@@ -83,7 +83,7 @@ def _kda_state_of_plain_run(models, tokens):
     md = build_metadata([len(tokens)], [0], [list(range(8))], [0], BS, "cpu")
     ids = torch.tensor(tokens)
     with torch.inference_mode():
-        model(ids, ids, ForwardContext(md, caches))
+        model(ids, ForwardContext(md, caches))
     return [(r[0].clone(), c[0].clone()) for r, c in zip(caches.kda_recurrent, caches.kda_conv)]
 
 

@@ -1,0 +1,91 @@
+"""Kernel backends per layer kind, chosen once at start-up from the kernel config and the device.
+
+Each layer kind has a small registry: the names of its backends and what each runs. The worker
+calls `select_backends` once; the model hands the result to its layers when it builds them, and
+nothing changes it afterwards. How a given step runs (eager or inside a graph, with PDL or not,
+decode-only or not) is the step plan's business (attention/forward_context.py), not a backend's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.config import KernelConfig
+
+LINEAR_BACKENDS = {
+    "torch": "F.linear (cuBLAS on CUDA)",
+    "gemv": "the Triton GEMV for inputs of 1..GEMV_MAX_ROWS rows, F.linear beyond",
+}
+DENSE_MLP_BACKENDS = {
+    "torch": "gate, up and down projections, silu and mul",
+    "gemv_swiglu": "1..GEMV_MAX_ROWS rows: a gate|up GEMV, then the down GEMV reading "
+                   "silu(gate) * up in its K loop",
+}
+KDA_BACKENDS = {
+    "reference": "the plain-PyTorch twins (CPU)",
+    "fla": "fla-core chunk_kda for prefill chunks, its fused recurrent kernel for decodes",
+    "fla_fused_decode": "fla, and decode-only steps as one Triton launch per layer (conv, gates, "
+                        "delta rule, gated norm)",
+}
+MLA_BACKENDS = {
+    "reference": "the plain-PyTorch twins (CPU)",
+    "triton": "the Triton paged decode kernel; W_UK / W_UV products by einsum (cuBLAS)",
+    "triton_absorb_gemv": "the Triton decode kernel with its first cache tile read before the "
+                          "PDL wait; W_UK / W_UV of 1..GEMV_MAX_ROWS rows as batched GEMVs",
+}
+MOE_BACKENDS = {
+    "reference": "the plain-PyTorch twins (CPU)",
+    "triton": "the fused Triton MoE (shared expert folded in as one more expert), the Triton "
+              "sigmoid top-k",
+}
+SAMPLER_BACKENDS = {
+    "sort": "top-k / top-p by a full sort of each row",
+    "threshold": "top-k / top-p by the sort-free threshold search (CUDA)",
+}
+
+
+@dataclass(frozen=True)
+class LayerBackends:
+    """The backend name of each layer kind (keys of the registries above). The default is the
+    CPU reference set."""
+
+    linear: str = "torch"
+    dense_mlp: str = "torch"
+    kda: str = "reference"
+    kda_state_prefetch: bool = False
+    """fla_fused_decode under PDL: the kernel reads its states before its PDL wait."""
+    mla: str = "reference"
+    moe: str = "reference"
+    sampler: str = "sort"
+
+    def __post_init__(self) -> None:
+        for kind, registry in (("linear", LINEAR_BACKENDS), ("dense_mlp", DENSE_MLP_BACKENDS),
+                               ("kda", KDA_BACKENDS), ("mla", MLA_BACKENDS),
+                               ("moe", MOE_BACKENDS), ("sampler", SAMPLER_BACKENDS)):
+            if getattr(self, kind) not in registry:
+                raise ValueError(f"unknown {kind} backend {getattr(self, kind)!r}; known: "
+                                 f"{sorted(registry)}")
+        if self.dense_mlp == "gemv_swiglu" and self.linear != "gemv":
+            raise ValueError("dense_mlp backend gemv_swiglu needs linear backend gemv")
+
+    @property
+    def gemv(self) -> bool:
+        return self.linear == "gemv"
+
+
+def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBackends:
+    """The backends for `device` under kernel config `kc` (CPU: the reference set whatever kc
+    says; the kernel switches apply to CUDA only)."""
+    if torch.device(device).type != "cuda":
+        return LayerBackends()
+    gemv = "gemv" if kc.decode_gemv else "torch"
+    return LayerBackends(
+        linear=gemv,
+        dense_mlp="gemv_swiglu" if kc.decode_gemv and kc.dense_mlp_gemv else "torch",
+        kda="fla_fused_decode" if kc.fused_kda_decode else "fla",
+        kda_state_prefetch=kc.fused_kda_decode and kc.kda_state_prefetch,
+        mla="triton_absorb_gemv" if kc.mla_absorb_gemv else "triton",
+        moe="triton",
+        sampler="threshold" if kc.sampling_threshold_kernel else "sort")

@@ -1,0 +1,73 @@
+"""Start-up warm-up: eager steps over the compositions serving meets, and the sampler's
+variants, so that their JIT compilation and autotuning happen before the first request.
+
+Triton specialises kernels on integer values and pointer alignment, and fla autotunes its
+l2norm per token-count bucket: each new step composition may compile, and a compile inside a
+request's step is a time-to-first-token stall. The warm-up runs on the live caches before any
+request holds a block or a slot: what it writes is garbage that a request overwrites before it
+reads (new KV rows are stored before attention reads them; a new request's KDA state is not
+read, has_initial_state is false).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.config import SchedulerConfig
+from kdaserve.sample.metadata import SamplingMetadata
+from kdaserve.sample.sampler import Sampler
+from kdaserve.sampling_params import SamplingParams
+from kdaserve.worker.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
+    """Every count of decode rows from 0 to 16 and some beyond (the prefill rows' index arrays
+    start after them), each alone (eager decode steps: past the captured graph sizes, or
+    enforce_eager) and next to a chunk over a cached prefix and a fresh prefill, one decode row
+    at a long context (the MLA split count follows the longest context), and fresh prefills
+    across the token budget."""
+    max_rows = min(sc.max_num_seqs, runner.num_slots) - 2
+    long_ctx = min(sc.max_model_len, runner.num_blocks * runner.block_size // 2) - 1
+    for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
+        computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
+        if d <= max_rows:
+            _forward(runner, [1] * d + [100, 61], computed + [33, 0])
+        if d:                                   # decode only: eager past the graph sizes
+            _forward(runner, [1] * d, computed)
+    budget = min(sc.max_num_batched_tokens, sc.max_model_len)
+    for j in range(1, 9):
+        _forward(runner, [max(1, budget * j // 8 - 3)], [0])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int]) -> None:
+    bs = runner.block_size
+    need = [-(-(c + q) // bs) for q, c in zip(query_lens, computed)]
+    if sum(need) > runner.num_blocks:
+        return
+    starts = np.cumsum([0] + need)
+    blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
+    md = build_metadata(query_lens, computed, blocks, list(range(len(query_lens))), bs,
+                        runner.device)
+    # distinct tokens (the routed experts spread as in real steps)
+    ids = torch.arange(sum(query_lens), device=runner.device) * 7919 % runner.args.vocab_size
+    h = runner.model(ids, ForwardContext(md, runner.caches))
+    runner.model.compute_logits(h[-len(query_lens):])
+
+
+def warmup_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> None:
+    """Sample once with top-p alone and once with top-p plus top-k on some rows: the
+    threshold kernels' variants compile at start-up, not in the first requests' steps.
+    Seeded rows, so the global CUDA generator is left as it was."""
+    logits = torch.randn(2, vocab_size, device=device)
+    gens = {i: torch.Generator(device=device).manual_seed(i) for i in range(2)}
+    for params in ([SamplingParams(temperature=1.0, top_p=0.9, seed=0)] * 2,
+                   [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0),
+                    SamplingParams(temperature=1.0, top_p=0.9, seed=1)]):
+        sampler(logits, SamplingMetadata.build(params, gens, None, device))
+    torch.cuda.synchronize()

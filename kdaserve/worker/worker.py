@@ -1,0 +1,210 @@
+"""The worker: one rank's start-up (device, model load, kernel backends, cache sizing and
+allocation, warm-up, graph capture) and its model runner, which runs the steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+
+from kdaserve.attention import caches as cache_sizes
+from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.config import EngineConfig, KernelConfig
+from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kdaserve.layers.backends import select_backends
+from kdaserve.models.loader import load_weights
+from kdaserve.models.registry import build_model, resolve_architecture
+from kdaserve.sample.sampler import Sampler
+from kdaserve.spec_decode.decoder import SpecDecoder
+from kdaserve.spec_decode.metrics import SpecDecodingStats
+from kdaserve.worker import checkpoints
+from kdaserve.worker.cuda_graphs import CudaGraphManager, DecodeGraphs
+from kdaserve.worker.input_batch import LaunchedStep
+from kdaserve.worker.model_runner import ModelRunner
+from kdaserve.worker.warmup import warmup_sampler, warmup_steps
+
+logger = logging.getLogger(__name__)
+
+
+def supported_kernels(kc: KernelConfig, device: torch.device) -> KernelConfig:
+    """kc less what this device cannot run: PDL needs compute capability 9.0 (Hopper)."""
+    if kc.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        logger.info("pdl off: compute capability %s < 9.0",
+                    torch.cuda.get_device_capability(device))
+        return dataclasses.replace(kc, pdl=False)
+    return kc
+
+
+def use_expandable_segments() -> None:
+    """Expandable allocator segments unless the user configured the allocator: loading folds
+    and merges weights (new tensors, old ones freed), which otherwise leaves tens of GiB of
+    reserved fragments that the multi-GiB cache pools cannot use."""
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)  # < 2.13
+    if setter is None:
+        logger.info("expandable segments not set: this torch has no allocator-settings call")
+        return
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError as exc:   # refused: keep the default allocator
+        logger.info("expandable segments not set: %s", exc)
+
+
+class Worker:
+    """Start-up in order: Worker(config) loads the model; determine_num_blocks_and_slots()
+    profiles; initialize_cache() allocates, warms up and captures. Then launch / collect."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        mc = config.model_config
+        self.args = mc.arch
+        self.dtype = mc.torch_dtype(self.device.type)
+        self.block_size = config.cache_config.block_size
+        if self.device.type == "cuda":
+            use_expandable_segments()
+        self.kernel_config = supported_kernels(config.kernel_config, self.device)
+        self.backends = select_backends(self.kernel_config, self.device)
+        t0 = time.perf_counter()
+        self.model = build_model(self.args, self.dtype, self.device,
+                                 resolve_architecture(mc.hf_config), self.backends)
+        load_weights(self.model, mc.model, config.load_config)
+        logger.info("model loaded in %.2f s (%s, %s; backends %s)", time.perf_counter() - t0,
+                    self.dtype, self.device, self.backends)
+        spec = None
+        if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
+            spec = SpecDecoder(config, self.args, self.device, self.dtype,
+                               threshold_kernel=self.backends.sampler == "threshold")
+        self.model_runner = ModelRunner(config, self.model,
+                                        Sampler(self.backends.sampler == "threshold"), spec,
+                                        self.device, self.dtype)
+
+    @property
+    def spec(self) -> SpecDecoder | None:
+        return self.model_runner.spec
+
+    @property
+    def spec_stats(self) -> SpecDecodingStats | None:
+        return self.spec.stats if self.spec is not None else None
+
+    # -----------------------------------------------------------------------------------------
+    # Cache sizing and allocation
+    # -----------------------------------------------------------------------------------------
+
+    def determine_num_blocks_and_slots(self) -> tuple[int, int]:
+        """CPU: explicit sizes or defaults. CUDA: profile the largest step, then split the free
+        memory under gpu_memory_utilization between KDA slots (max_num_seqs of them) and KV."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        num_slots = cc.num_state_slots or sc.max_num_seqs + 8
+        if self.device.type != "cuda":
+            cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
+                cc, None, 0, sc.max_num_seqs)
+            return cc.num_gpu_blocks or 512, num_slots
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        used_elsewhere = total - free - torch.cuda.memory_reserved()
+        budget = total * cc.gpu_memory_utilization - peak - used_elsewhere
+        # The pools are new multi-GiB tensors: only memory the driver reports free can hold
+        # them (reserved-but-unused fragments cannot), less room for the activation peak.
+        activations = peak - torch.cuda.memory_allocated()
+        budget = min(budget, free - activations - (256 << 20))
+        slot_bytes = cache_sizes.state_bytes_per_slot(self.args, self.dtype)
+        block_bytes = cache_sizes.kv_bytes_per_block(self.args, self.block_size, self.dtype)
+        if cc.num_state_slots is None:
+            num_slots = sc.max_num_seqs
+        budget -= num_slots * self._spec_rows_per_slot() * slot_bytes
+        cc.num_kda_checkpoint_slots = checkpoints.num_checkpoint_slots(
+            cc, budget - (num_slots + 1) * slot_bytes, slot_bytes, sc.max_num_seqs)
+        num_blocks = cc.num_gpu_blocks or int(
+            (budget - (num_slots + 1 + cc.num_kda_checkpoint_slots) * slot_bytes) // block_bytes)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: budget {budget / 2**30:.2f} GiB, "
+                f"{num_slots} KDA slots need {num_slots * slot_bytes / 2**30:.2f} GiB; lower "
+                "max_num_seqs or raise gpu_memory_utilization")
+        return num_blocks, num_slots
+
+    def _spec_rows_per_slot(self) -> int:
+        return self.spec.extra_rows_per_slot if self.spec is not None else 0
+
+    def _profile_run(self) -> None:
+        """A forward over max_num_batched_tokens prefill tokens on throwaway caches."""
+        sc = self.config.scheduler_config
+        n = min(sc.max_num_batched_tokens, sc.max_model_len)
+        nb = (n + self.block_size - 1) // self.block_size
+        caches = cache_sizes.allocate_caches(self.args, nb, self.block_size, 1, self.dtype,
+                                             self.device)
+        md = build_metadata([n], [0], [list(range(nb))], [0], self.block_size, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            h = self.model(ids, ForwardContext(md, caches))
+            self.model.compute_logits(h[-min(n, sc.max_num_seqs):])
+        torch.cuda.synchronize()
+        del caches, h
+
+    def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
+        """Allocate the caches (KDA rows: the request slots, the checkpoint slots, one scratch
+        row for CUDA-graph padding, per-position spec rows), then on CUDA warm up and capture
+        the graphs."""
+        cc = self.config.cache_config
+        cc.num_kda_checkpoint_slots = num_ckpt = checkpoints.resolve_num_checkpoint_slots(cc)
+        extra_rows = num_slots * self._spec_rows_per_slot()
+        caches = cache_sizes.allocate_caches(self.args, num_blocks, self.block_size,
+                                             num_slots + num_ckpt + 1 + extra_rows, self.dtype,
+                                             self.device)
+        runner = self.model_runner
+        runner.bind_caches(caches, num_blocks, num_slots, num_ckpt)
+        kv_tokens = num_blocks * self.block_size
+        max_len = self.config.scheduler_config.max_model_len
+        logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
+                    kv_tokens, checkpoints.capacity_line(
+                        num_slots, num_ckpt, cache_sizes.state_bytes_per_slot(self.args,
+                                                                             self.dtype)),
+                    min(num_slots, kv_tokens / max_len))
+        if self.spec is not None:
+            logger.info("%s", self.spec.memory_line())
+        if self.device.type != "cuda":
+            return
+        warmup_steps(runner, self.config.scheduler_config)
+        warmup_sampler(runner.sampler, self.args.vocab_size, self.device)
+        if self.spec is not None:
+            self.spec.warmup()
+        if not self.config.enforce_eager:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Decode graphs, then the spec decoder's (verification, draft model), all in one
+        manager; the graphs launch with PDL when the kernel config has it, eager steps never."""
+        runner, sc = self.model_runner, self.config.scheduler_config
+        graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
+        pad_slot = runner.num_slots
+        decode = DecodeGraphs(graphs, self.model, runner.caches, pad_slot, self.block_size,
+                              sc.max_model_len, self.device)
+        decode.capture()
+        if self.spec is not None:
+            self.spec.capture_graphs(graphs, self.model, runner.caches, pad_slot,
+                                     self.block_size)
+        runner.bind_graphs(graphs, decode)
+
+    # -----------------------------------------------------------------------------------------
+    # Steps
+    # -----------------------------------------------------------------------------------------
+
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        return self.model_runner.launch(so)
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        return self.model_runner.collect(step)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(so)

@@ -1,0 +1,83 @@
+"""Kernel backends: each switch of the kernel config picks one backend per layer kind, once at
+start-up, and the layers keep what the model was built with (no flag changes afterwards)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kdaserve.attention.forward_context import ExecMode, StepPlan
+from kdaserve.attention.builder import build_metadata
+from kdaserve.config import KernelConfig
+from kdaserve.layers.backends import LayerBackends, select_backends
+from kdaserve.layers.kda import KimiDeltaAttention
+from kdaserve.layers.mla import MLAttention
+from kdaserve.layers.mlp import MLP
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+
+
+def test_cpu_is_the_reference_set_whatever_the_switches():
+    assert select_backends(KernelConfig(), "cpu") == LayerBackends()
+    assert select_backends(KernelConfig.baseline(), "cpu") == LayerBackends()
+
+
+def test_each_switch_picks_its_cuda_backend():
+    on = select_backends(KernelConfig(), "cuda")
+    assert (on.linear, on.dense_mlp, on.kda, on.mla, on.moe, on.sampler) == (
+        "gemv", "gemv_swiglu", "fla_fused_decode", "triton_absorb_gemv", "triton", "threshold")
+    assert on.kda_state_prefetch
+    off = select_backends(KernelConfig.baseline(), "cuda")
+    assert (off.linear, off.dense_mlp, off.kda, off.mla, off.moe, off.sampler) == (
+        "torch", "torch", "fla", "triton", "triton", "sort")
+    assert not off.kda_state_prefetch
+    # the swiglu GEMV needs the GEMV projections; the state prefetch the fused decode
+    kc = dataclasses.replace(KernelConfig(), decode_gemv=False)
+    assert select_backends(kc, "cuda").dense_mlp == "torch"
+    kc = dataclasses.replace(KernelConfig(), fused_kda_decode=False)
+    assert not select_backends(kc, "cuda").kda_state_prefetch
+
+
+def test_unknown_backend_names_are_refused():
+    with pytest.raises(ValueError, match="kda"):
+        LayerBackends(kda="fused")
+    with pytest.raises(ValueError, match="gemv_swiglu"):
+        LayerBackends(dense_mlp="gemv_swiglu")
+
+
+def test_layers_take_the_backends_they_are_built_with():
+    import copy
+
+    from kdaserve.config.model_args import KimiLinearArgs
+    from kdaserve.models import make_model
+
+    cfg = make_model.base_config()
+    cfg.update(copy.deepcopy(make_model._PRESET_ARCH["tiny"]), vocab_size=64)
+    args = KimiLinearArgs.from_hf_config(cfg)
+    for kc in (KernelConfig(), KernelConfig.baseline()):
+        backends = select_backends(kc, "cuda")
+        with torch.device("meta"):
+            model = KimiLinearForCausalLM(args, backends)
+        assert model.backends is backends
+        kda = [m for m in model.modules() if isinstance(m, KimiDeltaAttention)]
+        mla = [m for m in model.modules() if isinstance(m, MLAttention)]
+        mlps = [m for m in model.modules() if isinstance(m, MLP)]
+        assert kda and mla and mlps
+        assert all(m.fused_decode == kc.fused_kda_decode and m.gemv == kc.decode_gemv
+                   for m in kda)
+        assert all(m.absorb_gemv == kc.mla_absorb_gemv for m in mla)
+        assert all(m.swiglu_gemv == (kc.decode_gemv and kc.dense_mlp_gemv) for m in mlps)
+
+
+def test_the_eager_plan_follows_the_batch():
+    """Decode-only (the one-launch KDA decode applies), mixed, prefill-only, and exports."""
+    dec = build_metadata([1, 1], [4, 9], [[0], [1]], [0, 1], 16, "cpu")
+    assert StepPlan.eager(dec) == StepPlan(ExecMode.EAGER, pdl=False, decode_only=True)
+    mixed = build_metadata([1, 5], [4, 0], [[0], [1]], [0, 1], 16, "cpu")
+    assert StepPlan.eager(mixed) == StepPlan(ExecMode.MIXED, decode_only=False)
+    pre = build_metadata([5], [0], [[0]], [0], 16, "cpu")
+    assert StepPlan.eager(pre) == StepPlan(ExecMode.EAGER, decode_only=False)
+    assert StepPlan.eager_for(2, 0, 0, exports=True).decode_only is False
+    assert StepPlan.eager_for(0, 3, 0, exports=False).mode is ExecMode.EAGER
+    assert StepPlan.eager_for(1, 3, 0, exports=False).mode is ExecMode.MIXED
