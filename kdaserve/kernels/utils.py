@@ -42,7 +42,8 @@ def _num_sms(index: int) -> int:
 
 
 def num_sms(device: torch.device) -> int:
-    """Multiprocessor count of a CUDA device; 132 (an H100/H200) for CPU tensors (interpreter)."""
+    """Multiprocessor count of a CUDA device; 132 (the Hopper SXM parts the kernels are tuned on)
+    for CPU tensors (interpreter)."""
     if device.type != "cuda":
         return 132
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

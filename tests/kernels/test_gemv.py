@@ -15,8 +15,8 @@ import torch
 
 import gemv_checks as gc
 import kernel_checks as kc
-from kdaserve.kernels.linear.gemv import (TUNED_132_SMS, GemvConfig, check_config,
-                                          default_config, gemv, gemv_batched, guess_config)
+from kdaserve.kernels.linear.gemv import (GemvConfig, check_config, default_config, gemv,
+                                          gemv_batched, guess_config, tuned_configs)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16, F32 = torch.bfloat16, torch.float32
@@ -101,7 +101,12 @@ def test_guess_config(N, K, dtype):
 def test_tuned_configs_are_valid_and_used():
     """Every measured config passes check_config, fits the 256-elements-per-thread tile rule of
     the sweeps, and is what default_config returns at 132 SMs (no device given)."""
-    for (M, N, K, dtype), cfg in TUNED_132_SMS.items():
+    tuned = tuned_configs(None, 132)
+    assert tuned
+    for key, cfg in tuned.items():
+        dims = dict(kv.split("=") for kv in key.split(","))       # "M=1,N=...,dtype=bfloat16"
+        M, N, K = int(dims["M"]), int(dims["N"]), int(dims["K"])
+        dtype = getattr(torch, dims["dtype"])
         check_config(cfg)
         assert cfg.block_n * cfg.block_k // (32 * cfg.num_warps) <= 256, cfg
         assert default_config(M, N, K, dtype) == cfg

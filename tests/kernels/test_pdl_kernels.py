@@ -255,20 +255,12 @@ _MLA_TILES = dict(KV_RANK=512, ROPE=64, BLOCK_C=512, BLOCK_R=64, PAGE_SIZE=64, B
 _CONV_PTRS = {**_bf16("x_ptr", "w_ptr", "y_ptr", "states_ptr"), **_ids("state_idx_ptr")}
 
 SPECS = [
-    KernelSpec("topk_sigmoid splitk", "kdaserve.kernels.moe.triton_router", "topk_sigmoid_kernel",
-               _TOPK_PTRS, dict(_TOPK, HAS_BIAS=True, NUM_PARTIALS=18), num_warps=2,
-               floats=("scaling",), early=("bias_ptr",)),
     KernelSpec("topk_sigmoid logits", "kdaserve.kernels.moe.triton_router", "topk_sigmoid_kernel",
                _TOPK_PTRS, dict(_TOPK, HAS_BIAS=True), num_warps=2, floats=("scaling",),
                early=("bias_ptr",)),
     KernelSpec("topk_sigmoid no bias", "kdaserve.kernels.moe.triton_router",
                "topk_sigmoid_kernel", _TOPK_PTRS, dict(_TOPK, HAS_BIAS=False), num_warps=2,
                floats=("scaling",)),
-    KernelSpec("router splitk logits", "kdaserve.kernels.moe.triton_router",
-               "router_logits_splitk_kernel",
-               dict(x_ptr="*fp32", w_ptr="*fp32", part_ptr="*fp32"),
-               dict(K_PER_SPLIT=128, BLOCK_N=4, BLOCK_E=32, BLOCK_K=32, EVEN_K=True),
-               num_stages=5),
     KernelSpec("moe align small", _MOE, "moe_align_small_kernel",
                {**_ids("topk_ids_ptr", "sorted_ids_ptr"), **_ALIGN_IDS},
                dict(BLOCK_M=16, BLOCK_T=64, BLOCK_E=512)),
@@ -493,14 +485,13 @@ def assert_same(name: str, on, off) -> None:
 
 
 def check_router(inp: Inputs) -> None:
-    from kdaserve.kernels.moe.router import moe_router_splitk, moe_topk_sigmoid
+    """The decode router: the logits GEMV (fp32 out, the router's fp32 weight) and the top-k."""
+    from kdaserve.kernels.linear.gemv import gemv
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
     sh = inp.sh
-    args = (inp.bias, sh.top_k, True, 2.446)
-    for x in (inp.h, inp.h.float()):
-        runs = [moe_router_splitk(x, inp.router_w, *args, extra_expert=sh.experts, pdl=pdl)
-                for pdl in (False, True)]
-        assert_same(f"moe_router_splitk x={x.dtype}", runs[1], runs[0])
+    runs = [gemv(inp.h, inp.router_w, out_dtype=F32, pdl=pdl) for pdl in (False, True)]
+    assert_same("router logits gemv", runs[1], runs[0])
     logits = inp.h.float() @ inp.router_w.T                                   # [M, E] fp32
     for bias in (inp.bias, None):
         runs = [moe_topk_sigmoid(logits, bias, sh.top_k, True, 2.446, extra_expert=sh.experts,
@@ -509,10 +500,11 @@ def check_router(inp: Inputs) -> None:
 
 
 def _routing(inp: Inputs):
-    from kdaserve.kernels.moe.router import moe_router_splitk
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
-    return moe_router_splitk(inp.h, inp.router_w, inp.bias, inp.sh.top_k, True, 2.446,
-                             extra_expert=inp.sh.experts)                      # [M, k + 1] each
+    logits = inp.h.float() @ inp.router_w.T                                   # [M, E] fp32
+    return moe_topk_sigmoid(logits, inp.bias, inp.sh.top_k, True, 2.446,
+                            extra_expert=inp.sh.experts)                       # [M, k + 1] each
 
 
 def check_moe(inp: Inputs) -> None:
@@ -649,16 +641,16 @@ def test_pdl_matches_gpu(check, M):
 
 def decode_chain(inp: Inputs, pdl: bool, layers: int = 2) -> list[torch.Tensor]:
     """A decode step's kernel sequence, each kernel reading the previous one's output: router
-    (split-K in layer 0; gemv logits + top-k after) -> fused MoE -> store_latent of its first
-    rank + rope columns -> MLA decode over the cache -> gated RMSNorm of the first 3P / head_dim
-    rows of the MLA output -> conv update of them as [M, 3P] -> its first plane's first `hidden`
-    columns feed the next layer.
+    logits (cuBLAS in layer 0, the gemv after) -> top-k -> fused MoE -> store_latent of its
+    first rank + rope columns -> MLA decode over the cache -> gated RMSNorm of the first
+    3P / head_dim rows of the MLA output -> conv update of them as [M, 3P] -> its first plane's
+    first `hidden` columns feed the next layer.
     Mutates inp.kv and inp.states. Returns every layer's outputs."""
     from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update
     from kdaserve.kernels.linear.gemv import gemv
     from kdaserve.kernels.mla.decode import mla_decode, store_latent
     from kdaserve.kernels.moe.fused_moe import fused_moe
-    from kdaserve.kernels.moe.router import moe_router_splitk, moe_topk_sigmoid
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
     from kdaserve.kernels.norm.rms_norm import rms_norm_gated
 
     sh, h, outs = inp.sh, inp.h, []
@@ -666,10 +658,10 @@ def decode_chain(inp: Inputs, pdl: bool, layers: int = 2) -> list[torch.Tensor]:
     route = (inp.bias, sh.top_k, True, 2.446)
     for layer in range(layers):
         if layer == 0:
-            w, ids = moe_router_splitk(h, inp.router_w, *route, extra_expert=sh.experts, pdl=pdl)
+            logits = torch.nn.functional.linear(h.float(), inp.router_w)          # [M, E]
         else:
             logits = gemv(h, inp.router_w, out_dtype=F32, pdl=pdl)               # [M, E]
-            w, ids = moe_topk_sigmoid(logits, *route, extra_expert=sh.experts, pdl=pdl)
+        w, ids = moe_topk_sigmoid(logits, *route, extra_expert=sh.experts, pdl=pdl)
         y = fused_moe(h, inp.w13, inp.w2, w, ids, pdl=pdl)                        # [M, hidden]
         store_latent(inp.kv, inp.slots, y[:, :sh.rank + sh.rope], inp.kv_norm_w, 1e-6, pdl=pdl)
         o = mla_decode(inp.q, inp.kv, inp.block_table, inp.seq_lens, 0.07, sh.rank,

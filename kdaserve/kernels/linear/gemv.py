@@ -15,10 +15,12 @@ the launch starts when that kernel completes, as without pdl.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from kdaserve.kernels.configs import device_name, load_configs, shape_key
 from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
                                     pdl_options, require_triton)
 
@@ -36,46 +38,37 @@ class GemvConfig:
     prefetch: int = 2   # with pdl: weight tiles (BLOCK_K steps) loaded before the wait, 0..2
 
 
-TUNED_132_SMS: dict[tuple[int, int, int, torch.dtype], GemvConfig] = {
-    # (M, N, K, weight dtype): the fastest config of benchmarks/bench_chain.py's sweep (pdl
-    # calls back to back on distinct weights) on an H200, for the Kimi-Linear-48B decode shapes.
-    # o_proj: 6.57 against 8.47 us a call with the guess below (chain_h200_v2.json).
-    (1, 2304, 4096, torch.bfloat16): GemvConfig(block_n=2, block_k=1024, num_warps=1,
-                                                num_stages=5),
-    # KDA q|k|v|f_a|g_a|b: 15.03 against 16.22 us (chain_h200_v3.json)
-    (1, 12576, 2304, torch.bfloat16): GemvConfig(block_n=8, block_k=256, num_warps=1,
-                                                 num_stages=3),
-    # MLA q | kv_a: 9.93 against 11.89 us (chain_h200_v3.json)
-    (1, 6720, 2304, torch.bfloat16): GemvConfig(block_n=8, block_k=128, num_warps=1,
-                                                num_stages=4),
-    # MoE router, fp32 weight: 2.26 against 3.72 us (chain_h200_v3.json)
-    (1, 256, 2304, torch.float32): GemvConfig(block_n=2, block_k=1024, num_warps=1,
-                                              num_stages=2),
-    # Layer 0's dense MLP, gate|up then the swiglu down projection: the fastest pair of a 4 x 4
-    # grid, 38.36 us for both against cuBLAS's 47.42 and the guess's 55.93
-    # (chain_h200_v6.json, chain_h200_v5.json)
-    (1, 18432, 2304, torch.bfloat16): GemvConfig(block_n=8, block_k=256, num_warps=1,
-                                                 num_stages=3),
-    (1, 2304, 9216, torch.bfloat16): GemvConfig(block_n=4, block_k=1024, num_warps=2,
-                                                num_stages=4),
-}
-"""Measured configs, used on devices with 132 SMs (H100 SXM / H200) before the guess."""
+@functools.cache
+def tuned_configs(device_name: str | None, sms: int) -> dict[str, GemvConfig]:
+    """shape_key(M=, N=, K=, dtype=weight dtype) -> the measured config for that device
+    (kernels/configs/gemv_*.json: the fastest of benchmarks/bench_chain.py's sweep, pdl calls
+    back to back on distinct weights, at the Kimi-Linear-48B decode shapes)."""
+    return {key: GemvConfig(**fields)
+            for key, fields in load_configs("gemv", device_name, sms).items()}
 
 
 def default_config(M: int, N: int, K: int, weight_dtype: torch.dtype,
                    device: torch.device | None = None) -> GemvConfig:
-    """TUNED_132_SMS where it has the case (132 SMs), else a guess, measured only at some
-    shapes (benchmarks/bench_chain.py and bench_gemv.py --tune measure it).
+    """The device's measured config for the shape (tuned_configs) where it has one, else a
+    guess, measured only at some shapes (benchmarks/bench_chain.py and bench_gemv.py --tune
+    measure it). Without a device: no device name and 132 SMs (as for CPU tensors).
 
     block_n: the largest power of two <= 64 that still gives >= 2 waves of programs on the
-    device's SMs (132 without a device); block_k: the largest of 512/256/128 that divides K (no
-    K mask), else min(256, next_power_of_2(K)); num_warps: about two 16-byte loads per thread per
-    step, 1..8; prefetch (used with pdl only): 2 tiles (pdl_h200_v1.json, M = 1: in_proj 14.97 us
-    with 2 against 19.56 with 1; o_proj 9.09 against 8.89).
+    device's SMs; block_k: the largest of 512/256/128 that divides K (no K mask), else
+    min(256, next_power_of_2(K)); num_warps: about two 16-byte loads per thread per step, 1..8;
+    prefetch (used with pdl only): 2 tiles (measured clearly faster than 1 at the KDA input
+    projection and slightly slower at o_proj, M = 1; benchmarks/PERF_NOTES.md).
     M does not enter the guess yet.
     """
     sms = num_sms(device) if device is not None else 132
-    tuned = TUNED_132_SMS.get((M, N, K, weight_dtype)) if sms == 132 else None
+    return _default_config(M, N, K, weight_dtype, device_name(device), sms)
+
+
+@functools.cache
+def _default_config(M: int, N: int, K: int, weight_dtype: torch.dtype, device_name: str | None,
+                    sms: int) -> GemvConfig:
+    """default_config once per shape and device: a launch then costs a dict lookup."""
+    tuned = tuned_configs(device_name, sms).get(shape_key(M=M, N=N, K=K, dtype=weight_dtype))
     return tuned if tuned is not None else guess_config(N, K, weight_dtype, sms)
 
 

@@ -33,7 +33,9 @@ class MLADecodeConfig:
 
 
 def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
-    """Measured on an H200 (bench_layers.py --tune) at 32 heads, 8K context, batch 1 and 16."""
+    """Size classes by batch: the bf16 tiles are the fastest of bench_layers.py --tune at 32
+    heads, 8K context, batch 1 and 16 (benchmarks/PERF_NOTES.md); fp32 (tests, interpreter)
+    takes small tiles."""
     block_h = min(32, max(16, next_power_of_2(num_heads)))
     if dtype == torch.float32:
         return MLADecodeConfig(block_h=min(block_h, 16), block_n=16, num_warps=4, num_stages=1)

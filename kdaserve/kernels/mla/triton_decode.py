@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 # Split counts, the partial buffers' strides and the block table's row stride follow the batch
 # and the longest context of an eager step: no value specialisation, so a new mix of decode rows
 # does not JIT a new variant. (stride_bt: a suspected cause of the MLA decode compiles still
-# seen on the H200 in mixed steps after the start-up warm-up, first_steps_h200_v2.json.)
+# seen in mixed steps after the start-up warm-up; benchmarks/PERF_NOTES.md.)
 _SPLIT_ARGS = ["num_heads", "num_splits", "stride_po_b", "stride_po_h", "stride_pl_b",
                "stride_pl_h"]
 

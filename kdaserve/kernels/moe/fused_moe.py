@@ -51,17 +51,17 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
         return FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 32, 1, 4, 1))
     rows_per_expert = num_tokens * top_k / max(1, num_experts)
     if num_tokens <= 32:
-        # gemm2_sum: the best of bench_layers.py --tune on an H200 (N=1, D=2304, I=1024, k=8):
-        # 44.3 us for the layer against 47.7 us with gemm2 + moe_sum (layers_h200_run7.json).
-        # gemm1 block_k 64: 36.1 us a call against 42.7 with 128 in a chain of pdl calls at
-        # N=1, k=9 (bench_chain.py, chain_h200_v1.json); N > 1 follows unmeasured.
+        # gemm2_sum: the fastest of bench_layers.py --tune at N=1, D=2304, I=1024, k=8, and
+        # faster than gemm2 + moe_sum there. gemm1 block_k 64: faster than 128 in a chain of
+        # pdl calls at N=1, k=9 (bench_chain.py). N > 1 follows unmeasured. Figures:
+        # benchmarks/PERF_NOTES.md.
         return FusedMoEConfig(MoEGemmConfig(16, 32, 64, 1, 4, 4),
                               MoEGemmConfig(16, 32, 128, 1, 4, 4),
                               MoEGemmConfig(1, 8, 1024, 1, 4, 3))
     if rows_per_expert <= 32:
         return FusedMoEConfig(MoEGemmConfig(32, 64, 64, 4, 4, 4),
                               MoEGemmConfig(32, 64, 64, 4, 4, 4))
-    # measured on an H200 at N=8000, D=2304, I=1024, E=256, k=8 (bench_layers.py --tune)
+    # the fastest of bench_layers.py --tune at N=8000, D=2304, I=1024, E=256, k=8
     return FusedMoEConfig(MoEGemmConfig(128, 128, 64, 8, 8, 3),
                           MoEGemmConfig(128, 256, 64, 8, 8, 3))
 

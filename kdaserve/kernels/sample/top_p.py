@@ -74,7 +74,7 @@ def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int,
 
     S depends on V only, not on B: the kernels' integer arguments then specialise the same way
     at every batch size, so a new batch size never JIT-compiles a new variant in the middle of
-    serving (suspected in the multi-second stalls of the first H200 server runs). On CUDA
+    serving (suspected in multi-second stalls of early server runs). On CUDA
     S = min(SM count / 2, 64) splits per row: B = 1 still spreads over many SMs, and each
     program's reduction over S partials stays small. On the interpreter everything is small so
     every loop runs several times."""
