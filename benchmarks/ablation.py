@@ -32,12 +32,9 @@ The switches (SWITCHES below), each passed explicitly in every run, "on" include
                         decode steps, i.e. concurrency 1-2; CUDA; no spec rows)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
 engine flag and are not switches here. --decode-gemv is on by default since, with PDL, it won at
-batch 1 (benchmarks/results/decode_variants_h200_v2.json: b1 decode graph 2.347 ms with
+batch 1 (benchmarks/results/decode_variants_h200.json: b1 decode graph 2.347 ms with
 gemv+pdl+fused-kda-decode against 2.441 ms without the GEMV); it routes 1-2 rows only (it lost
-at 4). The engine's `--router-splitk` remains a kernel candidate that lost on the H200
-(layers_h200_run8.json: 18.7 against 13.4 us a layer at batch 1), off by default, so it is not
-an optimisation to ablate; pass it with --server-args to time it end to end. "all-on" is the
-engine default.
+at 4). "all-on" is the engine default.
 
 `--runs auto` (default) does all-on, all-off and the one-off runs of the switches the workload
 exercises (W1 with a draft model leaves out async-scheduling, fused-kda-decode and decode-gemv:

@@ -348,7 +348,7 @@ def bench_mla_layer(ceil, results, M: int = 1, context: int = 8192) -> None:
 def bench_topk(ceil, results, M: int = 1) -> None:
     """The router's sigmoid top-8 (+ the shared expert column) over 256 fp32 logits per token,
     as the decode graph runs it after the router GEMV: moe_topk_sigmoid with pdl, the default
-    (router.topk_num_warps: one warp at 256 experts, chain_h200_v4.json) against 2 and 4."""
+    (router.topk_num_warps: one warp at 256 experts, chain_h200_mla_layer.json) against 2 and 4."""
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.moe.router import moe_topk_sigmoid
 

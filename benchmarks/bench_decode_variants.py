@@ -6,8 +6,7 @@ One model load; for each variant the kernel flags are set on the layers and the 
 are captured again (ModelRunner._capture_graphs). Per batch (8K context by default) it reports the model
 graph alone (CUDA events around back-to-back replays: no lm_head, sampler or host work) and
 `runner.execute_model` per step (synchronous: graph + lm_head + sampler + host). Variant names
-join KernelConfig flags with '+': gemv = decode_gemv, pdl, splitk = router_splitk,
-fkda = fused_kda_decode; frouter = fused_router; base = none.
+join KernelConfig flags with '+': gemv = decode_gemv, pdl, fkda = fused_kda_decode; base = none.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig
                              ModelConfig, SchedulerConfig)
 from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
 
-FLAGS = {"gemv": "decode_gemv", "pdl": "pdl", "splitk": "router_splitk",
-         "fkda": "fused_kda_decode", "frouter": "fused_router"}
+FLAGS = {"gemv": "decode_gemv", "pdl": "pdl", "fkda": "fused_kda_decode"}
 
 
 def kernel_config(variant: str) -> KernelConfig:

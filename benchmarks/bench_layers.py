@@ -7,7 +7,8 @@ the same run: a large device-to-device copy (bytes read + written) and a bf16 GE
 floor = max(bytes / copy_rate, flops / gemm_rate); ratio = floor / time (1.0 = at the floor).
 Cases: MLA decode (B=1, 16; 8K context; 32 heads; 512+64 latent), MoE layer (N=1, 16, 8000; spread
 and same-8-experts routing; Kimi-Linear-48B shapes), KDA prefill via fla-core chunk_kda (8K tokens),
-the decode router (N=1, 4, 8: cast + cuBLAS fp32 GEMM + top-k against the one-launch router).
+the decode router (N=1, 4, 8, 16, 64: cuBLAS fp32 GEMM + top-k, on x cast to fp32 and on the
+norm's fp32 copy).
 --tune additionally sweeps tile configs of MLA decode and fused MoE and prints the best.
 """
 
@@ -344,10 +345,8 @@ def bench_kda(results, ceil, T=8192):
 
 def bench_router(results, ceil, n):
     """The decode router: cuBLAS fp32 GEMM + top-k kernel, on bf16 x cast to fp32 (the old
-    path) and on the fp32 copy the preceding norm writes; and the split-K GEMV whose partials
-    the top-k launch sums (moe_router_splitk, the model's path for <= 64 tokens). Bytes: the
-    fp32 router weight."""
-    from kdaserve.kernels.moe.router import moe_router_splitk, moe_topk_sigmoid
+    path) and on the fp32 copy the preceding norm writes. Bytes: the fp32 router weight."""
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid
     from kdaserve.layers.linear import linear
 
     x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -363,13 +362,9 @@ def bench_router(results, ceil, n):
         logits = torch.nn.functional.linear(x32, w)
         return moe_topk_sigmoid(logits, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
 
-    def splitk():
-        return moe_router_splitk(x32, w, b, TOP_K, True, 2.446, extra_expert=EXPERTS)
-
     nbytes, flops = w.numel() * 4 + x.numel() * 2, 2 * n * HIDDEN * EXPERTS
     record(results, ceil, f"router cast+GEMM+topk N={n}", time_case(cast), nbytes, flops)
     record(results, ceil, f"router fp32-in GEMM+topk N={n}", time_case(fp32_in), nbytes, flops)
-    record(results, ceil, f"router splitk N={n}", time_case(splitk), nbytes, flops)
 
 
 def main(argv=None) -> int:
