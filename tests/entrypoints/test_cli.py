@@ -91,6 +91,28 @@ def test_serve_lists_at_most_35_options():
         f"instead of top-level flags")
 
 
+def test_configuration_doc_covers_every_option_and_key():
+    """docs/configuration.md documents every serve option and every key of the JSON options
+    (the key tables of cli_args and SpeculativeConfig are the sources)."""
+    import dataclasses
+
+    from kdaserve.config import SpeculativeConfig
+
+    with open(os.path.join(REPO, cli_args.DOCS)) as f:
+        doc = f.read()
+    for action in serve_options():
+        for flag in action.option_strings:
+            assert f"`{flag}" in doc, flag
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines()
+            if line.startswith("| `")}
+    for keys in (cli_args.OPTIMIZATION_CONFIG_KEYS, cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS):
+        for key, (kind, _) in keys.items():
+            assert f"`{key}`" in rows and kind.name.replace("|", "\\|") in rows[f"`{key}`"], key
+    for field in dataclasses.fields(SpeculativeConfig):
+        if field.init:
+            assert f"`{field.name}`" in rows, field.name
+
+
 def test_json_option_keys_are_engine_kwargs():
     """Each --optimization-config / --model-loader-extra-config key is a field of the engine
     config that LLMEngine.from_engine_args routes it to, and every kernel switch has a key."""
