@@ -9,27 +9,29 @@ prints a summary table (output tok/s, mean TTFT, mean TPOT per run and level) an
 `summary.json`, built from every run JSON in the directory: an ablation may be run in slices
 (`--runs`, same `--out-dir`) and summarised at the end.
 
-The switches (SWITCHES below), each passed explicitly in every run, "on" included:
-  kda-checkpoint-mode   --kda-checkpoint-mode internal | split        (W3: prefix caching on,
-                        shared prefix; does nothing with prefix caching off)
-  adaptive-spec-budget  --adaptive-spec-budget | --no-adaptive-spec-budget   (spec on; matters
-                        for long prompts: the static rule takes (K-1) x max_num_seqs tokens off
-                        every step's budget)
-  kda-state-mode        speculative config "kda_state_mode": recover | per_position   (spec on)
-  batch-layout          speculative config "batch_layout": contiguous | gather   (spec on)
-  draft-catchup         speculative config "draft_catchup": window | varlen   (draft model on:
-                        K+1-row catch-up windows in CUDA graphs vs an eager varlen prefill)
-  sampling-threshold-kernel  --sampling-threshold-kernel | --no-...   (sort-free top-k / top-p
-                        threshold search; W1 samples with top_p 0.95)
+The switches (SWITCHES below), each passed explicitly in every run, "on" included; "optimization
+key" = a key of the server's --optimization-config JSON, "spec key" = of --speculative-config:
+  kda-checkpoint-mode   optimization key "kda_checkpoint_mode": internal | split   (W3: prefix
+                        caching on, shared prefix; does nothing with prefix caching off)
+  adaptive-spec-budget  optimization key "adaptive_spec_budget": true | false   (spec on;
+                        matters for long prompts: the static rule takes (K-1) x max_num_seqs
+                        tokens off every step's budget)
+  kda-state-mode        spec key "kda_state_mode": recover | per_position   (spec on)
+  batch-layout          spec key "batch_layout": contiguous | gather   (spec on)
+  draft-catchup         spec key "draft_catchup": window | varlen   (draft model on: K+1-row
+                        catch-up windows in CUDA graphs vs an eager varlen prefill)
+  sampling-threshold-kernel  optimization key "sampling_threshold_kernel": true | false
+                        (sort-free top-k / top-p threshold search; W1 samples with top_p 0.95)
   async-scheduling      --async-scheduling | --no-...   (step N+1 scheduled before step N's ids
                         reach the host; CPU too; no spec config: the engine steps one at a
                         time under speculative decoding)
-  fused-kda-decode      --fused-kda-decode | --no-...   (one launch per KDA layer in a plain
-                        decode step; CUDA; no spec rows: a draft model drafts every step)
-  pdl                   --pdl | --no-pdl   (programmatic dependent launch in the captured decode
-                        and verify graphs; CUDA, sm_90+)
-  decode-gemv           --decode-gemv | --no-...   (Triton GEMV projections of 1-2 row plain
-                        decode steps, i.e. concurrency 1-2; CUDA; no spec rows)
+  fused-kda-decode      optimization key "fused_kda_decode": true | false   (one launch per KDA
+                        layer in a plain decode step; CUDA; no spec rows: a draft model drafts
+                        every step)
+  pdl                   optimization key "pdl": true | false   (programmatic dependent launch in
+                        the captured decode and verify graphs; CUDA, sm_90+)
+  decode-gemv           optimization key "decode_gemv": true | false   (Triton GEMV projections
+                        of 1-2 row plain decode steps, i.e. concurrency 1-2; CUDA; no spec rows)
 Other kernel-level fusions (shared-expert fold, fused MoE, fused recurrent KDA, ...) have no
 engine flag and are not switches here. --decode-gemv is on by default since, with PDL, it won at
 batch 1 (benchmarks/results/decode_variants_h200.json: b1 decode graph 2.347 ms with
@@ -73,10 +75,13 @@ from seed_table import SPEC_CONFIG, bench_args
 from kdaserve.bench.launch import ServerProcess, start_recorded
 from kdaserve.bench.report import git_commit, gpu_name
 from kdaserve.bench.serve import run_benchmark
+from kdaserve.entrypoints.openai.cli_args import optimization_config
 from kdaserve.models.make_model import make_draft_model
 
 RESULTS_DIR = os.path.join(BENCH_DIR, "results", "ablation")
-RESULT_FORMAT_VERSION = 1
+RESULT_FORMAT_VERSION = 2
+"""2: the optimisation switches are --optimization-config keys (their setting records
+`optimization_key` and `value`; the run records `optimization_config`)."""
 SAFETY_S = 20.0
 """Kept back from the budget for server shutdowns and writing results."""
 
@@ -87,8 +92,9 @@ SAFETY_S = 20.0
 
 @dataclasses.dataclass(frozen=True)
 class Switch:
-    """One optimisation. A server-flag switch passes `flag_on` / `flag_off`; a spec-key switch
-    sets `spec_key` to `spec_on` / `spec_off` in the --speculative-config JSON."""
+    """One optimisation. A server-flag switch passes `flag_on` / `flag_off`; a config-key switch
+    sets `key` to `value_on` / `value_off` in the JSON of its `config`: "optimization" (the
+    server's --optimization-config) or "spec" (--speculative-config)."""
 
     name: str
     baseline: str
@@ -103,65 +109,84 @@ class Switch:
     at all)."""
     flag_on: tuple[str, ...] = ()
     flag_off: tuple[str, ...] = ()
-    spec_key: str | None = None
-    spec_on: str | None = None
-    spec_off: str | None = None
+    config: str | None = None
+    key: str | None = None
+    value_on: str | bool | None = None
+    value_off: str | bool | None = None
+
+    def value(self, on: bool) -> str | bool | None:
+        return self.value_on if on else self.value_off
 
     def setting(self, on: bool, has_spec: bool) -> dict:
         """How this switch is passed in a run, as recorded in the run JSON (a spec-key value is
         None when the run has no speculative config to carry it)."""
-        if self.spec_key is not None:
-            value = (self.spec_on if on else self.spec_off) if has_spec else None
-            return {"on": on, "spec_key": self.spec_key, "value": value}
+        if self.config == "spec":
+            return {"on": on, "spec_key": self.key,
+                    "value": self.value(on) if has_spec else None}
+        if self.config == "optimization":
+            return {"on": on, "optimization_key": self.key, "value": self.value(on)}
         return {"on": on, "server_flags": list(self.flag_on if on else self.flag_off)}
 
 
+def optimization_switch(name: str, **kw) -> Switch:
+    """A switch that is the --optimization-config key `name` with dashes as underscores, true
+    for on and false for off unless `value_on` / `value_off` say otherwise."""
+    return Switch(name, config="optimization", key=name.replace("-", "_"),
+                  **{"value_on": True, "value_off": False, **kw})
+
+
+def spec_switch(name: str, **kw) -> Switch:
+    """A switch that is the --speculative-config key `name` with dashes as underscores."""
+    return Switch(name, config="spec", key=name.replace("-", "_"), **kw)
+
+
 SWITCHES: tuple[Switch, ...] = (
-    Switch("kda-checkpoint-mode", workload="W3", needs="prefix",
-           baseline="split: a prefill crossing a KDA checkpoint ends its chunk there (one more "
-                    "forward pass) instead of exporting the state from inside the same pass",
-           flag_on=("--kda-checkpoint-mode", "internal"),
-           flag_off=("--kda-checkpoint-mode", "split")),
-    Switch("adaptive-spec-budget", workload="W1", needs="spec",
-           baseline="static spec budget: (K - 1) x max_num_seqs draft slots reserved from every "
-                    "step's token budget (long prompts take more prefill chunks)",
-           flag_on=("--adaptive-spec-budget",), flag_off=("--no-adaptive-spec-budget",)),
-    Switch("kda-state-mode", workload="W1", needs="spec",
-           baseline="per_position: the KDA state after every verified window token is written "
-                    "into 1 + K slots per request and the accepted one kept",
-           spec_key="kda_state_mode", spec_on="recover", spec_off="per_position"),
-    Switch("batch-layout", workload="W1", needs="spec",
-           baseline="gather: plain request order, each KDA group index_selected / index_copied "
-                    "out of the mixed batch",
-           spec_key="batch_layout", spec_on="contiguous", spec_off="gather"),
-    Switch("draft-catchup", workload="W1", needs="draft",
-           baseline="varlen: the draft model's catch-up over the accepted tokens is an eager "
-                    "varlen prefill of exactly those tokens (no CUDA graph)",
-           spec_key="draft_catchup", spec_on="window", spec_off="varlen"),
-    Switch("sampling-threshold-kernel", workload="W1", needs="decode",
-           baseline="top-k / top-p by a full sort of the vocabulary per row (CUDA only; the "
-                    "CPU always sorts)",
-           flag_on=("--sampling-threshold-kernel",), flag_off=("--no-sampling-threshold-kernel",)),
+    optimization_switch(
+        "kda-checkpoint-mode", workload="W3", needs="prefix",
+        baseline="split: a prefill crossing a KDA checkpoint ends its chunk there (one more "
+                 "forward pass) instead of exporting the state from inside the same pass",
+        value_on="internal", value_off="split"),
+    optimization_switch(
+        "adaptive-spec-budget", workload="W1", needs="spec",
+        baseline="static spec budget: (K - 1) x max_num_seqs draft slots reserved from every "
+                 "step's token budget (long prompts take more prefill chunks)"),
+    spec_switch("kda-state-mode", workload="W1", needs="spec",
+                baseline="per_position: the KDA state after every verified window token is "
+                         "written into 1 + K slots per request and the accepted one kept",
+                value_on="recover", value_off="per_position"),
+    spec_switch("batch-layout", workload="W1", needs="spec",
+                baseline="gather: plain request order, each KDA group index_selected / "
+                         "index_copied out of the mixed batch",
+                value_on="contiguous", value_off="gather"),
+    spec_switch("draft-catchup", workload="W1", needs="draft",
+                baseline="varlen: the draft model's catch-up over the accepted tokens is an "
+                         "eager varlen prefill of exactly those tokens (no CUDA graph)",
+                value_on="window", value_off="varlen"),
+    optimization_switch(
+        "sampling-threshold-kernel", workload="W1", needs="decode",
+        baseline="top-k / top-p by a full sort of the vocabulary per row (CUDA only; the CPU "
+                 "always sorts)"),
     Switch("async-scheduling", workload="W1", needs="nospec",
            baseline="one step at a time: the next step is scheduled only after the last step's "
                     "sampled ids reached the host (the host work of each step no longer "
                     "overlaps the device work)",
            flag_on=("--async-scheduling",), flag_off=("--no-async-scheduling",)),
-    Switch("fused-kda-decode", workload="W1", needs="plain-decode",
-           baseline="five launches per KDA layer in a decode step (conv update, f_b/g_b bmm, "
-                    "fla fused recurrent, beta copy, gated norm) instead of one",
-           flag_on=("--fused-kda-decode",), flag_off=("--no-fused-kda-decode",)),
-    Switch("pdl", workload="W1", needs="decode",
-           baseline="the decode graphs' Triton kernels launched without programmatic dependent "
-                    "launch",
-           flag_on=("--pdl",), flag_off=("--no-pdl",)),
-    Switch("decode-gemv", workload="W1", needs="plain-decode",
-           baseline="projections of 1-2 row decode batches on cuBLAS instead of the Triton GEMV",
-           flag_on=("--decode-gemv",), flag_off=("--no-decode-gemv",)),
+    optimization_switch(
+        "fused-kda-decode", workload="W1", needs="plain-decode",
+        baseline="five launches per KDA layer in a decode step (conv update, f_b/g_b bmm, fla "
+                 "fused recurrent, beta copy, gated norm) instead of one"),
+    optimization_switch(
+        "pdl", workload="W1", needs="decode",
+        baseline="the decode graphs' Triton kernels launched without programmatic dependent "
+                 "launch"),
+    optimization_switch(
+        "decode-gemv", workload="W1", needs="plain-decode",
+        baseline="projections of 1-2 row decode batches on cuBLAS instead of the Triton GEMV"),
 )
 SWITCH_NAMES = tuple(s.name for s in SWITCHES)
-RESERVED_SERVER_FLAGS = ("--speculative-config", "-sc", "--enable-prefix-caching",
-                         "--no-enable-prefix-caching", "--load-format", "--device",
+RESERVED_SERVER_FLAGS = ("--speculative-config", "-sc", "--optimization-config",
+                         "--enable-prefix-caching", "--no-enable-prefix-caching",
+                         "--load-format", "--device",
                          *{f for s in SWITCHES for f in (*s.flag_on, *s.flag_off)
                            if f.startswith("-")})
 """Flags the driver sets itself; --server-args may not carry them."""
@@ -232,20 +257,29 @@ def exercised(switch: Switch, spec: dict | None, prefix_caching: bool,
     return prefix_caching and shared_prefix_len > 0
 
 
-def run_server_args(run: Run, base: list[str], spec: dict | None) -> tuple[list[str], dict | None]:
-    """The server flags of `run` (base + every switch's flag) and its speculative config
-    (`spec` + every spec-key switch's value; None without a speculative config)."""
+def run_server_args(run: Run, base: list[str], spec: dict | None,
+                    optimization: dict | None = None
+                    ) -> tuple[list[str], dict | None, dict]:
+    """The server flags of `run` (base + every server-flag switch's flag + the two JSON
+    options), its speculative config (`spec` + every spec-key switch's value; None without a
+    speculative config) and its optimization config (`optimization` + every optimization-key
+    switch's value)."""
     flags = list(base)
     run_spec = dict(spec) if spec is not None else None
+    run_opt = dict(optimization or {})
     for s in SWITCHES:
         on = run.switches[s.name]
-        if s.spec_key is None:
+        if s.config == "optimization":
+            run_opt[s.key] = s.value(on)
+        elif s.config == "spec":
+            if run_spec is not None:
+                run_spec[s.key] = s.value(on)
+        else:
             flags += s.flag_on if on else s.flag_off
-        elif run_spec is not None:
-            run_spec[s.spec_key] = s.spec_on if on else s.spec_off
+    flags += ["--optimization-config", json.dumps(run_opt)]
     if run_spec is not None:
         flags += ["--speculative-config", json.dumps(run_spec)]
-    return flags, run_spec
+    return flags, run_spec, run_opt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Speculative config JSON (without the switch keys). Default: "
                         f"{json.dumps({k: v for k, v in SPEC_CONFIG.items() if k != 'method'})} "
                         "with --spec-method.")
+    p.add_argument("--optimization-config", type=optimization_config, default={},
+                   help="The server's --optimization-config keys of every run, less the switch "
+                        "keys (e.g. '{\"kda_checkpoint_interval\": 1024}'). Default: none.")
     p.add_argument("--input-len", type=int, default=None, help="Default: the workload's.")
     p.add_argument("--output-len", type=int, default=None, help="Default: the workload's.")
     p.add_argument("--concurrency", type=_int_list, default=None,
@@ -342,7 +379,13 @@ def resolve_args(args: argparse.Namespace) -> None:
     for flag in shlex.split(args.base_server_args) + shlex.split(args.server_args):
         if flag.split("=", 1)[0] in RESERVED_SERVER_FLAGS:
             raise ValueError(f"server flag {flag!r} is set by the driver (switches, "
-                             f"--load-format, --device, --[no-]prefix-caching, --spec-*)")
+                             f"--load-format, --device, --[no-]prefix-caching, --spec-*, "
+                             f"--optimization-config)")
+    clash = [s.key for s in SWITCHES if s.config == "optimization"
+             and s.key in args.optimization_config]
+    if clash:
+        raise ValueError(f"--optimization-config may not set the switch keys {clash}: the "
+                         f"driver does")
     args.spec = build_spec(args, w)
     names = None
     if args.runs == "auto":
@@ -378,7 +421,7 @@ def build_spec(args: argparse.Namespace, w: Workload) -> dict | None:
     if method == "draft_model" and not spec.get("model"):
         raise ValueError("--spec-method draft_model needs --draft-model (a folder with the "
                          "target's vocabulary, e.g. `kdaserve make-model DIR --preset small`)")
-    clash = [s.spec_key for s in SWITCHES if s.spec_key in spec]
+    clash = [s.key for s in SWITCHES if s.config == "spec" and s.key in spec]
     if clash:
         raise ValueError(f"--spec-config may not set the switch keys {clash}: the driver does")
     return spec
@@ -452,7 +495,8 @@ def run_levels(args: argparse.Namespace, server: ServerProcess, record: dict, de
 def run_one(args: argparse.Namespace, run: Run, deadline: float,
             estimates: dict[int, float], log: Callable[[str], None]) -> dict:
     """Start the server for `run`, run its levels, stop it; the run's record."""
-    flags, spec = run_server_args(run, base_flags(args), args.spec)
+    flags, spec, optimization = run_server_args(run, base_flags(args), args.spec,
+                                                args.optimization_config)
     server = ServerProcess(args.model, flags, os.path.join(args.out_dir, f"{run.name}_server.log"),
                            port=args.port)
     by_name = {s.name: s for s in SWITCHES}
@@ -466,7 +510,8 @@ def run_one(args: argparse.Namespace, run: Run, deadline: float,
                                                 args.shared_prefix_len)}
                      for n, on in run.switches.items()},
         "server_flags": flags, "server_command": server.command_line,
-        "speculative_config": spec, "server_log": server.log_path,
+        "speculative_config": spec, "optimization_config": optimization,
+        "server_log": server.log_path,
         "config": {"input_len": args.input_len, "output_len": args.output_len,
                    "concurrency": list(args.concurrency), "endpoint": args.endpoint,
                    "shared_prefix_len": args.shared_prefix_len,

@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdaserve import SamplingParams  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
-from kdaserve.entrypoints.openai.cli_args import (add_kernel_switches,  # noqa: E402
-                                                  kernel_switches_from_args)
+from kdaserve.entrypoints.openai.cli_args import (model_loader_extra_config,  # noqa: E402
+                                                  optimization_config)
 from kdaserve.bench.roofline import byte_floor, experts_touched, measure_copy_bandwidth  # noqa: E402,E501
 from kdaserve.attention.caches import state_bytes_per_slot  # noqa: E402
 
@@ -59,13 +59,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--dummy-routing", default="vllm")
+    ap.add_argument("--model-loader-extra-config", type=model_loader_extra_config, default={},
+                    help="as `kdaserve serve`'s, e.g. '{\"dummy_routing\": \"spread\"}'")
     ap.add_argument("--prompt-len", type=int, default=8000)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--throughput-requests", type=int, default=16)
     ap.add_argument("--throughput-output", type=int, default=1000)
     ap.add_argument("--skip-throughput", action="store_true")
-    add_kernel_switches(ap)                       # --[no-]decode-gemv, --[no-]pdl, ...
+    ap.add_argument("--optimization-config", type=optimization_config, default={},
+                    help="as `kdaserve serve`'s, e.g. '{\"pdl\": false}' (default: the "
+                         "engine's)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="one step at a time (the decode rows then have no graphs_sync twin)")
     ap.add_argument("--out", default=None)
@@ -77,9 +80,9 @@ def main() -> None:
     result["copy_bandwidth_TBps"] = bw / 1e12
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(
-        model=args.model, load_format=args.load_format, dummy_routing=args.dummy_routing,
+        model=args.model, load_format=args.load_format, **args.model_loader_extra_config,
         max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9, **kernel_switches_from_args(args),
+        gpu_memory_utilization=0.9, **args.optimization_config,
         async_scheduling=not args.no_async_scheduling)
     result["engine_start_s"] = time.perf_counter() - t0
     rn = engine.model_runner

@@ -10,7 +10,8 @@
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
 # CHAIN_ARGS), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
-# ENGINE_ARGS="--no-pdl" (or --no-decode-gemv, --no-fused-kda-decode) times the engine without a default kernel choice.
+# ENGINE_ARGS='--optimization-config {"pdl":false}' (or "decode_gemv", "fused_kda_decode"; no
+# spaces in the JSON: the variable is word-split) times the engine without a default kernel choice.
 #
 # Triton/fla compile time dominates a cold call (~100 s). Carry `.tcache` (git-ignored) to reuse
 # the previous call's Triton cache: the script restores .tcache/triton.tar.xz.* if present and

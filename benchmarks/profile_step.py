@@ -9,6 +9,7 @@ kernel count per step, which is what CUDA graphs replay.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,8 +24,7 @@ from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
                              ModelConfig, SchedulerConfig)
-from kdaserve.entrypoints.openai.cli_args import (add_kernel_switches,  # noqa: E402
-                                                  kernel_switches_from_args)
+from kdaserve.entrypoints.openai.cli_args import optimization_config  # noqa: E402
 from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
 
 
@@ -64,9 +64,16 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true",
                     help="decode with CUDA graphs (kernels as replayed; the gap is step time "
                          "minus kernel time)")
-    add_kernel_switches(ap)                       # default: the engine's KernelConfig
+    ap.add_argument("--optimization-config", type=optimization_config, default={},
+                    help="as `kdaserve serve`'s, its KernelConfig keys only, e.g. "
+                         "'{\"pdl\": false}' (default: the engine's KernelConfig)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    kernel_keys = {f.name for f in dataclasses.fields(KernelConfig)}
+    other = sorted(set(args.optimization_config) - kernel_keys)
+    if other:
+        ap.error(f"--optimization-config: {other} are not KernelConfig keys (this script "
+                 f"builds its own cache and scheduler config, without prefix caching)")
     max_len = max(args.context, args.prefill) + args.steps + 16
     blocks = max(args.batch, 1) * -(-max_len // 16) + 1
     config = EngineConfig(
@@ -77,7 +84,7 @@ def main() -> None:
                                          max_num_batched_tokens=max(8192, args.prefill),
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
-        kernel_config=KernelConfig(**kernel_switches_from_args(args)))
+        kernel_config=KernelConfig(**args.optimization_config))
     runner = ModelRunner(config)
     runner.eos_token_ids = []
     runner.initialize_cache(blocks, max(args.batch, 1))

@@ -87,21 +87,24 @@ def test_each_run_passes_exactly_its_switch_values(ablation):
     spec = {"method": "ngram", "num_speculative_tokens": 8,
             "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.0}
     base = ["--max-num-seqs", "4", "--no-enable-prefix-caching"]
+    extra = {"kda_checkpoint_interval": 64}
     for run in ablation.run_matrix():
-        flags, run_spec = ablation.run_server_args(run, base, spec)
+        flags, run_spec, run_opt = ablation.run_server_args(run, base, spec, extra)
         assert flags[:3] == base
         want = {s: ON[s] if on else OFF[s] for s, on in run.switches.items()}
         kwargs = serve_kwargs(flags)
         assert switch_values(kwargs) == want, run.name
         assert kwargs["speculative_config"] == run_spec
+        assert kwargs["kda_checkpoint_interval"] == 64 and run_opt["kda_checkpoint_interval"] == 64
+        assert {k: kwargs[k] for k in run_opt} == run_opt
         assert {k: v for k, v in run_spec.items()
                 if k not in ("kda_state_mode", "batch_layout", "draft_catchup")} == spec
         sc = SpeculativeConfig(**run_spec)  # the engine accepts it
         assert (sc.kda_state_mode, sc.batch_layout, sc.draft_catchup) == (
             want["kda-state-mode"], want["batch-layout"], want["draft-catchup"])
-        assert flags.count("--speculative-config") == 1
-    # Without a speculative config the spec keys go nowhere; the server-flag switches still do.
-    flags, run_spec = ablation.run_server_args(ablation.run_matrix(["all-off"])[0], [], None)
+        assert flags.count("--speculative-config") == flags.count("--optimization-config") == 1
+    # Without a speculative config the spec keys go nowhere; the other switches still do.
+    flags, run_spec, _ = ablation.run_server_args(ablation.run_matrix(["all-off"])[0], [], None)
     assert run_spec is None and "--speculative-config" not in flags
     values = switch_values(serve_kwargs(flags))
     assert values["kda-checkpoint-mode"] == "split"
@@ -136,11 +139,11 @@ def test_auto_runs_follow_the_workload(ablation, tmp_path):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["--server-args=--no-adaptive-spec-budget"], "set by the driver"),
-    (["--server-args=--kda-checkpoint-mode=split"], "set by the driver"),
     (["--server-args=--no-async-scheduling"], "set by the driver"),
-    (["--base-server-args", "--max-num-seqs 4 --pdl"], "set by the driver"),
-    (["--server-args=--decode-gemv --no-fused-kda-decode"], "set by the driver"),
+    (["--base-server-args", "--max-num-seqs 4 --optimization-config {}"], "set by the driver"),
+    (["--server-args=--optimization-config={}"], "set by the driver"),
+    (["--optimization-config", '{"pdl": false}'], "switch keys"),
+    (["--optimization-config", '{"fused_router": true}'], "unknown key 'fused_router'"),
     (["--base-server-args", "--speculative-config {}"], "set by the driver"),
     (["--spec-config", '{"batch_layout": "gather"}'], "switch keys"),
     (["--spec-method", "draft_model"], "needs --draft-model"),
@@ -200,18 +203,16 @@ def test_w1_shaped_cpu_end_to_end(ablation, tiny_model, tmp_path, capsys):
                         "--time-budget", "150", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0
-    on = {"kda-checkpoint-mode": ["--kda-checkpoint-mode", "internal"],
-          "adaptive-spec-budget": ["--adaptive-spec-budget"],
-          "kda-state-mode": "recover", "batch-layout": "contiguous", "draft-catchup": "window",
-          "sampling-threshold-kernel": ["--sampling-threshold-kernel"],
-          **{s: [f"--{s}"] for s in DECODE_SWITCHES}}
+    on = {**ON, "async-scheduling": ["--async-scheduling"]}
     rec = check_run(tmp_path, "all-on", on, [1, 2], 8)
     assert rec["speculative_config"]["kda_state_mode"] == "recover"
     assert rec["switches"]["batch-layout"]["exercised"]
     assert not rec["switches"]["kda-checkpoint-mode"]["exercised"]
     assert not rec["switches"]["async-scheduling"]["exercised"]  # spec: one step at a time
     assert rec["switches"]["fused-kda-decode"]["exercised"]      # ngram: plain decode steps
-    assert "--no-pdl" not in rec["server_flags"] and "--pdl" in rec["server_flags"]
+    assert rec["optimization_config"]["pdl"] is True
+    assert json.loads(rec["server_flags"][rec["server_flags"].index("--optimization-config")
+                                          + 1]) == rec["optimization_config"]
     off = check_run(tmp_path, "no-kda-state-mode", {**on, "kda-state-mode": "per_position"},
                     [1, 2], 8)
     assert '"kda_state_mode": "per_position"' in off["server_command"]
@@ -233,17 +234,16 @@ def test_w1_shaped_cpu_end_to_end(ablation, tiny_model, tmp_path, capsys):
 
 def test_w3_shaped_cpu_checkpoint_switch(ablation, tiny_model, tmp_path):
     rc = ablation.main([tiny_model, "--workload", "W3", "--device", "cpu",
-                        "--base-server-args", "--max-num-seqs 4 --kda-checkpoint-interval 64",
+                        "--base-server-args", "--max-num-seqs 4",
+                        "--optimization-config", '{"kda_checkpoint_interval": 64}',
                         "--input-len", "192", "--shared-prefix-len", "128", "--output-len", "4",
                         "--warmup", "1", "--time-budget", "120", "--out-dir", str(tmp_path),
                         "--runs", "no-kda-checkpoint-mode"])
     assert rc == 0
     rec = check_run(tmp_path, "no-kda-checkpoint-mode", {
-        "kda-checkpoint-mode": ["--kda-checkpoint-mode", "split"],
-        "adaptive-spec-budget": ["--adaptive-spec-budget"],
-        "kda-state-mode": None, "batch-layout": None, "draft-catchup": None,
-        "sampling-threshold-kernel": ["--sampling-threshold-kernel"],
-        **{s: [f"--{s}"] for s in DECODE_SWITCHES}}, [1], 4)
+        **ON, "kda-checkpoint-mode": "split", "async-scheduling": ["--async-scheduling"],
+        "kda-state-mode": None, "batch-layout": None, "draft-catchup": None}, [1], 4)
+    assert rec["optimization_config"]["kda_checkpoint_interval"] == 64
     assert rec["speculative_config"] is None and rec["switches"]["kda-checkpoint-mode"]["exercised"]
     assert all(rec["switches"][s]["exercised"] for s in DECODE_SWITCHES)
     assert "--enable-prefix-caching" in rec["server_flags"]

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from kdaserve.entrypoints.cli import build_parser
+from kdaserve.entrypoints.openai import cli_args
 from kdaserve.entrypoints.openai.cli_args import (check_server_args, engine_kwargs_from_args,
                                                   human_int)
 from tests.entrypoints.conftest import REPO, RemoteServer
@@ -67,6 +68,69 @@ def test_unknown_values_are_rejected(argv, capsys):
     assert "error: argument" in capsys.readouterr().err
 
 
+MAX_SERVE_OPTIONS = 35
+"""Issue 18's bound: `kdaserve serve --help` shows what a user tunes, at most 35 options; the
+ablation baselines are keys of --optimization-config, not top-level flags."""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    return cli_args.add_parser(argparse.ArgumentParser(prog="kdaserve").add_subparsers())
+
+
+def serve_options() -> list[argparse.Action]:
+    """The options of `kdaserve serve` (a --x / --no-x pair is one), less -h and MODEL."""
+    return [a for a in serve_parser()._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def test_serve_lists_at_most_35_options():
+    options = serve_options()
+    assert len(options) <= MAX_SERVE_OPTIONS, (
+        f"`kdaserve serve --help` lists {len(options)} options, more than issue 18's bound of "
+        f"{MAX_SERVE_OPTIONS}: group new knobs into a JSON option (--optimization-config) "
+        f"instead of top-level flags")
+
+
+def test_configuration_doc_covers_every_option_and_key():
+    """docs/configuration.md documents every serve option and every key of the JSON options
+    (the key tables of cli_args and SpeculativeConfig are the sources)."""
+    import dataclasses
+
+    from kdaserve.config import SpeculativeConfig
+
+    with open(os.path.join(REPO, cli_args.DOCS)) as f:
+        doc = f.read()
+    for action in serve_options():
+        for flag in action.option_strings:
+            assert f"`{flag}" in doc, flag
+    rows = {line.split("|")[1].strip(): line for line in doc.splitlines()
+            if line.startswith("| `")}
+    for keys in (cli_args.OPTIMIZATION_CONFIG_KEYS, cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS):
+        for key, (kind, _) in keys.items():
+            assert f"`{key}`" in rows and kind.name.replace("|", "\\|") in rows[f"`{key}`"], key
+    for field in dataclasses.fields(SpeculativeConfig):
+        if field.init:
+            assert f"`{field.name}`" in rows, field.name
+
+
+def test_json_option_keys_are_engine_kwargs():
+    """Each --optimization-config / --model-loader-extra-config key is a field of the engine
+    config that LLMEngine.from_engine_args routes it to, and every kernel switch has a key."""
+    import dataclasses
+
+    from kdaserve.config import CacheConfig, KernelConfig, LoadConfig, SchedulerConfig
+
+    def names(*classes):
+        return {f.name for c in classes for f in dataclasses.fields(c)}
+
+    assert set(cli_args.OPTIMIZATION_CONFIG_KEYS) <= names(CacheConfig, SchedulerConfig,
+                                                           KernelConfig)
+    # router_splitk and fused_router are the two losing candidates being deleted (no key)
+    assert names(KernelConfig) - {"router_splitk", "fused_router"} <= set(
+        cli_args.OPTIMIZATION_CONFIG_KEYS)
+    assert set(cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS) <= names(LoadConfig)
+
+
 def test_auto_tool_choice_needs_a_parser():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         check_server_args(parse("/m", "--enable-auto-tool-choice"))
@@ -89,6 +153,14 @@ def test_unsupported_tensor_parallel_is_a_startup_error(tiny_model):
 def test_missing_model_folder_is_a_startup_error(tmp_path):
     r = _run_cli("serve", str(tmp_path / "nope"))
     assert r.returncode == 2 and "config.json" in r.stderr
+
+
+def test_generate_takes_the_engine_options():
+    args = build_parser("generate").parse_args([
+        "generate", "/m", "-p", "hi", "--optimization-config", '{"pdl": false}',
+        "--model-loader-extra-config", '{"dummy_routing": "spread"}', "--no-async-scheduling"])
+    assert engine_kwargs_from_args(args, "/m") == {
+        "model": "/m", "pdl": False, "dummy_routing": "spread", "async_scheduling": False}
 
 
 def test_generate_cli(tiny_model):

@@ -20,7 +20,8 @@ def feature_server(tiny_model):
     spec = json.dumps({"method": "draft_model", "model": tiny_model,
                        "num_speculative_tokens": 3})
     srv = RemoteServer([tiny_model, "--api-key", API_KEY, "--max-model-len", "1024",
-                        "--block-size", "16", "--kda-checkpoint-interval", "64",
+                        "--block-size", "16",
+                        "--optimization-config", '{"kda_checkpoint_interval": 64}',
                         "--speculative-config", spec, "--seed", "0"])
     yield srv
     srv.stop()

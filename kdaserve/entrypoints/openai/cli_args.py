@@ -2,7 +2,11 @@
 """`kdaserve serve [MODEL]`: vLLM's flag names and meanings, then the server's main loop.
 
 Engine flags (shared with `kdaserve generate`) map 1:1 onto LLMEngine.from_engine_args kwargs;
-a flag left unset is not passed, so the engine's own default applies.
+a flag left unset is not passed, so the engine's own default applies. The optimisation switches
+(whose "off" is a plain baseline, kept for ablation) and the dummy loader's routing are keys of
+two JSON options, --optimization-config and --model-loader-extra-config (vLLM groups such knobs
+as JSON options too), so that --help lists what a user tunes; docs/configuration.md documents
+every option and key.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kdaserve.entrypoints.openai.reasoning_parser import reasoning_parser_names
@@ -65,6 +71,98 @@ def positive_int(value: str) -> int:
     return n
 
 
+DOCS = "docs/configuration.md"
+"""Where every option and every key of the JSON options is documented."""
+
+
+@dataclass(frozen=True)
+class KeyType:
+    """The JSON value a config key takes: its name as documented, and its check."""
+
+    name: str
+    check: Callable[[Any], bool]
+
+
+BOOL = KeyType("bool", lambda v: isinstance(v, bool))
+POSITIVE_INT = KeyType("int >= 1",
+                       lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+NON_NEGATIVE_INT = KeyType("int >= 0",
+                           lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def one_of(*values: str) -> KeyType:
+    return KeyType(" | ".join(f'"{v}"' for v in values),
+                   lambda v: isinstance(v, str) and v in values)
+
+
+OPTIMIZATION_CONFIG_KEYS: dict[str, tuple[KeyType, str]] = {
+    "decode_gemv": (BOOL, "CUDA: projections of decode batches <= 2 through the Triton GEMV "
+                          "(off: cuBLAS)."),
+    "pdl": (BOOL, "CUDA (Hopper+): the Triton kernels of the captured decode graphs with "
+                  "programmatic dependent launch (off: ordinary launches; always off below "
+                  "compute capability 9.0); with decode_gemv it covers the projections too."),
+    "fused_kda_decode": (BOOL, "CUDA: decode-only steps run each KDA layer's conv, gates, delta "
+                               "rule and gated norm in one Triton launch (off: five launches)."),
+    "kda_state_prefetch": (BOOL, "CUDA (with pdl): the one-launch KDA decode reads its states "
+                                 "before its PDL wait (off: after it)."),
+    "mla_absorb_gemv": (BOOL, "CUDA: MLA's per-head W_UK / W_UV products of decode batches <= 2 "
+                              "as one batched Triton GEMV launch each (off: cuBLAS)."),
+    "dense_mlp_gemv": (BOOL, "CUDA (with decode_gemv): the dense MLP of decode batches <= 2 as "
+                             "two GEMVs, the second reading silu(gate) * up (off: cuBLAS GEMMs, "
+                             "silu, mul)."),
+    "sampling_threshold_kernel": (BOOL, "CUDA: top-k / top-p by a sort-free threshold search "
+                                        "(off: a full sort of the vocabulary per row)."),
+    "kda_checkpoint_mode": (one_of("internal", "split"),
+                            "KDA prefix checkpoints exported from inside one prefill pass "
+                            "(internal) or, the baseline, by ending the prefill chunk at the "
+                            "checkpoint (split: one more forward pass)."),
+    "kda_checkpoint_interval": (POSITIVE_INT, "Tokens between KDA prefix checkpoints (a "
+                                              "multiple of --block-size; default 512 at block "
+                                              "size 16)."),
+    "num_kda_checkpoint_slots": (NON_NEGATIVE_INT, "KDA checkpoint slots (default: sized from "
+                                                   "memory; 0 = no KDA checkpoints, so no "
+                                                   "prefix hits)."),
+    "kda_checkpoint_turn_end": (BOOL, "Also checkpoint at the end of each prompt and where each "
+                                      "request finishes (off: interval checkpoints only)."),
+    "adaptive_spec_budget": (BOOL, "Reserve draft slots only for scheduled requests (off: the "
+                                   "static rule, (K - 1) x max_num_seqs slots every step)."),
+}
+"""--optimization-config keys -> (value type, what it does). Each key is the engine kwarg of
+the same name (LLMEngine.from_engine_args routes it to its config dataclass); a key left out
+keeps the engine's default, and every default is the optimised path."""
+
+MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, tuple[KeyType, str]] = {
+    "dummy_routing": (one_of("vllm", "spread"),
+                      "With --load-format dummy: vllm = every weight uniform in +-1e-3 (all "
+                      "tokens pick the same experts, as vLLM); spread = router weights drawn so "
+                      "tokens pick different experts."),
+}
+"""--model-loader-extra-config keys -> (value type, what it does); each is an engine kwarg."""
+
+
+def keyed_json(value: str, keys: dict[str, tuple[KeyType, str]]) -> dict[str, Any]:
+    """A JSON object whose every key is in `keys` with a value of that key's type."""
+    data = json_dict(value)
+    for key, v in data.items():
+        if key not in keys:
+            raise argparse.ArgumentTypeError(
+                f"unknown key {key!r}; valid keys: {', '.join(keys)} (see {DOCS})")
+        kind = keys[key][0]
+        if not kind.check(v):
+            raise argparse.ArgumentTypeError(f"{key!r} must be {kind.name}, got {json.dumps(v)}")
+    return data
+
+
+def optimization_config(value: str) -> dict[str, Any]:
+    """argparse type of --optimization-config (OPTIMIZATION_CONFIG_KEYS)."""
+    return keyed_json(value, OPTIMIZATION_CONFIG_KEYS)
+
+
+def model_loader_extra_config(value: str) -> dict[str, Any]:
+    """argparse type of --model-loader-extra-config (MODEL_LOADER_EXTRA_CONFIG_KEYS)."""
+    return keyed_json(value, MODEL_LOADER_EXTRA_CONFIG_KEYS)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", dest="model_flag", default=None,
@@ -88,12 +186,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Never capture CUDA graphs.")
     g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights (no checkpoint read).")
+    g.add_argument("--model-loader-extra-config", type=model_loader_extra_config, default=None,
+                   metavar="JSON",
+                   help="JSON object of loader options, e.g. '{\"dummy_routing\": \"spread\"}'. "
+                        "Keys: " + ", ".join(MODEL_LOADER_EXTRA_CONFIG_KEYS) + " (" + DOCS
+                        + ").")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help="Tensor-parallel ranks.")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="Reuse KV blocks and KDA state of shared prefixes.")
     g.add_argument("--speculative-config", "-sc", type=json_dict, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'.')
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(keys: " + DOCS + ").")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
                    help="Exact number of MLA KV blocks (skips memory profiling).")
     g.add_argument("--num-state-slots", type=positive_int, default=None,
@@ -101,69 +205,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, choices=["auto", "cuda", "cpu"])
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="Most tokens one prefill may take per step (0 = only the budget).")
-    g.add_argument("--dummy-routing", default=None, choices=["vllm", "spread"],
-                   help="With --load-format dummy: vllm = every weight uniform in +-1e-3 "
-                        "(all tokens pick the same experts, as vLLM); spread = router weights "
-                        "drawn so tokens pick different experts.")
-    a = p.add_argument_group("optimisation switches (off = the plain baseline, for ablation)")
-    a.add_argument("--kda-checkpoint-mode", default=None, choices=["internal", "split"],
-                   help="KDA prefix checkpoints exported inside one prefill pass (internal) or "
-                        "by splitting the prefill at the boundary (split).")
-    a.add_argument("--kda-checkpoint-interval", type=positive_int, default=None,
-                   help="Tokens between KDA prefix checkpoints (a multiple of --block-size).")
-    a.add_argument("--num-kda-checkpoint-slots", type=positive_int, default=None,
-                   help="KDA checkpoint slots (default: sized from memory).")
-    a.add_argument("--kda-checkpoint-turn-end", action=argparse.BooleanOptionalAction,
-                   default=None, help="Also checkpoint at the end of each prompt and request.")
-    a.add_argument("--adaptive-spec-budget", action=argparse.BooleanOptionalAction,
-                   default=None, help="Reserve draft slots only for scheduled requests "
-                                      "(--no-... = the static rule).")
-    a.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="Schedule and launch the next step before the last one's sampled ids "
                         "reach the host (default on; speculative decoding and penalties run "
                         "one step at a time).")
-    add_kernel_switches(a)
+    g.add_argument("--optimization-config", type=optimization_config, default=None,
+                   metavar="JSON",
+                   help="JSON object of optimisation switches, each off = that optimisation's "
+                        "plain baseline (for ablation), e.g. '{\"decode_gemv\": false, "
+                        "\"kda_checkpoint_mode\": \"split\"}'. Keys: "
+                        + ", ".join(OPTIMIZATION_CONFIG_KEYS) + " (types, defaults and "
+                        "baselines: " + DOCS + ").")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; no remote code is ever run.")
-
-
-KERNEL_SWITCHES: dict[str, str] = {
-    "decode_gemv": "CUDA: projections of decode batches <= 2 through the Triton GEMV (off: "
-                   "cuBLAS). On by default.",
-    "pdl": "CUDA (Hopper+): the Triton kernels of the captured decode graphs with programmatic "
-           "dependent launch (on by default; off below compute capability 9.0); with "
-           "--decode-gemv it covers the projections too.",
-    "fused_kda_decode": "CUDA: decode-only steps run each KDA layer's conv, gates, delta rule "
-                        "and gated norm in one Triton launch (on by default).",
-    "fused_router": "CUDA: MoE routers of decode batches <= 2 as one launch (logits GEMV + "
-                    "top-k; off: a GEMV launch then a top-k launch). Off by default: slower on "
-                    "the H200 with --pdl.",
-    "router_splitk": "CUDA: MoE routers of decode batches <= 64 through the split-K fp32 GEMV "
-                     "reduced in the top-k launch (off: cuBLAS GEMM + top-k). Off by default: "
-                     "slower on the H200 at batch 1.",
-    "kda_state_prefetch": "CUDA (with --pdl): the one-launch KDA decode reads its states "
-                          "before its PDL wait (on by default).",
-    "mla_absorb_gemv": "CUDA: MLA's per-head W_UK / W_UV products of decode batches <= 2 as "
-                       "one batched Triton GEMV launch each (off: cuBLAS; on by default).",
-    "dense_mlp_gemv": "CUDA (with --decode-gemv): the dense MLP of decode batches <= 2 as two "
-                      "GEMVs, the second reading silu(gate) * up (off: cuBLAS GEMMs, silu, "
-                      "mul).",
-    "sampling_threshold_kernel": "CUDA: top-k / top-p by a sort-free threshold search (default "
-                                 "on; --no-... = a full sort per row).",
-}
-"""KernelConfig fields with a --[no-]flag each (the flag is the field name with dashes)."""
-
-
-def add_kernel_switches(parser) -> None:
-    """--[no-]<switch> for every KERNEL_SWITCHES field, default None (the engine's default)."""
-    for name, help_text in KERNEL_SWITCHES.items():
-        parser.add_argument("--" + name.replace("_", "-"),
-                            action=argparse.BooleanOptionalAction, default=None, help=help_text)
-
-
-def kernel_switches_from_args(args: argparse.Namespace) -> dict:
-    """The KERNEL_SWITCHES given on the command line (the others keep their defaults)."""
-    return {n: getattr(args, n) for n in KERNEL_SWITCHES if getattr(args, n, None) is not None}
 
 
 _ENGINE_FLAGS = {
@@ -175,14 +229,11 @@ _ENGINE_FLAGS = {
     "enable_prefix_caching": "enable_prefix_caching",
     "speculative_config": "speculative_config", "num_gpu_blocks_override": "num_gpu_blocks",
     "num_state_slots": "num_state_slots", "device": "device",
-    "kda_checkpoint_mode": "kda_checkpoint_mode",
-    "kda_checkpoint_interval": "kda_checkpoint_interval",
-    "num_kda_checkpoint_slots": "num_kda_checkpoint_slots",
-    "kda_checkpoint_turn_end": "kda_checkpoint_turn_end",
-    "adaptive_spec_budget": "adaptive_spec_budget", "dummy_routing": "dummy_routing",
     "async_scheduling": "async_scheduling",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
 }
+"""Flag dest -> engine kwarg. The keys of --optimization-config and
+--model-loader-extra-config are engine kwargs themselves."""
 
 
 def resolve_model(args: argparse.Namespace) -> str:
@@ -199,7 +250,9 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str) -> dict[str, A
         value = getattr(args, attr, None)
         if value is not None:
             kwargs[key] = value
-    return kwargs | kernel_switches_from_args(args)
+    for option in ("optimization_config", "model_loader_extra_config"):
+        kwargs |= getattr(args, option, None) or {}
+    return kwargs
 
 
 def default_model_path() -> str:
