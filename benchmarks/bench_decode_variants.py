@@ -1,9 +1,9 @@
-"""Decode kernel variants on one loaded model: the CUDA-graph time of a decode step per batch size.
+"""Decode kernel variants: the CUDA-graph time of a decode step per batch size.
 
     python benchmarks/bench_decode_variants.py MODEL_DIR --variants base,gemv,gemv+pdl --out v.json
 
-One model load; for each variant the kernel flags are set on the layers and the decode graphs
-are captured again (ModelRunner._capture_graphs). Per batch (8K context by default) it reports the model
+Kernel backends are fixed when a model is built, so each variant is a worker of its own (model
+load, caches, graphs), one after the other. Per batch (8K context by default) it reports the model
 graph alone (CUDA events around back-to-back replays: no lm_head, sampler or host work) and
 `runner.execute_model` per step (synchronous: graph + lm_head + sampler + host). Variant names
 join KernelConfig flags with '+': gemv = decode_gemv, pdl, fkda = fused_kda_decode; base = none.
@@ -26,7 +26,7 @@ from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
                              ModelConfig, SchedulerConfig)
-from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
+from kdaserve.worker.worker import Worker  # noqa: E402
 
 FLAGS = {"gemv": "decode_gemv", "pdl": "pdl", "fkda": "fused_kda_decode"}
 
@@ -38,14 +38,6 @@ def kernel_config(variant: str) -> KernelConfig:
         raise ValueError(f"unknown variant flags {bad} in {variant!r}; known: {sorted(FLAGS)}")
     off = {flag: False for flag in FLAGS.values()}        # the defaults turn some on
     return KernelConfig(**{**off, **{FLAGS[n]: True for n in names}})
-
-
-def recapture(runner: ModelRunner, kc: KernelConfig) -> None:
-    runner.graphs = None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    runner.kernel_config = kc
-    runner._capture_graphs()        # as at start-up: PDL (if on) in the graphs only
 
 
 def main() -> None:
@@ -63,21 +55,19 @@ def main() -> None:
     max_len = args.context + args.steps + 16
     max_b = max(batches)
     blocks = max_b * -(-max_len // 16) + 1
-    config = EngineConfig(
-        model_config=ModelConfig(model=args.model, max_model_len=max_len),
-        cache_config=CacheConfig(num_gpu_blocks=blocks, num_state_slots=max_b,
-                                 enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=8192,
-                                         max_model_len=max_len),
-        load_config=LoadConfig(load_format="dummy"))
-    runner = ModelRunner(config)
-    runner.eos_token_ids = []
-    runner.initialize_cache(blocks, max_b)
-    vocab = config.model_config.arch.vocab_size
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "commit": git_commit(), "context": args.context, "rows": []}
     for variant in variants:
-        recapture(runner, configs[variant])
+        config = EngineConfig(
+            model_config=ModelConfig(model=args.model, max_model_len=max_len),
+            cache_config=CacheConfig(num_gpu_blocks=blocks, num_state_slots=max_b,
+                                     enable_prefix_caching=False),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_b, max_num_batched_tokens=8192,
+                                             max_model_len=max_len),
+            load_config=LoadConfig(load_format="dummy"), kernel_config=configs[variant])
+        worker = Worker(config)
+        worker.initialize_cache(blocks, max_b)
+        runner, vocab = worker.model_runner, config.model_config.arch.vocab_size
         for b in batches:
             run_point(runner, b, args.context, 2, vocab, 0)              # warm-up, JIT
             steps = run_point(runner, b, args.context, args.steps, vocab, 1)
@@ -87,6 +77,9 @@ def main() -> None:
             result["rows"].append(row)
             print(f"{variant:>14s} b{b:<3d} graph {row['graph_ms']:.3f} ms, execute_model "
                   f"{row['execute_model_ms']:.3f} ms", flush=True)
+        del worker, runner
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -25,7 +25,8 @@ from kdaserve.bench.roofline import run_point  # noqa: E402
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig,  # noqa: E402
                              ModelConfig, SchedulerConfig)
 from kdaserve.entrypoints.openai.cli_args import optimization_config  # noqa: E402
-from kdaserve.worker.model_runner import ModelRunner  # noqa: E402
+from kdaserve.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from kdaserve.worker.worker import Worker  # noqa: E402
 
 
 def top_kernels(prof, n: int) -> list[dict]:
@@ -42,8 +43,7 @@ def graph_replay_ms(runner, batch: int, reps: int = 50) -> float:
     """GPU time of the captured decode graph (the model forward, without the lm_head, the
     sampler and the host work of a step): back-to-back replays timed with CUDA events, on the
     inputs of the last step run."""
-    sizes = runner.graphs.sizes
-    graph, _ = runner.graphs.graphs[next(s for s in sizes if s >= batch)]
+    graph = runner.graphs.graph(DecodeGraphs.descriptor(runner.graphs.padded_size(batch)))
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -85,9 +85,9 @@ def main() -> None:
                                          max_model_len=max_len),
         load_config=LoadConfig(load_format="dummy"), enforce_eager=not args.graphs,
         kernel_config=KernelConfig(**args.optimization_config))
-    runner = ModelRunner(config)
-    runner.eos_token_ids = []
-    runner.initialize_cache(blocks, max(args.batch, 1))
+    worker = Worker(config)
+    worker.initialize_cache(blocks, max(args.batch, 1))
+    runner = worker.model_runner
     vocab = config.model_config.arch.vocab_size
     run_point(runner, args.batch, args.context, 3, vocab, 0)        # warm-up
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),

@@ -61,7 +61,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
         k, v = expand(latent)
         # SDPA's fused kernels (flash, memory-efficient) take only 4-D [B, H, L, D] inputs:
-        # 3-D inputs silently fall back to the fp32-upcast math kernel (~45 ms per layer at 8K).
+        # 3-D inputs silently fall back to the fp32-upcast math kernel, many times slower.
         qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]
         q_len, kv_len = e - s, k.shape[0]
         v_dim = v.shape[-1]

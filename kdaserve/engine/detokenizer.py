@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         self.tokenizer = tokenizer
         # Fast tokenizers: call the Rust backend directly (what their decode does without the
-        # clean-up, minus ~6 us of Python wrapping per call; two calls per token per step).
+        # clean-up, minus the Python wrapping per call; two calls per token per step).
         backend = getattr(tokenizer, "_tokenizer", None)
         self._fast_decode = backend.decode if _is_rust_tokenizer(backend) else None
         self.skip_special_tokens = skip_special_tokens

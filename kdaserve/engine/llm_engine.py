@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SLOW_STEP_S = 1.0
-"""A step slower than this is logged as a warning (a decode step takes milliseconds, an
-8K-token prefill ~0.2 s on the H200): it shows mid-serving JIT or autotune stalls."""
+"""A step slower than this is logged as a warning (a decode step takes milliseconds and a full
+8K-token prefill well under this): it shows mid-serving JIT or autotune stalls."""
 
 
 @dataclass

@@ -124,11 +124,11 @@ def _row_tensors(temps: list[float], top_ps: list[float], top_ks: list[int],
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(temperature, top_p, top_k, min_p) on device from two host->device copies: on CUDA
     pinned staging copied without blocking, instead of four pageable copies that each make the
-    host wait (about 25 us apiece at batch 1 on the H200, session 4's step profile).
+    host wait for the device (a visible share of a batch-1 step's host time).
     The rows are padded to a multiple of 4 floats so that every row starts 16-byte aligned
     whatever the batch size: Triton specialises pointer arguments on 16-byte alignment, and
     top_p at offset 4 * B bytes made the threshold kernels compile a second variant in the
-    middle of serving the first time B was a multiple of 4 (first_steps_h200_v4.json)."""
+    middle of serving the first time B was a multiple of 4 (seen in benchmarks/first_steps.py)."""
     B = len(temps)
     pad = [0.0] * (-B % 4)
     rows = [temps + pad, top_ps + pad, min_ps + pad]

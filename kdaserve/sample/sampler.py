@@ -100,8 +100,8 @@ def apply_top_k_top_p(
     threshold_kernel (CUDA logits only): where a full sort would run (top-p with some row
     lacking a top-k), one sort-free threshold per row instead (kernels/sample/top_p.py), which
     keeps every tie with the boundary and at most a few tokens within about one ulp below it.
-    Top-k alone and top-k on every row keep torch.topk (faster on the H200:
-    benchmarks/results/top_p_h200_v1.json)."""
+    Top-k alone and top-k on every row keep torch.topk, which was measured faster there
+    (benchmarks/bench_top_p.py)."""
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[-1]

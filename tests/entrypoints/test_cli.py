@@ -125,9 +125,7 @@ def test_json_option_keys_are_engine_kwargs():
 
     assert set(cli_args.OPTIMIZATION_CONFIG_KEYS) <= names(CacheConfig, SchedulerConfig,
                                                            KernelConfig)
-    # router_splitk and fused_router are the two losing candidates being deleted (no key)
-    assert names(KernelConfig) - {"router_splitk", "fused_router"} <= set(
-        cli_args.OPTIMIZATION_CONFIG_KEYS)
+    assert names(KernelConfig) <= set(cli_args.OPTIMIZATION_CONFIG_KEYS)
     assert set(cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS) <= names(LoadConfig)
 
 

@@ -5,7 +5,7 @@ causal conv update -> f_b / g_b up-projections -> gate activation -> l2norm(q, k
 For decode rows only (each row one token continuing its state). Twin:
 `kda_decode_fused_reference` below (composes kernels/reference.py, fp32).
 
-Layouts (the engine's, kdaserve/worker/cache.py):
+Layouts (the engine's, kdaserve/attention/caches.py):
     proj          [N, 3P + 2d + H]   q | k | v (3P, P = H * d) | f_a (d) | g_a (d) | beta logits (H)
     conv_weight   [3P, W]            the depthwise conv taps (conv1d.weight[:, 0])
     conv_cache    [slots, 3P, W-1]   per slot, the last W-1 pre-conv inputs (oldest first)
