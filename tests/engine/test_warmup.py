@@ -1,4 +1,4 @@
-"""The start-up warm-up (ModelRunner._warmup_mixed_step) runs eager forwards over many step
+"""The start-up warm-up (worker/warmup.py warmup_steps) runs eager forwards over many step
 compositions on the live caches, before any request holds a block or a slot. What it leaves
 there must never reach a request: outputs after the warm-up equal those of an engine that never
 ran it, greedy and seeded, with prefix-free chunked prefill and n > 1."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve import SamplingParams
+from kdaserve.worker import warmup
 from tests.engine.test_llm_engine import prompts
 
 
@@ -16,7 +17,7 @@ def _cache_checksum(caches) -> float:
                      + caches.kda_conv))
 
 
-def test_warmup_leaves_no_trace(make_llm):
+def test_warmup_leaves_no_trace(make_llm, monkeypatch):
     ps = prompts(6, seed=5, lo=10, hi=70)
     params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, logprobs=2),
@@ -27,11 +28,12 @@ def test_warmup_leaves_no_trace(make_llm):
     llm = make_llm(max_num_seqs=8, max_num_batched_tokens=64)
     runner = llm.llm_engine.model_runner
     calls = []
-    forward = runner._warmup_forward
-    runner._warmup_forward = lambda q, c: (calls.append((q, c)), forward(q, c))
+    forward = warmup._forward
+    monkeypatch.setattr(warmup, "_forward",
+                        lambda r, q, c: (calls.append((q, c)), forward(r, q, c)))
     before = _cache_checksum(runner.caches)
     with torch.inference_mode():
-        runner._warmup_mixed_step()
+        warmup.warmup_steps(runner, llm.llm_engine.engine_config.scheduler_config)
     assert _cache_checksum(runner.caches) != before, "the warm-up wrote nothing"
     # decode-row counts 0..6 (max_num_seqs - 2) next to two prefills, 1..8 alone, then 8
     # prefill sizes across the budget
