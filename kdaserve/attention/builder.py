@@ -165,16 +165,33 @@ def _gather_metadata(md: AttentionMetadata, rows: list[int], tok: list[int]) -> 
         max_seq_len=int(seq_cpu.max()), kda_checkpoints=ckpt)
 
 
-def decode_metadata(buf, bs: int) -> AttentionMetadata:
-    """Metadata of a captured decode step of bs one-token rows over graph input buffers (`buf`
-    has query_start_loc, seq_lens, slot_mapping, block_table, state_indices, has_initial_state
-    and max_seq_len, the MLA split bound that keeps one grid across replays)."""
-    return AttentionMetadata(
-        num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
-        query_start_loc=buf.query_start_loc[:bs + 1],
-        query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
-        seq_lens=buf.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
-        num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
-        slot_mapping=buf.slot_mapping[:bs], block_table=buf.block_table[:bs],
-        state_indices=buf.state_indices[:bs], has_initial_state=buf.has_initial_state[:bs],
-        max_query_len=1, max_seq_len=buf.max_seq_len)
+
+class StepBuffers:
+    """Device inputs of a fixed-shape step (a CUDA graph's inputs): up to max_bs requests of k1
+    token rows each. Padding requests use pad_slot and write no KV (slot_mapping -1);
+    max_seq_len bounds the MLA split count, which keeps one grid across replays."""
+
+    def __init__(self, max_bs: int, k1: int, max_blocks: int, pad_slot: int, max_seq_len: int,
+                 device: torch.device | str) -> None:
+        self.max_bs, self.k1, self.max_seq_len, self.pad_slot = max_bs, k1, max_seq_len, pad_slot
+        tok = max_bs * k1
+        self.input_ids = torch.zeros(tok, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(0, (max_bs + 1) * k1, k1, dtype=torch.int32,
+                                            device=device)
+        self.seq_lens = torch.full((max_bs,), k1, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
+        self.state_indices = torch.full((max_bs,), pad_slot, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(max_bs, dtype=torch.bool, device=device)
+
+    def decode_metadata(self, bs: int) -> AttentionMetadata:
+        """Metadata of a decode step of bs one-token rows over the buffers (k1 = 1)."""
+        return AttentionMetadata(
+            num_reqs=bs, num_decodes=bs, num_actual_tokens=bs,
+            query_start_loc=self.query_start_loc[:bs + 1],
+            query_start_loc_cpu=torch.arange(bs + 1, dtype=torch.int32),
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=torch.ones(bs, dtype=torch.int32),
+            num_computed_tokens_cpu=torch.zeros(bs, dtype=torch.int32),
+            slot_mapping=self.slot_mapping[:bs], block_table=self.block_table[:bs],
+            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
+            max_query_len=1, max_seq_len=self.max_seq_len)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kdaserve.attention.builder import decode_metadata, slot_mapping
+from kdaserve.attention.builder import StepBuffers, slot_mapping
 from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
                                                 StepPlan, capture_sizes)
 from kdaserve.attention.metadata import AttentionMetadata, ModelCaches
@@ -39,29 +39,21 @@ def step_inputs(num_computed: np.ndarray, block_table: np.ndarray, block_size: i
     return (pos + 1).astype(np.int32), slots
 
 
-class DraftDecodeGraphs:
+class DraftDecodeGraphs(StepBuffers):
     def __init__(self, model: nn.Module, caches: ModelCaches, scratch_slot: int,
                  block_size: int, max_blocks: int, max_num_seqs: int, max_seq_len: int,
                  device: torch.device) -> None:
         self.model, self.caches = model, caches
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_bs = self.sizes[-1]
-        self.block_size, self.scratch_slot, self.max_seq_len = block_size, scratch_slot, max_seq_len
-        bs = self.max_bs
-        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((bs,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
-        self.state_indices = torch.full((bs,), scratch_slot, dtype=torch.int32, device=device)
-        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
+        self.block_size, self.scratch_slot = block_size, scratch_slot
+        super().__init__(self.sizes[-1], 1, max_blocks, scratch_slot, max_seq_len, device)
         self.manager: "CudaGraphManager | None" = None
         """The manager holding the graphs, once capture() ran."""
         self._size = 0
         self._n = 0
 
     def _metadata(self, bs: int) -> AttentionMetadata:
-        return decode_metadata(self, bs)
+        return self.decode_metadata(bs)
 
     @staticmethod
     def descriptor(bs: int) -> BatchDescriptor:

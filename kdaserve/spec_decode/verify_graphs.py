@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kdaserve.attention import kda_spec
-from kdaserve.attention.builder import slot_mapping
+from kdaserve.attention.builder import StepBuffers, slot_mapping
 from kdaserve.attention.forward_context import BatchDescriptor, ExecMode, ForwardContext
 from kdaserve.attention.metadata import (AttentionMetadata, MLAAbsorbedRows, ModelCaches,
                                          SpecStep)
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class WindowBuffers:
+class WindowBuffers(StepBuffers):
     """Device buffers of a step of up to max_bs requests with k1 token rows each, and its
     metadata: KDA in the RecoverSSM verify form, MLA one absorbed row per token. Shared by the
     target's verification graphs and the draft model's catch-up windows. Padding requests (up
@@ -46,17 +46,8 @@ class WindowBuffers:
 
     def __init__(self, max_bs: int, k1: int, max_blocks: int, pad_slot: int, max_seq_len: int,
                  device: torch.device) -> None:
-        self.max_bs, self.k1, self.max_seq_len = max_bs, k1, max_seq_len
-        self.pad_slot = pad_slot
+        super().__init__(max_bs, k1, max_blocks, pad_slot, max_seq_len, device)
         tok = max_bs * k1
-        self.input_ids = torch.zeros(tok, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(0, (max_bs + 1) * k1, k1, dtype=torch.int32,
-                                            device=device)
-        self.seq_lens = torch.full((max_bs,), k1, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((tok,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=device)
-        self.state_indices = torch.full((max_bs,), pad_slot, dtype=torch.int32, device=device)
-        self.has_initial_state = torch.ones(max_bs, dtype=torch.bool, device=device)
         self.token_req = torch.arange(tok, device=device) // k1           # [tok]: its request
         self.mla_seq_lens = torch.ones(tok, dtype=torch.int32, device=device)
         self.mla_block_table = torch.zeros(tok, max_blocks, dtype=torch.int32, device=device)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kdaserve.attention.builder import decode_metadata
+from kdaserve.attention.builder import StepBuffers
 from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
                                                 StepPlan, capture_sizes)
 from kdaserve.attention.metadata import ModelCaches
@@ -95,7 +95,7 @@ class _HostStaging:
         self.n_state, self.n_table = self.state.numpy(), self.table.numpy()
 
 
-class DecodeGraphs:
+class DecodeGraphs(StepBuffers):
     """The target's decode-only steps: graph input buffers, their host staging, and the
     captured forward at every capture size."""
 
@@ -103,22 +103,13 @@ class DecodeGraphs:
                  pad_slot: int, block_size: int, max_model_len: int,
                  device: torch.device) -> None:
         self.graphs, self.model, self.caches = graphs, model, caches
-        self.pad_slot, self.block_size = pad_slot, block_size
-        self.sizes, self.max_bs = graphs.sizes, graphs.max_size
-        bs = self.max_bs
+        self.block_size, self.sizes = block_size, graphs.sizes
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(bs, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(bs, dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((bs,), -1, dtype=torch.int64, device=device)
-        self.block_table = torch.zeros(bs, max_blocks, dtype=torch.int32, device=device)
-        self.state_indices = torch.full((bs,), pad_slot, dtype=torch.int32, device=device)
-        self.has_initial_state = torch.ones(bs, dtype=torch.bool, device=device)
-        self.max_seq_len = max_model_len
+        super().__init__(graphs.max_size, 1, max_blocks, pad_slot, max_model_len, device)
         # Host staging (pinned): one H2D copy per buffer per step. Two sets, used in turn: with
         # async scheduling a step fills its inputs while the previous step's copies may still
         # be queued behind the device work before them.
-        self._staging = [_HostStaging(bs, max_blocks) for _ in range(2)]
+        self._staging = [_HostStaging(self.max_bs, max_blocks) for _ in range(2)]
         self._turn = 0
 
     @staticmethod
@@ -130,7 +121,7 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):
             desc = self.descriptor(bs)
-            ctx = ForwardContext(decode_metadata(self, bs), self.caches, self.graphs.plan(desc))
+            ctx = ForwardContext(self.decode_metadata(bs), self.caches, self.graphs.plan(desc))
             ids = self.input_ids[:bs]
             self.graphs.capture(desc, lambda: self.model(ids, ctx))
         torch.cuda.synchronize()
