@@ -49,13 +49,13 @@ def test_generate_delta_and_cumulative_abort_and_stats(tiny_model):
             await gen.aclose()
             for _ in range(50):
                 stats = await engine.get_stats()
-                if stats.num_running == 0 and stats.num_free_blocks == before.num_free_blocks:
+                if stats.num_running_reqs == 0 and stats.num_free_blocks == before.num_free_blocks:
                     break
                 await asyncio.sleep(0.05)
-            assert stats.num_running == 0 and stats.num_waiting == 0
+            assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
             assert stats.num_free_blocks == before.num_free_blocks
             assert stats.num_free_state_slots == before.num_free_state_slots
-            assert stats.generation_tokens_total >= 12
+            assert stats.num_generation_tokens >= 12
 
             # engine-side rejection comes back as ValueError
             with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kdaserve.engine.llm_engine import _config_from_kwargs
+from kdaserve.engine.arg_utils import config_from_kwargs
 from kdaserve.entrypoints.cli import build_parser
 from kdaserve.entrypoints.openai.cli_args import engine_kwargs_from_args
 
@@ -18,7 +18,7 @@ def test_switches_reach_engine_config(tmp_path):
         "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
         "--no-async-scheduling", "--pdl", "--fused-kda-decode",
         "--no-decode-gemv", "--fused-router"])
-    config = _config_from_kwargs(engine_kwargs_from_args(args, model))
+    config = config_from_kwargs(engine_kwargs_from_args(args, model))
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
             cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
@@ -27,7 +27,7 @@ def test_switches_reach_engine_config(tmp_path):
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
     kc = config.kernel_config
     assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode and kc.fused_router
-    defaults = _config_from_kwargs(engine_kwargs_from_args(
+    defaults = config_from_kwargs(engine_kwargs_from_args(
         build_parser("serve").parse_args(["serve", model]), model))
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
@@ -66,12 +66,12 @@ def test_kernel_config_reaches_the_layers(tmp_path):
 def test_metrics_export_checkpoint_gauges():
     from prometheus_client import generate_latest
 
-    from kdaserve.engine.stats import EngineStats
+    from kdaserve.core.engine_output import SchedulerStats
     from kdaserve.entrypoints.openai.metrics import ServerMetrics
 
     m = ServerMetrics("m")
-    m.engine_stats.stats = EngineStats(num_kda_checkpoints=3, num_total_kda_checkpoint_slots=8,
-                                       num_kda_checkpoint_exports=5, step_floor_ratio=2.5)
+    m.engine_stats.stats = SchedulerStats(num_kda_checkpoints=3, num_total_kda_checkpoint_slots=8,
+                                          num_kda_checkpoint_exports=5, step_floor_ratio=2.5)
     text = generate_latest(m.registry).decode()
     assert 'kdaserve:num_kda_checkpoints{model_name="m"} 3.0' in text
     assert 'kdaserve:num_total_kda_checkpoint_slots{model_name="m"} 8.0' in text
@@ -84,11 +84,11 @@ def test_default_token_budget_follows_gpu_memory(monkeypatch):
 
     import torch
 
-    from kdaserve.engine import llm_engine
+    from kdaserve.engine import arg_utils
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for gib, want in ((141, 8192), (180, 16384)):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda i, gib=gib: types.SimpleNamespace(total_memory=gib * 2**30))
-        assert llm_engine.default_max_num_batched_tokens("auto") == want
-    assert llm_engine.default_max_num_batched_tokens("cpu") == 8192
+        assert arg_utils.default_max_num_batched_tokens("auto") == want
+    assert arg_utils.default_max_num_batched_tokens("cpu") == 8192
