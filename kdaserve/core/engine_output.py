@@ -28,6 +28,11 @@ class EngineCoreOutput:
 
 @dataclass
 class SchedulerStats:
+    """The engine's one stats record (the server's /metrics reads it). The scheduler fills the
+    queue and cache fields; the engine core adds speculative decoding and the step floor; the
+    front adds the token counters (it alone knows which tokens reached an output: a stop string
+    drops the tokens the core produced after it). Counters are totals since start-up."""
+
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
@@ -36,13 +41,22 @@ class SchedulerStats:
     num_free_state_slots: int = 0
     num_total_state_slots: int = 0
     num_preemptions: int = 0
-    """Total since the scheduler was created."""
     prefix_cache_queries: int = 0
-    """Tokens of admitted requests looked up in the prefix cache (total)."""
+    """Tokens of admitted requests looked up in the prefix cache."""
     prefix_cache_hits: int = 0
-    """Tokens served from the prefix cache: KV blocks + KDA checkpoint (total)."""
+    """Tokens served from the prefix cache: KV blocks + KDA checkpoint."""
     num_kda_checkpoints: int = 0
     """Ready KDA checkpoints now."""
     num_total_kda_checkpoint_slots: int = 0
     num_kda_checkpoint_exports: int = 0
-    """KDA checkpoints written (total)."""
+    """KDA checkpoints written."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens of admitted requests."""
+    num_generation_tokens: int = 0
+    """Tokens in the requests' outputs."""
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_kda_state_bytes_written: int = 0
+    step_floor_ratio: float | None = None
+    """Last decode step's time over its byte floor."""

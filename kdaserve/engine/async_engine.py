@@ -2,14 +2,16 @@
 """AsyncEngine: the asyncio front of the engine-core process.
 
 The event loop never runs model work: requests go to the core process over ZMQ, and a reader
-task dispatches the core's per-step deltas into per-request collectors. `generate()` is an
-async iterator per request; leaving it early (client gone, task cancelled) aborts the request
-in the core at once, which frees its KV blocks and state slot.
+task turns the core's per-step token outputs into text (OutputProcessor: detokenization, stop
+strings) and dispatches them into per-request collectors; a stop string aborts its sample in
+the core. `generate()` is an async iterator per request; leaving it early (client gone, task
+cancelled) aborts the request in the core at once, which frees its KV blocks and state slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -25,12 +27,13 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kdaserve.core.engine_output import SchedulerStats
+from kdaserve.engine.core import run_engine_core
 from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, GetStats,
-                                         OutputMessage, Outputs, Ready, RequestDelta,
-                                         RequestFailed, Shutdown, StartupFailed, Stats,
-                                         run_engine_core, sampling_params_to_dict)
-from kdaserve.engine.stats import EngineStats
-from kdaserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+                                         OutputMessage, Outputs, Ready, RequestFailed, Shutdown,
+                                         StartupFailed, Stats, core_sampling_params)
+from kdaserve.engine.output_processor import OutputProcessor, eos_token_ids
+from kdaserve.outputs import CompletionOutput, RequestOutput
 from kdaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,29 +60,21 @@ class RequestTiming:
 
 
 class _RequestCollector:
-    """Collects the core's deltas for one request until its consumer takes them.
+    """Collects one request's delta outputs (OutputProcessor, delta mode) until its consumer
+    takes them. A slow consumer gets the deltas of several steps merged into one output."""
 
-    A slow consumer gets the deltas of several steps merged into one output."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 n: int, delta: bool):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
+    def __init__(self, n: int, delta: bool):
         self.delta = delta
-        self.pending: list[RequestDelta] = []
+        self.pending: list[RequestOutput] = []
         self.error: BaseException | None = None
         self.event = asyncio.Event()
         self.outputs = [CompletionOutput(index=i) for i in range(n)]  # cumulative mode only
-        self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_generation_tokens = 0
         self.finish_reasons: list[str] = []
 
-    def put(self, delta: RequestDelta) -> None:
-        if self.metrics.first_token_time is None and any(c.token_ids for c in delta.completions):
-            self.metrics.first_token_time = time.time()
-        self.num_generation_tokens += sum(len(c.token_ids) for c in delta.completions)
-        self.finish_reasons += [c.finish_reason for c in delta.completions if c.finish_reason]
+    def put(self, delta: RequestOutput) -> None:
+        self.num_generation_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        self.finish_reasons += [c.finish_reason for c in delta.outputs if c.finish_reason]
         self.pending.append(delta)
         self.event.set()
 
@@ -95,30 +90,27 @@ class _RequestCollector:
             await self.event.wait()
         pending, self.pending = self.pending, []
         last = pending[-1]
-        if last.finished:
-            self.metrics.finished_time = time.time()
         outputs = self._merge_delta(pending) if self.delta else self._merge_cumulative(pending)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             last.finished, last.num_cached_tokens, self.metrics)
+        return dataclasses.replace(last, outputs=outputs)
 
-    def _merge_cumulative(self, pending: list[RequestDelta]) -> list[CompletionOutput]:
+    def _merge_cumulative(self, pending: list[RequestOutput]) -> list[CompletionOutput]:
         for d in pending:
-            for c in d.completions:
+            for c in d.outputs:
                 _extend(self.outputs[c.index], c)
         return [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
                                  None if o.logprobs is None else list(o.logprobs),
                                  o.finish_reason, o.stop_reason) for o in self.outputs]
 
     @staticmethod
-    def _merge_delta(pending: list[RequestDelta]) -> list[CompletionOutput]:
+    def _merge_delta(pending: list[RequestOutput]) -> list[CompletionOutput]:
         merged: dict[int, CompletionOutput] = {}
         for d in pending:
-            for c in d.completions:
+            for c in d.outputs:
                 _extend(merged.setdefault(c.index, CompletionOutput(index=c.index)), c)
         return [merged[i] for i in sorted(merged)]
 
 
-def _extend(out: CompletionOutput, c) -> None:
+def _extend(out: CompletionOutput, c: CompletionOutput) -> None:
     out.text += c.text
     out.token_ids.extend(c.token_ids)
     if c.logprobs is not None:
@@ -131,13 +123,18 @@ def _extend(out: CompletionOutput, c) -> None:
 class AsyncEngine:
     def __init__(self, proc: multiprocessing.Process, ctx: zmq.asyncio.Context,
                  input_sock: zmq.asyncio.Socket, output_sock: zmq.asyncio.Socket,
-                 info: dict[str, Any], ipc_dir: str):
+                 info: dict[str, Any], ipc_dir: str, tokenizer: Any):
         self.proc = proc
         self.ctx = ctx
         self.input_sock = input_sock
         self.output_sock = output_sock
         self.info = info
         self.ipc_dir = ipc_dir
+        self.tokenizer = tokenizer
+        """The model's HF tokenizer: the front detokenizes (and the serving layer encodes)."""
+        self.eos_token_ids = eos_token_ids(info["eos_token_ids"], tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, info["vocab_size"],
+                                                info["max_model_len"], info["max_logprobs"])
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(OutputMessage)
         self.collectors: dict[str, _RequestCollector] = {}
@@ -153,7 +150,8 @@ class AsyncEngine:
     @classmethod
     async def start(cls, engine_kwargs: dict[str, Any], startup_timeout: float = 900.0,
                     log_level: str = "INFO") -> "AsyncEngine":
-        """Spawn the core process, wait until its engine is built, return the front.
+        """Spawn the core process, wait until its engine is built, load the tokenizer, return
+        the front.
 
         Raises EngineStartupError with the engine's message (e.g. a bad flag value)."""
         ipc_dir = tempfile.mkdtemp(prefix="kdaserve-")
@@ -183,6 +181,9 @@ class AsyncEngine:
             if isinstance(msg, StartupFailed):
                 raise EngineStartupError(msg.message)
             assert isinstance(msg, Ready), msg
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(msg.info["tokenizer"])
         except BaseException:
             _stop_process(proc)
             input_sock.close(linger=0)
@@ -190,7 +191,7 @@ class AsyncEngine:
             ctx.term()
             shutil.rmtree(ipc_dir, ignore_errors=True)
             raise
-        return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir)
+        return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir, tokenizer)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -207,12 +208,14 @@ class AsyncEngine:
             raise self.dead_error
         if request_id in self.collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
-        collector = _RequestCollector(request_id, prompt, list(prompt_token_ids),
-                                      sampling_params.n, delta)
+        prompt_token_ids = list(prompt_token_ids)
+        arrival_time = time.time()
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, sampling_params,
+                                          arrival_time, delta=True)
+        collector = _RequestCollector(sampling_params.n, delta)
         self.collectors[request_id] = collector
-        self._send(AddRequest(request_id, collector.prompt_token_ids,
-                              sampling_params_to_dict(sampling_params),
-                              collector.metrics.arrival_time, prompt, cache_salt))
+        self._send(AddRequest(request_id, prompt_token_ids, core_sampling_params(sampling_params),
+                              arrival_time, self.eos_token_ids, cache_salt))
         finished = False
         try:
             while not finished:
@@ -233,10 +236,11 @@ class AsyncEngine:
         self._abort_now(ids)
 
     def _abort_now(self, request_ids: list[str]) -> None:
+        self.output_processor.abort_requests(request_ids)
         if self.dead_error is None:
             self._send(AbortRequests(request_ids))
 
-    async def get_stats(self) -> EngineStats:
+    async def get_stats(self) -> SchedulerStats:
         if self.dead_error is not None:
             raise self.dead_error
         nonce = next(self.nonces)
@@ -247,7 +251,10 @@ class AsyncEngine:
             stats = await asyncio.wait_for(future, timeout=30.0)
         finally:
             self.stats_waiters.pop(nonce, None)
-        return EngineStats(**stats)
+        processor = self.output_processor
+        return dataclasses.replace(SchedulerStats(**stats),
+                                   num_prompt_tokens=processor.num_prompt_tokens,
+                                   num_generation_tokens=processor.num_generation_tokens)
 
     @property
     def is_healthy(self) -> bool:
@@ -276,14 +283,18 @@ class AsyncEngine:
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Outputs):
-            for delta in msg.outputs:
-                collector = self.collectors.get(delta.request_id)
+            processed = self.output_processor.process_outputs(msg.outputs)
+            for out in processed.request_outputs:
+                collector = self.collectors.get(out.request_id)
                 if collector is None:
                     continue
-                collector.put(delta)
-                if delta.finished:
-                    self._observe(collector)
+                collector.put(out)
+                if out.finished:
+                    self._observe(collector, out)
+            if processed.reqs_to_abort:
+                self._send(AbortRequests(processed.reqs_to_abort, stopped=True))
         elif isinstance(msg, RequestFailed):
+            self.output_processor.reject_request(msg.request_id)
             collector = self.collectors.get(msg.request_id)
             if collector is not None:
                 error = ValueError(msg.message) if msg.bad_request else RuntimeError(msg.message)
@@ -293,17 +304,18 @@ class AsyncEngine:
             if future is not None and not future.done():
                 future.set_result(msg.stats)
         elif isinstance(msg, CoreFailed):
+            self.output_processor.abort_requests(msg.request_ids)
             for rid in msg.request_ids:
                 collector = self.collectors.get(rid)
                 if collector is not None:
                     collector.fail(RuntimeError(f"engine step failed: {msg.message}"))
 
-    def _observe(self, collector: _RequestCollector) -> None:
+    def _observe(self, collector: _RequestCollector, out: RequestOutput) -> None:
         if self.request_observer is None:
             return
         self.request_observer(RequestTiming(
-            collector.metrics.arrival_time, collector.metrics.first_token_time, time.time(),
-            len(collector.prompt_token_ids), collector.num_generation_tokens,
+            out.metrics.arrival_time, out.metrics.first_token_time, time.time(),
+            len(out.prompt_token_ids), collector.num_generation_tokens,
             collector.finish_reasons))
 
     async def _watch_process(self) -> None:

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""AsyncEngine over the real engine-core process: streaming, abort frees everything, errors
-travel back, a dead core is detected."""
+"""AsyncEngine over the real engine-core process: streaming, abort and stop strings free
+everything, errors travel back, a dead core is detected."""
 
 from __future__ import annotations
 
@@ -49,13 +49,38 @@ def test_generate_delta_and_cumulative_abort_and_stats(tiny_model):
             await gen.aclose()
             for _ in range(50):
                 stats = await engine.get_stats()
-                if stats.num_running == 0 and stats.num_free_blocks == before.num_free_blocks:
+                if stats.num_running_reqs == 0 and stats.num_free_blocks == before.num_free_blocks:
                     break
                 await asyncio.sleep(0.05)
-            assert stats.num_running == 0 and stats.num_waiting == 0
+            assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
             assert stats.num_free_blocks == before.num_free_blocks
             assert stats.num_free_state_slots == before.num_free_state_slots
-            assert stats.generation_tokens_total >= 12
+            assert stats.num_generation_tokens >= 12
+
+            # a stop string ends the request in the front: the streamed text stops before it,
+            # the core aborts the request and frees it, the counter ends at the stop
+            params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+            full = [o async for o in engine.generate([3, 4, 5, 6], params, "full")][-1]
+            text = full.outputs[0].text
+            assert len(text) >= 4
+            stop = text[2:4]
+            counted = (await engine.get_stats()).num_generation_tokens
+            params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0, stop=[stop])
+            deltas = [o async for o in engine.generate([3, 4, 5, 6], params, "stop", delta=True)]
+            comp = deltas[-1].outputs[0]
+            assert (comp.finish_reason, comp.stop_reason) == ("stop", stop)
+            assert "".join(o.outputs[0].text for o in deltas) == text[:text.index(stop)]
+            tokens = sum((o.outputs[0].token_ids for o in deltas), [])
+            assert len(tokens) < 40 and tokens == full.outputs[0].token_ids[:len(tokens)]
+            for _ in range(50):
+                stats = await engine.get_stats()
+                if stats.num_running_reqs == 0 and stats.num_free_blocks == before.num_free_blocks:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats.num_running_reqs == 0
+            assert stats.num_free_blocks == before.num_free_blocks
+            assert stats.num_free_state_slots == before.num_free_state_slots
+            assert stats.num_generation_tokens - counted == len(tokens)
 
             # engine-side rejection comes back as ValueError
             with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kdaserve.engine.llm_engine import _config_from_kwargs
+from kdaserve.engine.arg_utils import config_from_kwargs
 from kdaserve.entrypoints.cli import build_parser
 from kdaserve.entrypoints.openai.cli_args import engine_kwargs_from_args
 
@@ -21,7 +21,7 @@ def test_optimization_config_reaches_kernel_config(tmp_path):
 
     model = make_model(str(tmp_path / "tiny"), preset="tiny")
     args = parse(model, "--optimization-config", '{"decode_gemv": false, "pdl": true}')
-    kc = _config_from_kwargs(engine_kwargs_from_args(args, model)).kernel_config
+    kc = config_from_kwargs(engine_kwargs_from_args(args, model)).kernel_config
     assert not kc.decode_gemv and kc.pdl
     assert kc.fused_kda_decode and kc.sampling_threshold_kernel  # keys left out: the defaults
 
@@ -30,6 +30,7 @@ def test_switches_reach_engine_config(tmp_path):
     from kdaserve.models.make_model import make_model
 
     model = make_model(str(tmp_path / "tiny"), preset="tiny")
+<<<<<<< HEAD
     optimization = {"kda_checkpoint_mode": "split", "kda_checkpoint_interval": 128,
                     "num_kda_checkpoint_slots": 7, "kda_checkpoint_turn_end": False,
                     "adaptive_spec_budget": False, "pdl": True, "fused_kda_decode": True,
@@ -40,7 +41,17 @@ def test_switches_reach_engine_config(tmp_path):
                  "--model-loader-extra-config", '{"dummy_routing": "spread"}',
                  "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
                  "--no-async-scheduling")
-    config = _config_from_kwargs(engine_kwargs_from_args(args, model))
+    config = config_from_kwargs(engine_kwargs_from_args(args, model))
+=======
+    args = build_parser("serve").parse_args([
+        "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
+        "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
+        "--no-adaptive-spec-budget", "--dummy-routing", "spread",
+        "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
+        "--no-async-scheduling", "--pdl", "--fused-kda-decode",
+        "--no-decode-gemv", "--fused-router"])
+    config = config_from_kwargs(engine_kwargs_from_args(args, model))
+>>>>>>> h/engine
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
             cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
@@ -48,10 +59,16 @@ def test_switches_reach_engine_config(tmp_path):
     assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
     kc = config.kernel_config
+<<<<<<< HEAD
     assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode
     assert not (kc.kda_state_prefetch or kc.mla_absorb_gemv or kc.dense_mlp_gemv
                 or kc.sampling_threshold_kernel)
-    defaults = _config_from_kwargs(engine_kwargs_from_args(parse(model), model))
+    defaults = config_from_kwargs(engine_kwargs_from_args(parse(model), model))
+=======
+    assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode and kc.fused_router
+    defaults = config_from_kwargs(engine_kwargs_from_args(
+        build_parser("serve").parse_args(["serve", model]), model))
+>>>>>>> h/engine
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
     assert defaults.scheduler_config.async_scheduling is True
@@ -60,11 +77,11 @@ def test_switches_reach_engine_config(tmp_path):
     assert dk.decode_gemv and dk.pdl and dk.fused_kda_decode
     # 0 checkpoint slots is accepted (no KDA checkpoints); the engine checks the interval
     zero = parse(model, "--optimization-config", '{"num_kda_checkpoint_slots": 0}')
-    assert _config_from_kwargs(engine_kwargs_from_args(zero, model)) \
+    assert config_from_kwargs(engine_kwargs_from_args(zero, model)) \
         .cache_config.num_kda_checkpoint_slots == 0
     odd = parse(model, "--optimization-config", '{"kda_checkpoint_interval": 100}')
     with pytest.raises(ValueError, match="multiple of block_size"):
-        _config_from_kwargs(engine_kwargs_from_args(odd, model))
+        config_from_kwargs(engine_kwargs_from_args(odd, model))
 
 
 @pytest.mark.parametrize("option,value,match", [
@@ -121,7 +138,7 @@ def test_kernel_config_reaches_the_worker(tmp_path):
     for on in (False, True):
         llm = LLM(model, max_model_len=256, decode_gemv=on, pdl=on, fused_kda_decode=on,
                   mla_absorb_gemv=on, kda_state_prefetch=on, dense_mlp_gemv=on)
-        worker = llm.llm_engine.worker
+        worker = llm.llm_engine.engine_core.worker
         assert worker.kernel_config.pdl == on and worker.kernel_config.decode_gemv == on
         assert worker.backends == LayerBackends()
         assert worker.model.backends == LayerBackends()
@@ -134,12 +151,12 @@ def test_kernel_config_reaches_the_worker(tmp_path):
 def test_metrics_export_checkpoint_gauges():
     from prometheus_client import generate_latest
 
-    from kdaserve.engine.stats import EngineStats
+    from kdaserve.core.engine_output import SchedulerStats
     from kdaserve.entrypoints.openai.metrics import ServerMetrics
 
     m = ServerMetrics("m")
-    m.engine_stats.stats = EngineStats(num_kda_checkpoints=3, num_total_kda_checkpoint_slots=8,
-                                       num_kda_checkpoint_exports=5, step_floor_ratio=2.5)
+    m.engine_stats.stats = SchedulerStats(num_kda_checkpoints=3, num_total_kda_checkpoint_slots=8,
+                                          num_kda_checkpoint_exports=5, step_floor_ratio=2.5)
     text = generate_latest(m.registry).decode()
     assert 'kdaserve:num_kda_checkpoints{model_name="m"} 3.0' in text
     assert 'kdaserve:num_total_kda_checkpoint_slots{model_name="m"} 8.0' in text
@@ -152,11 +169,11 @@ def test_default_token_budget_follows_gpu_memory(monkeypatch):
 
     import torch
 
-    from kdaserve.engine import llm_engine
+    from kdaserve.engine import arg_utils
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for gib, want in ((141, 8192), (180, 16384)):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda i, gib=gib: types.SimpleNamespace(total_memory=gib * 2**30))
-        assert llm_engine.default_max_num_batched_tokens("auto") == want
-    assert llm_engine.default_max_num_batched_tokens("cpu") == 8192
+        assert arg_utils.default_max_num_batched_tokens("auto") == want
+    assert arg_utils.default_max_num_batched_tokens("cpu") == 8192

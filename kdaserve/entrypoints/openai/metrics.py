@@ -10,18 +10,18 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kdaserve.core.engine_output import SchedulerStats
 from kdaserve.engine.async_engine import RequestTiming
-from kdaserve.engine.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                  0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 
-# (metric name, help, EngineStats field) -- gauges and counters read from the engine
+# (metric name, help, SchedulerStats field) -- gauges and counters read from the engine
 _GAUGES = [
-    ("num_requests_running", "Requests in the running batch.", "num_running"),
-    ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("num_requests_running", "Requests in the running batch.", "num_running_reqs"),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting_reqs"),
     ("kv_cache_usage_perc", "Fraction of MLA KV blocks in use (0..1).", "kv_cache_usage"),
     ("num_free_kv_blocks", "Free MLA KV blocks.", "num_free_blocks"),
     ("num_total_kv_blocks", "All MLA KV blocks.", "num_total_blocks"),
@@ -32,12 +32,12 @@ _GAUGES = [
      "num_total_kda_checkpoint_slots"),
 ]
 _COUNTERS = [
-    ("prompt_tokens", "Prompt tokens admitted.", "prompt_tokens_total"),
-    ("generation_tokens", "Tokens generated.", "generation_tokens_total"),
+    ("prompt_tokens", "Prompt tokens admitted.", "num_prompt_tokens"),
+    ("generation_tokens", "Tokens generated.", "num_generation_tokens"),
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
      "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-    ("num_preemptions", "Preemptions.", "num_preemptions_total"),
+    ("num_preemptions", "Preemptions.", "num_preemptions"),
     ("kda_checkpoint_exports", "KDA prefix checkpoints written.", "num_kda_checkpoint_exports"),
     ("spec_decode_num_drafts", "Verify steps of requests that had drafts.", "spec_num_drafts"),
     ("spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_num_draft_tokens"),
@@ -49,12 +49,12 @@ _COUNTERS = [
 
 
 class _EngineStatsCollector:
-    """Custom collector: renders the last EngineStats snapshot at scrape time."""
+    """Custom collector: renders the last SchedulerStats snapshot at scrape time."""
 
     def __init__(self, prefix: str, model_name: str):
         self.prefix = prefix
         self.model_name = model_name
-        self.stats: EngineStats | None = None
+        self.stats: SchedulerStats | None = None
         self.healthy = True
 
     def collect(self):
@@ -118,7 +118,7 @@ class ServerMetrics:
         for reason in t.finish_reasons:
             self.success.labels(m, reason).inc()
 
-    def render(self, stats: EngineStats | None, healthy: bool) -> bytes:
+    def render(self, stats: SchedulerStats | None, healthy: bool) -> bytes:
         self.engine_stats.stats = stats
         self.engine_stats.healthy = healthy
         return generate_latest(self.registry)

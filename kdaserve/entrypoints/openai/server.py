@@ -40,10 +40,8 @@ class _Server(uvicorn.Server):
 
 def build_state(engine: AsyncEngine, args: argparse.Namespace, model: str,
                 chat_template: str | None) -> ServerState:
-    from transformers import AutoTokenizer
-
     info = engine.info
-    tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
+    tokenizer = engine.tokenizer
     vocab_size = int(info.get("vocab_size") or len(tokenizer))
     names = args.served_model_name or [model]
     model_info = ModelInfo(names, model, int(info["max_model_len"]), vocab_size)

@@ -1,0 +1,335 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine core: the scheduler and the model runner, stepping token by token.
+
+`EngineCore` takes requests that are already validated and tokenized, and each step returns
+token-level outputs (new token ids, logprobs, the scheduler's finish reasons: EOS, stop token
+ids, length, abort). It never detokenizes and never sees stop strings: those are the front's
+(OutputProcessor), which aborts a request here when a stop string ends it. Every call into
+kdaserve.worker is made here.
+
+`EngineCoreProc` runs an EngineCore in its own process for the server: a busy loop that takes
+new / abort / stats messages from the input socket, steps while work exists and pushes each
+step's token outputs back (kdaserve.engine.core_client is the wire protocol). When idle it
+blocks on the socket (1 s at a time, to notice a dead parent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from kdaserve.config import EngineConfig
+from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
+from kdaserve.core.sched_output import SchedulerOutput
+from kdaserve.core.scheduler import Scheduler
+from kdaserve.engine.arg_utils import config_from_kwargs
+from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, CoreOutput,
+                                         GetStats, InputMessage, OutputMessage, Outputs, Ready,
+                                         RequestFailed, Shutdown, StartupFailed, Stats)
+from kdaserve.engine.floor import StepFloor, measure_copy_bandwidth
+from kdaserve.request import Request, RequestStatus
+from kdaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kdaserve.worker.input_batch import LaunchedStep
+
+logger = logging.getLogger(__name__)
+
+SLOW_STEP_S = 1.0
+"""A step slower than this is logged as a warning (a decode step takes milliseconds and a full
+8K-token prefill well under this): it shows mid-serving JIT or autotune stalls."""
+
+_IDLE_POLL_MS = 1000
+
+
+def config_eos_token_ids(config: EngineConfig) -> list[int]:
+    """The model's EOS ids: config.json's and generation_config.json's (the front adds its
+    tokenizer's, see output_processor.eos_token_ids)."""
+    ids = list(config.model_config.arch.eos_token_id)
+    gen_path = os.path.join(config.model_config.model, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += [eos] if isinstance(eos, int) else list(eos or [])
+    return sorted(set(ids))
+
+
+@dataclass
+class _StepInFlight:
+    so: SchedulerOutput
+    context: int | None
+    """Total context of a decode-only step (for the floor gauge), else None."""
+    t0: float
+    """perf_counter() at launch."""
+    launched: LaunchedStep | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from kdaserve.worker.worker import Worker
+
+        self.engine_config = config
+        self.worker = Worker(config)
+        self.model_runner = self.worker.model_runner
+        self.step_floor = self._make_step_floor()
+        self.step_floor_ratio: float | None = None
+        num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
+        self.worker.initialize_cache(num_blocks, num_slots)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
+                                   num_slots, config.speculative_config,
+                                   max_model_len=config.model_config.max_model_len)
+        self._in_flight: _StepInFlight | None = None
+        """The launched step whose output has not been processed (async scheduling)."""
+        self._last_collect: float | None = None
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """Finish requests from outside and free their blocks and slots. stopped: a stop
+        string ended them (finished as stopped, so a turn-end checkpoint keeps their state).
+        An n > 1 request's own id finishes all its samples; unknown ids are ignored."""
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids the front added (an n > 1 request's own id) that are still running here."""
+        return list(dict.fromkeys(r.parent_req_id or r.req_id
+                                  for r in self.scheduler.requests.values()))
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block and KDA checkpoint not held by a running request;
+        returns what was dropped (vLLM's reset_prefix_cache)."""
+        return self.scheduler.reset_prefix_cache()
+
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One engine step; returns the token outputs of the step(s) it completed. With async
+        scheduling the next step is scheduled and launched before the previous one's output is
+        processed: the host work of one step overlaps the device work of the other, and each
+        token comes out one call later. A step in flight that the next one may not overlap is
+        completed and returned on its own, so the front's aborts (stop strings) reach the
+        scheduler before it schedules again."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None and not self._can_overlap():
+            return self._process(prev)
+        so = self.scheduler.schedule()
+        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter())
+        cur.launched = self.worker.launch(so)
+        outputs = self._process(prev) if prev is not None else []
+        if cur.launched.output is None and self._can_overlap():
+            self._in_flight = cur
+        else:
+            outputs += self._process(cur)
+        return outputs
+
+    def _can_overlap(self) -> bool:
+        """May the next step be scheduled before the last one's output is processed?"""
+        if not self.engine_config.scheduler_config.async_scheduling:
+            return False
+        if self.model_runner.spec is not None:
+            return False
+        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+
+    def _process(self, step: _StepInFlight) -> list[EngineCoreOutput]:
+        """Collect a launched step (waits for its sampled ids), then update the scheduler."""
+        so = step.so
+        ro = self.worker.collect(step.launched)
+        now = time.perf_counter()
+        # The device ran this step from its launch or from the previous step's end, whichever
+        # came later (overlapped steps): the time per step that limits throughput.
+        elapsed = now - max(step.t0, self._last_collect or 0.0)
+        self._last_collect = now
+        self._record_step_time(so, step.context, elapsed)
+        outputs = self.scheduler.update_from_output(so, ro)
+        if ro.draft_token_ids:
+            self.scheduler.update_draft_token_ids(ro.draft_token_ids)
+        return outputs
+
+    # ------------------------------------------------------------------------ floor, stats
+
+    def _make_step_floor(self) -> StepFloor:
+        from kdaserve.attention.caches import state_bytes_per_slot
+
+        runner = self.model_runner
+        args = self.engine_config.model_config.arch
+        return StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
+                                   state_bytes_per_slot(args, runner.dtype),
+                                   measure_copy_bandwidth(runner.device))
+
+    def _decode_context(self, so: SchedulerOutput) -> int | None:
+        """Total context of a decode-only step (None if any request computes more than one
+        token: the floor gauge tracks decode steps only)."""
+        if so.scheduled_new_reqs or not so.num_scheduled_tokens:
+            return None
+        total = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            if n != 1:
+                return None
+            total += self.scheduler.requests[rid].num_computed_tokens + 1
+        return total
+
+    def _record_step_time(self, so: SchedulerOutput, context: int | None,
+                          elapsed: float) -> None:
+        if context is not None:
+            floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
+            self.step_floor_ratio = elapsed / floor
+        if elapsed > SLOW_STEP_S:
+            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
+                           "JIT compilation or autotuning of a new shape?", elapsed,
+                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
+                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
+
+    def get_stats(self) -> SchedulerStats:
+        """Everything but the token counters, which the front keeps."""
+        stats = self.scheduler.get_stats()
+        stats.step_floor_ratio = self.step_floor_ratio
+        spec = self.spec_decoding_stats
+        if spec is not None:
+            stats.spec_num_drafts = spec.num_drafts
+            stats.spec_num_draft_tokens = spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_kda_state_bytes_written = spec.kda_state_bytes_written
+        return stats
+
+    @property
+    def spec_decoding_stats(self):
+        """SpecDecodingStats since start-up (None without speculative decoding)."""
+        return self.worker.spec_stats
+
+
+# ------------------------------------------------------------------------------- the process
+
+
+class EngineCoreProc:
+    """The loop inside the core process (constructed there, from picklable arguments)."""
+
+    def __init__(self, core: EngineCore, input_sock: zmq.Socket, output_sock: zmq.Socket,
+                 parent_pid: int):
+        self.core = core
+        self.input_sock = input_sock
+        self.output_sock = output_sock
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.running = True
+
+    def send(self, msg: OutputMessage) -> None:
+        self.output_sock.send(self.encoder.encode(msg), copy=False)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.input_sock, zmq.POLLIN)
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            if poller.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain_inputs()
+            if not self.running:
+                return
+            if os.getppid() != self.parent_pid:
+                logger.warning("engine core: parent process died, exiting")
+                return
+            if self.core.has_unfinished_requests():
+                self._step()
+
+    def _drain_inputs(self) -> None:
+        while self.running:
+            try:
+                raw = self.input_sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self.decoder.decode(raw.buffer))
+
+    def _handle(self, msg: InputMessage) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                self.core.add_request(Request(
+                    msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling_params),
+                    eos_token_ids=msg.eos_token_ids, arrival_time=msg.arrival_time,
+                    cache_salt=msg.cache_salt))
+            except ValueError as e:
+                self.send(RequestFailed(msg.request_id, str(e), bad_request=True))
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids, stopped=msg.stopped)
+        elif isinstance(msg, GetStats):
+            self.send(Stats(msg.nonce, dataclasses.asdict(self.core.get_stats())))
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception:
+            # The core's state may be inconsistent: fail the requests it held, free them,
+            # and keep serving new ones. If even aborting fails, die (health then reports it).
+            message = traceback.format_exc()
+            logger.error("engine core: step failed:\n%s", message)
+            request_ids = self.core.unfinished_request_ids()
+            self.send(CoreFailed(message.strip().splitlines()[-1], request_ids))
+            self.core.abort_requests(request_ids)
+            return
+        if outputs:
+            self.send(Outputs([CoreOutput(**vars(o)) for o in outputs]))
+
+
+def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr: str,
+                    parent_pid: int, log_level: str = "INFO") -> None:
+    """Entry point of the core process: build the core, report Ready, then loop."""
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s [engine-core] %(message)s")
+    ctx = zmq.Context()
+    input_sock = ctx.socket(zmq.PULL)
+    input_sock.connect(input_addr)
+    output_sock = ctx.socket(zmq.PUSH)
+    output_sock.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        core = EngineCore(config_from_kwargs(engine_kwargs))
+    except Exception as e:  # noqa: BLE001 - any start-up failure goes back to the front
+        logger.error("engine core: start-up failed:\n%s", traceback.format_exc())
+        msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        output_sock.send(encoder.encode(StartupFailed(msg)))
+        output_sock.close(linger=2000)
+        ctx.term()
+        return
+    output_sock.send(encoder.encode(Ready(_engine_info(core))))
+    proc = EngineCoreProc(core, input_sock, output_sock, parent_pid)
+    try:
+        proc.run()
+    finally:
+        input_sock.close(linger=0)
+        output_sock.close(linger=1000)
+        ctx.term()
+
+
+def _engine_info(core: EngineCore) -> dict[str, Any]:
+    """What the front needs to know about the core it talks to."""
+    cfg = core.engine_config
+    stats = core.get_stats()
+    return {
+        "model": cfg.model_config.model,
+        "tokenizer": cfg.model_config.tokenizer,
+        "max_model_len": cfg.model_config.max_model_len,
+        "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_logprobs": cfg.max_logprobs,
+        "device": str(cfg.device),
+        "num_total_blocks": stats.num_total_blocks,
+        "num_total_state_slots": stats.num_total_state_slots,
+        "eos_token_ids": config_eos_token_ids(cfg),
+        "vocab_size": cfg.model_config.arch.vocab_size,
+    }
