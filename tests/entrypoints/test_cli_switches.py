@@ -30,7 +30,6 @@ def test_switches_reach_engine_config(tmp_path):
     from kdaserve.models.make_model import make_model
 
     model = make_model(str(tmp_path / "tiny"), preset="tiny")
-<<<<<<< HEAD
     optimization = {"kda_checkpoint_mode": "split", "kda_checkpoint_interval": 128,
                     "num_kda_checkpoint_slots": 7, "kda_checkpoint_turn_end": False,
                     "adaptive_spec_budget": False, "pdl": True, "fused_kda_decode": True,
@@ -42,16 +41,6 @@ def test_switches_reach_engine_config(tmp_path):
                  "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
                  "--no-async-scheduling")
     config = config_from_kwargs(engine_kwargs_from_args(args, model))
-=======
-    args = build_parser("serve").parse_args([
-        "serve", model, "--kda-checkpoint-mode", "split", "--kda-checkpoint-interval", "128",
-        "--num-kda-checkpoint-slots", "7", "--no-kda-checkpoint-turn-end",
-        "--no-adaptive-spec-budget", "--dummy-routing", "spread",
-        "--long-prefill-token-threshold", "64", "--max-model-len", "1k",
-        "--no-async-scheduling", "--pdl", "--fused-kda-decode",
-        "--no-decode-gemv", "--fused-router"])
-    config = config_from_kwargs(engine_kwargs_from_args(args, model))
->>>>>>> h/engine
     cc, sc, lc = config.cache_config, config.scheduler_config, config.load_config
     assert (cc.kda_checkpoint_mode, cc.kda_checkpoint_interval, cc.num_kda_checkpoint_slots,
             cc.kda_checkpoint_turn_end) == ("split", 128, 7, False)
@@ -59,16 +48,10 @@ def test_switches_reach_engine_config(tmp_path):
     assert sc.async_scheduling is False
     assert lc.dummy_routing == "spread" and sc.max_model_len == 1000
     kc = config.kernel_config
-<<<<<<< HEAD
     assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode
     assert not (kc.kda_state_prefetch or kc.mla_absorb_gemv or kc.dense_mlp_gemv
                 or kc.sampling_threshold_kernel)
     defaults = config_from_kwargs(engine_kwargs_from_args(parse(model), model))
-=======
-    assert not kc.decode_gemv and kc.pdl and kc.fused_kda_decode and kc.fused_router
-    defaults = config_from_kwargs(engine_kwargs_from_args(
-        build_parser("serve").parse_args(["serve", model]), model))
->>>>>>> h/engine
     assert defaults.cache_config.kda_checkpoint_mode == "internal"
     assert defaults.scheduler_config.adaptive_spec_budget is True
     assert defaults.scheduler_config.async_scheduling is True
