@@ -39,10 +39,6 @@ class AttentionMetadata:
     """Multi-token rows MLA computes in the absorbed form (speculative verification)."""
 
     @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
 

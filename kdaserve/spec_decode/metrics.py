@@ -49,20 +49,6 @@ class SpecDecodingStats:
         for d, a in zip(num_draft_tokens, num_accepted, strict=True):
             self.observe(d, a)
 
-    def merge(self, other: SpecDecodingStats) -> SpecDecodingStats:
-        """Add other's counts into self (same K); returns self."""
-        if other.num_spec_tokens != self.num_spec_tokens:
-            raise ValueError(f"cannot merge stats for K={other.num_spec_tokens} into "
-                             f"K={self.num_spec_tokens}")
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.num_accepted_tokens_per_pos = [a + b for a, b in zip(
-            self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos)]
-        self.synthetic = self.synthetic or other.synthetic
-        self.kda_state_bytes_written += other.kda_state_bytes_written
-        return self
-
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verify step, the target's own token included (1.0 if none)."""
@@ -71,12 +57,6 @@ class SpecDecodingStats:
     @property
     def draft_acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def acceptance_rate_per_pos(self) -> list[float]:
-        """Fraction of verify steps whose draft at position j was accepted."""
-        return [a / self.num_drafts if self.num_drafts else 0.0
-                for a in self.num_accepted_tokens_per_pos]
 
     def as_dict(self) -> dict:
         d = {
