@@ -160,10 +160,6 @@ class Request:
 
     # ---- status ----
     @property
-    def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
-
-    @property
     def finish_reason(self) -> str | None:
         """'stop', 'length', 'abort', or None while unfinished."""
         return RequestStatus.get_finish_reason(self.status)

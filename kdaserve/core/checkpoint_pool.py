@@ -78,10 +78,6 @@ class CheckpointPool:
     def num_ready(self) -> int:
         return len(self._ready)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     def owns_slot(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.num_slots
 

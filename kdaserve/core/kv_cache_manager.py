@@ -117,9 +117,6 @@ class KVCacheManager:
         """The request's MLA blocks in position order (a copy; [] if it holds none)."""
         return list(self._blocks.get(req_id, ()))
 
-    def get_state_slot(self, req_id: str) -> int | None:
-        return self._slot.get(req_id)
-
     def holds_resources(self, req_id: str) -> bool:
         return req_id in self._blocks or req_id in self._slot or req_id in self._reserved_slots
 

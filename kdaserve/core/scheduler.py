@@ -546,9 +546,6 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash and KDA checkpoint (vLLM's reset_prefix_cache).
         Returns how many hashes were dropped."""
