@@ -55,14 +55,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
         kwargs = engine_kwargs_from_args(args, model)
         llm = LLM(kwargs.pop("model"), **kwargs)
-        prompts = args.prompt
         if args.chat:
-            tok = llm.get_tokenizer()
-            prompts = [{"prompt": p, "prompt_token_ids": tok.encode(
-                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                        add_generation_prompt=True),
-                add_special_tokens=False)} for p in prompts]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                               use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
     except ValueError as e:
         print(f"kdaserve generate: error: {e}", file=sys.stderr)
         return 2

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineDeadError
-from kdaserve.entrypoints.openai.protocol import SamplingFields, error_body
+from kdaserve.entrypoints.openai.protocol import SamplingFields
 from kdaserve.outputs import Logprob, RequestOutput
 from kdaserve.sampling_params import SamplingParams
 
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 404: "not_found_error", 405: "invalid_request_error",
-                 413: "invalid_request_error", 500: "internal_error",
+_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "internal_error",
                  503: "service_unavailable"}
+"""OpenAI error type by HTTP status; any other status is an invalid_request_error."""
 
 
 class OpenAIError(Exception):
@@ -33,8 +32,9 @@ class OpenAIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, _STATUS_TYPES.get(self.status, "invalid_request_error"),
-                          self.param, self.code)
+        err_type = _STATUS_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": err_type, "param": self.param,
+                          "code": self.code}}
 
 
 @dataclass
