@@ -185,11 +185,7 @@ class AsyncEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(msg.info["tokenizer"])
         except BaseException:
-            _stop_process(proc)
-            input_sock.close(linger=0)
-            output_sock.close(linger=0)
-            ctx.term()
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+            _close(proc, ctx, (input_sock, output_sock), ipc_dir)
             raise
         return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir, tokenizer)
 
@@ -346,17 +342,19 @@ class AsyncEngine:
             except zmq.ZMQError:
                 pass
             await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 5.0)
-        _stop_process(self.proc)
-        self.input_sock.close(linger=0)
-        self.output_sock.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        _close(self.proc, self.ctx, (self.input_sock, self.output_sock), self.ipc_dir)
 
 
-def _stop_process(proc: multiprocessing.Process) -> None:
+def _close(proc: multiprocessing.Process, ctx: zmq.asyncio.Context,
+           socks: tuple[zmq.asyncio.Socket, ...], ipc_dir: str) -> None:
+    """Stop the core process (SIGTERM, then SIGKILL) and release the sockets and ipc folder."""
     if proc.is_alive():
         proc.terminate()
         proc.join(5.0)
     if proc.is_alive():
         proc.kill()
         proc.join(5.0)
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -140,11 +140,9 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """May the next step be scheduled before the last one's output is processed?"""
-        if not self.engine_config.scheduler_config.async_scheduling:
-            return False
-        if self.model_runner.spec is not None:
-            return False
-        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+        return (self.engine_config.scheduler_config.async_scheduling
+                and self.model_runner.spec is None
+                and not any(r.sampling_params.has_penalties for r in self.scheduler.running))
 
     def _process(self, step: _StepInFlight) -> list[EngineCoreOutput]:
         """Collect a launched step (waits for its sampled ids), then update the scheduler."""
@@ -175,14 +173,11 @@ class EngineCore:
     def _decode_context(self, so: SchedulerOutput) -> int | None:
         """Total context of a decode-only step (None if any request computes more than one
         token: the floor gauge tracks decode steps only)."""
-        if so.scheduled_new_reqs or not so.num_scheduled_tokens:
+        if (so.scheduled_new_reqs or not so.num_scheduled_tokens
+                or any(n != 1 for n in so.num_scheduled_tokens.values())):
             return None
-        total = 0
-        for rid, n in so.num_scheduled_tokens.items():
-            if n != 1:
-                return None
-            total += self.scheduler.requests[rid].num_computed_tokens + 1
-        return total
+        requests = self.scheduler.requests
+        return sum(requests[rid].num_computed_tokens + 1 for rid in so.num_scheduled_tokens)
 
     def _record_step_time(self, so: SchedulerOutput, context: int | None,
                           elapsed: float) -> None:
