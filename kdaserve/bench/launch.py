@@ -98,7 +98,6 @@ class ServerProcess:
         self.stop()
 
 
-
 _KV_LINE = re.compile(r"MLA KV cache: (\d+) tokens; KDA state slots: (\d+) .*?"
                       r"max concurrency at max_model_len: ([\d.]+)")
 _SPEC_LINE = re.compile(r"(spec decode \(.*verify records per request)")

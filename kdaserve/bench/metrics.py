@@ -159,14 +159,9 @@ def max_concurrent_requests(records: list[RequestRecord]) -> int:
         end = r.request_end if r.request_end is not None else r.latency
         if end is None:
             continue
-        events.append((r.start, 1))
-        events.append((r.start + end, -1))
-    events.sort(key=lambda e: (e[0], e[1]))
-    peak = cur = 0
-    for _, delta in events:
-        cur += delta
-        peak = max(peak, cur)
-    return peak
+        events += [(r.start, 1), (r.start + end, -1)]
+    events.sort()
+    return max(itertools.accumulate(delta for _, delta in events), default=0)
 
 
 def max_output_tokens_per_s(records: list[RequestRecord], t0: float = 0.0) -> float:

@@ -14,6 +14,7 @@ exports hit-able once the forward that writes them is done; `end_step` drops the
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kdaserve.core.block_pool import (
@@ -178,13 +179,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_tokens = request.num_tokens - 1 if max_tokens is None else max_tokens
-        hit = []
-        for block_hash in self._hashes(request, max_tokens):
-            block_id = self.block_pool.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            hit.append(block_id)
-        return hit
+        blocks = map(self.block_pool.get_cached_block, self._hashes(request, max_tokens))
+        return list(itertools.takewhile(lambda b: b is not None, blocks))
 
     # ---- hybrid prefix hits ----
     def checkpoint_key(self, request: Request, num_tokens: int) -> tuple[BlockHash, BlockHash]:
@@ -283,16 +279,11 @@ class KVCacheManager:
             self.block_pool.cache_partial(blocks[num_tokens // self.block_size], key)
         return ckpt
 
-    def commit_checkpoints(self, keys: list[BlockHash]) -> int:
-        """Make pending checkpoints hit-able (their forward is done). Returns how many."""
-        committed = 0
+    def commit_checkpoints(self, keys: list[BlockHash]) -> None:
+        """Make pending checkpoints hit-able (their forward is done)."""
         for key in keys:
-            ckpt = self.checkpoint_pool.commit(key)
-            if ckpt is None:
+            if self.checkpoint_pool.commit(key) is None:
                 self.block_pool.uncache_partial(key)
-            else:
-                committed += 1
-        return committed
 
     def end_step(self) -> None:
         """The step's copies are done: release copy-source pins and checkpoint locks."""
@@ -308,8 +299,7 @@ class KVCacheManager:
 
     def _on_blocks_evicted(self, hashes: list[BlockHash]) -> None:
         for ckpt in self.checkpoint_pool.drop_hashes(hashes):
-            if ckpt.offset:
-                self.block_pool.uncache_partial(ckpt.key)
+            self._on_checkpoint_evicted(ckpt)
 
     def _on_checkpoint_evicted(self, ckpt: Checkpoint) -> None:
         if ckpt.offset:

@@ -181,18 +181,13 @@ class Scheduler:
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         if isinstance(req_ids, str):
             req_ids = [req_ids]
-        to_finish = []
-        for rid in req_ids:
-            for cid in [rid] + self._children.get(rid, []):
-                request = self.requests.get(cid)
-                if request is not None and request not in to_finish:
-                    to_finish.append(request)
+        to_finish = {cid: self.requests[cid] for rid in req_ids
+                     for cid in [rid] + self._children.get(rid, []) if cid in self.requests}
         if not to_finish:
             return
-        gone = {id(r) for r in to_finish}
-        self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
-        for request in to_finish:
+        self.running = [r for r in self.running if r.req_id not in to_finish]
+        self.waiting = deque(r for r in self.waiting if r.req_id not in to_finish)
+        for request in to_finish.values():
             request.status = finished_status
             self._free_request(request)
 
