@@ -9,7 +9,8 @@ from typing import Any
 
 from kdaserve.entrypoints.openai.protocol import CompletionRequest, now, random_id, usage_dict
 from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
-                                                        merge_async_iterators, sse, sse_error)
+                                                        merge_async_iterators, prepend, sse,
+                                                        sse_error)
 from kdaserve.outputs import RequestOutput
 
 
@@ -20,15 +21,6 @@ def split_prompts(prompt: str | list) -> list[str | list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)
-
-
-async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
-    try:
-        yield first
-        async for out in gen:
-            yield out
-    finally:
-        await gen.aclose()
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -59,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for g in gens:
                 await g.aclose()
             raise
-        gens = [_prepend(f, g) for f, g in zip(firsts, gens)]
+        gens = [prepend(f, g) for f, g in zip(firsts, gens)]
         ctx = _CompletionCall(base_id, model_name, now(), prompts, req)
         if req.stream:
             return self._stream(ctx, gens)

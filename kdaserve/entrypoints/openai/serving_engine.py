@@ -186,6 +186,16 @@ class OpenAIServing:
             raise OpenAIError(str(e), 503) from e
 
 
+async def prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
+    """`first` (an output already taken from `gen`), then the rest of `gen`; closes `gen`."""
+    try:
+        yield first
+        async for out in gen:
+            yield out
+    finally:
+        await gen.aclose()
+
+
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
     """Yield (i, item) from several async iterators as items arrive; close all on exit."""
     if len(iterators) == 1:
