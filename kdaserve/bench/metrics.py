@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-request records and the metrics computed from them.
+"""Per-request records and the metrics computed from them, in vLLM's (`vllm bench serve`) and
+guidellm 0.8.1's vocabularies (the names clash, so every key says which one it follows).
 
-Two vocabularies, both reported (their names clash, so every key says which one it follows):
-
-vLLM (`vllm bench serve`), all times from `start` = just before the HTTP POST:
-- TTFT = first SSE event whose `choices` is non-empty.
-- E2EL = last `choices`-bearing event (the usage-only chunk and `[DONE]` are excluded).
-- TPOT = (E2EL - TTFT) / (output_tokens - 1), per request, for outputs of more than one token;
-  mean / median / percentiles over requests (unweighted).
-- ITL = gaps between consecutive `choices`-bearing events, pooled over all requests (per event,
-  not per token: one event may carry several tokens, e.g. with spec decoding).
-- throughputs = totals / benchmark duration.
-
-guidellm 0.8.1:
-- time_to_first_token_ms = first event that carried output text (a role-only chunk does not
-  count; equals vLLM TTFT when the server sends the role chunk with the first token).
-- inter_token_latency_ms = (last - first text event) / (output_tokens - 1) = vLLM TPOT, but
-  aggregated weighted by output_tokens - 1.
-- time_per_output_token_ms = (last text event - start) / output_tokens (includes TTFT),
-  weighted by output_tokens.
-- request_latency (s) = stream closed - start.
+The definitions are those of kdaserve.bench.serve's docstring (`kdaserve bench serve --help`),
+all times from `start` = just before the HTTP POST. Beyond them: vLLM's TPOT counts outputs of
+more than one token, unweighted over requests; guidellm's time_to_first_token_ms skips a
+role-only chunk (it equals vLLM TTFT when the server sends the role chunk with the first token);
+inter_token_latency_ms is weighted by output_tokens - 1, time_per_output_token_ms by
+output_tokens; throughputs are totals / benchmark duration.
 """
 
 from __future__ import annotations
