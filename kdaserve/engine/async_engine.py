@@ -64,11 +64,11 @@ class _RequestCollector:
     takes them. A slow consumer gets the deltas of several steps merged into one output."""
 
     def __init__(self, n: int, delta: bool):
-        self.delta = delta
         self.pending: list[RequestOutput] = []
         self.error: BaseException | None = None
         self.event = asyncio.Event()
-        self.outputs = [CompletionOutput(index=i) for i in range(n)]  # cumulative mode only
+        self.totals = None if delta else {i: CompletionOutput(index=i) for i in range(n)}
+        """Cumulative mode: each sample's output so far (None in delta mode)."""
         self.num_generation_tokens = 0
         self.finish_reasons: list[str] = []
 
@@ -89,25 +89,14 @@ class _RequestCollector:
             self.event.clear()
             await self.event.wait()
         pending, self.pending = self.pending, []
-        last = pending[-1]
-        outputs = self._merge_delta(pending) if self.delta else self._merge_cumulative(pending)
-        return dataclasses.replace(last, outputs=outputs)
-
-    def _merge_cumulative(self, pending: list[RequestOutput]) -> list[CompletionOutput]:
-        for d in pending:
-            for c in d.outputs:
-                _extend(self.outputs[c.index], c)
-        return [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
-                                 None if o.logprobs is None else list(o.logprobs),
-                                 o.finish_reason, o.stop_reason) for o in self.outputs]
-
-    @staticmethod
-    def _merge_delta(pending: list[RequestOutput]) -> list[CompletionOutput]:
-        merged: dict[int, CompletionOutput] = {}
+        merged = {} if self.totals is None else self.totals
         for d in pending:
             for c in d.outputs:
                 _extend(merged.setdefault(c.index, CompletionOutput(index=c.index)), c)
-        return [merged[i] for i in sorted(merged)]
+        # Copies: the totals grow on (_extend replaces logprobs, so only token_ids is shared).
+        outputs = [dataclasses.replace(merged[i], token_ids=list(merged[i].token_ids))
+                   for i in sorted(merged)]
+        return dataclasses.replace(pending[-1], outputs=outputs)
 
 
 def _extend(out: CompletionOutput, c: CompletionOutput) -> None:

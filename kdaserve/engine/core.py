@@ -70,7 +70,7 @@ class _StepInFlight:
     """Total context of a decode-only step (for the floor gauge), else None."""
     t0: float
     """perf_counter() at launch."""
-    launched: LaunchedStep | None = None
+    launched: LaunchedStep
 
 
 class EngineCore:
@@ -129,8 +129,8 @@ class EngineCore:
         if prev is not None and not self._can_overlap():
             return self._process(prev)
         so = self.scheduler.schedule()
-        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter())
-        cur.launched = self.worker.launch(so)
+        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter(),
+                            self.worker.launch(so))
         outputs = self._process(prev) if prev is not None else []
         if cur.launched.output is None and self._can_overlap():
             self._in_flight = cur
