@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
@@ -100,6 +101,4 @@ class SamplingParams:
         return set(self.stop_token_ids)
 
     def clone(self) -> "SamplingParams":
-        import copy
-
         return copy.deepcopy(self)

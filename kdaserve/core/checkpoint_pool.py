@@ -148,8 +148,7 @@ class CheckpointPool:
             keys = set(self._by_anchor.get(h, ()))
             if h in self._ready:
                 keys.add(h)
-            for key in keys:
-                dropped.append(self._remove(key))
+            dropped += [self._remove(key) for key in keys]
             for ckpt in self._pending.values():
                 if ckpt.anchor == h:
                     self._dead.add(ckpt.key)

@@ -323,9 +323,7 @@ class KVCacheManager:
 
     # ---- n > 1 ----
     def num_blocks_to_fork(self, parent: Request) -> int:
-        num_children = parent.num_samples
-        partial = parent.num_computed_tokens % self.block_size != 0
-        return (num_children - 1) if partial else 0
+        return parent.num_samples - 1 if parent.num_computed_tokens % self.block_size else 0
 
     def fork(self, parent: Request, children: list[Request]) -> ForkResult | None:
         """Hand the parent's computed prefix to its children and drop the parent.

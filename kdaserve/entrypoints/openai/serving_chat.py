@@ -75,13 +75,10 @@ class OpenAIServingChat(OpenAIServing):
                                    delta=req.stream, cache_salt=req.cache_salt)
         first = await self.first_output(gen)
 
-        def new_state() -> ChatOutputState:
-            return ChatOutputState(
-                self.reasoning_parser_cls(prompt_text) if self.reasoning_parser_cls else None,
-                self.tool_parser_cls() if tools_active else None,
-                self.mirror_reasoning_content)
-
-        states = [new_state() for _ in range(params.n)]
+        states = [ChatOutputState(
+            self.reasoning_parser_cls(prompt_text) if self.reasoning_parser_cls else None,
+            self.tool_parser_cls() if tools_active else None, self.mirror_reasoning_content)
+            for _ in range(params.n)]
         ctx = _ChatCall(request_id, model_name, now(), prompt_ids, req, states)
         if req.stream:
             return self._stream(ctx, first, gen)
