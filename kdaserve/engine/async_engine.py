@@ -260,8 +260,6 @@ class AsyncEngine:
             while True:
                 raw = await self.output_sock.recv(copy=False)
                 self._dispatch(self.decoder.decode(raw.buffer))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - a broken channel means a dead engine
             logger.exception("engine output loop failed")
             self._set_dead(f"engine output channel failed: {e}")
@@ -282,8 +280,7 @@ class AsyncEngine:
             self.output_processor.reject_request(msg.request_id)
             collector = self.collectors.get(msg.request_id)
             if collector is not None:
-                error = ValueError(msg.message) if msg.bad_request else RuntimeError(msg.message)
-                collector.fail(error)
+                collector.fail((ValueError if msg.bad_request else RuntimeError)(msg.message))
         elif isinstance(msg, Stats):
             future = self.stats_waiters.get(msg.nonce)
             if future is not None and not future.done():

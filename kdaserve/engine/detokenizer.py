@@ -12,17 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tokenizers import Tokenizer
+
 _REPLACEMENT_CHAR = "\ufffd"
 _INITIAL_CONTEXT_TOKENS = 5
 """Prompt tokens decoded as context before the first output token."""
-
-
-def _is_rust_tokenizer(obj: Any) -> bool:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return False
-    return isinstance(obj, Tokenizer)
 
 
 class IncrementalDetokenizer:
@@ -51,7 +45,7 @@ class IncrementalDetokenizer:
         # Fast tokenizers: call the Rust backend directly (what their decode does without the
         # clean-up, minus the Python wrapping per call; two calls per token per step).
         backend = getattr(tokenizer, "_tokenizer", None)
-        self._fast_decode = backend.decode if _is_rust_tokenizer(backend) else None
+        self._fast_decode = backend.decode if isinstance(backend, Tokenizer) else None
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output

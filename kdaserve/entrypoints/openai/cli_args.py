@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -243,8 +244,6 @@ def default_model_path() -> str:
     try:
         os.rename(tmp, path)
     except OSError:  # another process won the race
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 

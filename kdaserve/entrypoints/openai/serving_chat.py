@@ -158,8 +158,6 @@ class OpenAIServingChat(OpenAIServing):
                            "created": ctx.created, "model": ctx.model_name, "choices": [],
                            "usage": usage_dict(prompt_len, sum(num_tokens),
                                                out.num_cached_tokens)})
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - reported in-band, as vLLM does
             yield sse_error(e)
         finally:

@@ -144,12 +144,11 @@ class OpenAIServing:
                       top_k: int) -> dict[str, Any]:
         content = []
         for tid, step in zip(token_ids, logprobs or []):
-            ranked = self.ranked(step)
             chosen = step.get(tid)
             s = self.token_str(tid, chosen)
             top = [{"token": (ts := self.token_str(t, lp)), "logprob": max(lp.logprob, -9999.0),
                     "bytes": list(ts.encode("utf-8", errors="replace"))}
-                   for t, lp, rank in ranked if rank <= top_k][:top_k]
+                   for t, lp, rank in self.ranked(step) if rank <= top_k][:top_k]
             content.append({"token": s,
                             "logprob": -9999.0 if chosen is None else max(chosen.logprob, -9999.0),
                             "bytes": list(s.encode("utf-8", errors="replace")),
