@@ -22,10 +22,6 @@ class RequestStatus(enum.IntEnum):
     def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
-    @staticmethod
-    def get_finish_reason(status: RequestStatus) -> str | None:
-        return _FINISH_REASONS.get(status)
-
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -161,7 +157,7 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         """'stop', 'length', 'abort', or None while unfinished."""
-        return RequestStatus.get_finish_reason(self.status)
+        return _FINISH_REASONS.get(self.status)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

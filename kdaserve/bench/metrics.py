@@ -56,8 +56,7 @@ class RequestRecord:
 
     @property
     def itl(self) -> list[float]:
-        t = self.event_times
-        return [b - a for a, b in itertools.pairwise(t)]
+        return [b - a for a, b in itertools.pairwise(self.event_times)]
 
     @property
     def tpot(self) -> float | None:
@@ -67,10 +66,7 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["itl"] = self.itl
-        d["tpot"] = self.tpot
-        return d
+        return {**asdict(self), "itl": self.itl, "tpot": self.tpot}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,9 +82,8 @@ def summarize(values: list[float], percentiles=DEFAULT_PERCENTILES, scale: float
     of `values * scale`; zeros when empty (vLLM's convention), with count 0."""
     arr = np.asarray(values, dtype=np.float64) * scale
     if arr.size == 0:
-        out = {"count": 0, "mean": 0.0, "median": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
-        out.update({percentile_key(p): 0.0 for p in percentiles})
-        return out
+        keys = ["mean", "median", "std", "min", "max"] + [percentile_key(p) for p in percentiles]
+        return {"count": 0, **dict.fromkeys(keys, 0.0)}
     out = {
         "count": int(arr.size),
         "mean": float(arr.mean()),
