@@ -109,11 +109,6 @@ class KVCacheManager:
     def num_free_slots(self) -> int:
         return self.state_pool.num_free_slots
 
-    @property
-    def usage(self) -> float:
-        """MLA KV block usage in [0, 1]."""
-        return self.block_pool.usage
-
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's MLA blocks in position order (a copy; [] if it holds none)."""
         return list(self._blocks.get(req_id, ()))
@@ -122,14 +117,12 @@ class KVCacheManager:
         return req_id in self._blocks or req_id in self._slot or req_id in self._reserved_slots
 
     # ---- KV blocks ----
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
-                               num_lookahead_tokens: int = 0) -> int:
-        num_tokens = request.num_computed_tokens + num_new_tokens
+    def _num_blocks(self, num_tokens: int, num_lookahead_tokens: int) -> int:
+        """Blocks covering num_tokens plus the lookahead slots (those never past max_model_len)."""
         total = num_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
             total = min(total, max(self.max_model_len, num_tokens))
-        have = len(self._blocks.get(request.req_id, ()))
-        return max(cdiv(total, self.block_size) - have, 0)
+        return cdiv(total, self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
@@ -142,7 +135,9 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"request {request.req_id!r}: num_new_tokens={num_new_tokens} and "
                              f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
-        need = self.num_blocks_to_allocate(request, num_new_tokens, num_lookahead_tokens)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        have = len(self._blocks.get(request.req_id, ()))
+        need = max(self._num_blocks(num_tokens, num_lookahead_tokens) - have, 0)
         if need > self.block_pool.num_free_blocks:
             return None
         new_blocks = self.block_pool.allocate(need) if need else []
@@ -150,9 +145,9 @@ class KVCacheManager:
             self._blocks.setdefault(request.req_id, []).extend(new_blocks)
         if self.enable_prefix_caching:
             # Drafts may be rejected: only tokens that are known for sure get cached.
-            num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
-            if num_tokens // self.block_size > self._num_cached_blocks.get(request.req_id, 0):
-                self._cache_full_blocks(request, num_tokens)
+            num_known = min(num_tokens, request.num_tokens)
+            if num_known // self.block_size > self._num_cached_blocks.get(request.req_id, 0):
+                self._cache_full_blocks(request, num_known)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -231,10 +226,7 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r}: a hit needs num_new_tokens >= 1, "
                              f"got {num_new_tokens}")
         num_tokens = hit.num_tokens + num_new_tokens
-        total = num_tokens + num_lookahead_tokens
-        if self.max_model_len is not None:
-            total = min(total, max(self.max_model_len, num_tokens))
-        num_new_blocks = cdiv(total, self.block_size) - len(hit.block_ids)
+        num_new_blocks = self._num_blocks(num_tokens, num_lookahead_tokens) - len(hit.block_ids)
         pool = self.block_pool
         revived = {b for b in hit.block_ids if pool.ref_count(b) == 0}
         if hit.tail_block is not None and pool.ref_count(hit.tail_block) == 0:

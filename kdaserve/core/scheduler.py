@@ -65,8 +65,6 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
         self.max_model_len = max_model_len or scheduler_config.max_model_len
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -552,7 +550,7 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
+            kv_cache_usage=kv.block_pool.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_gpu_blocks,
             num_free_state_slots=kv.num_free_slots,
