@@ -22,10 +22,6 @@ class RequestStatus(enum.IntEnum):
     def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
-    @staticmethod
-    def get_finish_reason(status: RequestStatus) -> str | None:
-        return _FINISH_REASONS.get(status)
-
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -73,8 +69,6 @@ class Request:
             raise TypeError(
                 f"request {req_id!r}: sampling_params must be SamplingParams, "
                 f"got {type(sampling_params).__name__}")
-        if isinstance(eos_token_ids, int):
-            eos_token_ids = [eos_token_ids]
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"request {req_id!r}: cache_salt must be a string, "
                             f"got {type(cache_salt).__name__}")
@@ -82,7 +76,8 @@ class Request:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
-        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids or ())
+        self.eos_token_ids: frozenset[int] = frozenset(
+            [eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids or ())
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.parent_req_id = parent_req_id
         self.sample_index = sample_index
@@ -160,13 +155,9 @@ class Request:
 
     # ---- status ----
     @property
-    def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
-
-    @property
     def finish_reason(self) -> str | None:
         """'stop', 'length', 'abort', or None while unfinished."""
-        return RequestStatus.get_finish_reason(self.status)
+        return _FINISH_REASONS.get(self.status)
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
@@ -38,12 +39,7 @@ class SamplingParams:
     max_logprobs: int = field(default=_MAX_LOGPROBS, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif self.stop is None:
-            self.stop = []
-        else:
-            self.stop = list(self.stop)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias)
@@ -105,6 +101,4 @@ class SamplingParams:
         return set(self.stop_token_ids)
 
     def clone(self) -> "SamplingParams":
-        import copy
-
         return copy.deepcopy(self)

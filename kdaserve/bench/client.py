@@ -40,8 +40,7 @@ class RequestConfig:
                              f"got {self.endpoint!r}")
         if self.output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
-        self.base_url = self.base_url.rstrip("/")
-        self.base_url = self.base_url.removesuffix("/v1")
+        self.base_url = self.base_url.rstrip("/").removesuffix("/v1")
 
     @property
     def url(self) -> str:

@@ -20,7 +20,7 @@ import numpy as np
 
 
 class PromptTokenizer:
-    """The little a prompt generator needs from a tokenizer: encode, decode, usable ids."""
+    """What a prompt generator needs from a tokenizer: encode, decode (one, a batch), usable ids."""
 
     def __init__(self, name: str, vocab_size: int, special_ids: set[int],
                  encode_fn=None, decode_fn=None, decode_batch_fn=None):
@@ -53,9 +53,7 @@ class PromptTokenizer:
         if self._candidates is None:
             ids = [i for i in range(self.vocab_size) if i not in self.special_ids]
             if self.can_text:
-                single = [[i] for i in ids]
-                texts = (self._decode_batch(single) if self._decode_batch is not None
-                         else [self.decode(x) for x in single])
+                texts = self._decode_batch([[i] for i in ids])
                 ids = [i for i, t in zip(ids, texts, strict=True) if _clean(t)]
             if not ids:
                 raise ValueError(f"tokenizer {self.name!r} has no usable (non-special) tokens")

@@ -46,11 +46,10 @@ class ServerProcess:
 
     def start(self, timeout: float) -> float:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        log.close()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         try:
             self.startup_s = wait_for_health(self.base_url, timeout, proc=self.proc)
         except RuntimeError:
@@ -98,7 +97,6 @@ class ServerProcess:
         self.stop()
 
 
-
 _KV_LINE = re.compile(r"MLA KV cache: (\d+) tokens; KDA state slots: (\d+) .*?"
                       r"max concurrency at max_model_len: ([\d.]+)")
 _SPEC_LINE = re.compile(r"(spec decode \(.*verify records per request)")
@@ -106,12 +104,10 @@ _SPEC_LINE = re.compile(r"(spec decode \(.*verify records per request)")
 
 def parse_capacity(log_text: str) -> dict:
     out: dict = {}
-    m = _KV_LINE.search(log_text)
-    if m:
+    if m := _KV_LINE.search(log_text):
         out.update(kv_cache_tokens=int(m.group(1)), kda_state_slots=int(m.group(2)),
                    max_concurrency_at_max_model_len=float(m.group(3)))
-    m = _SPEC_LINE.search(log_text)
-    if m:
+    if m := _SPEC_LINE.search(log_text):
         out["spec_state_memory"] = m.group(1)
     return out
 

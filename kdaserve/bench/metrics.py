@@ -1,25 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Per-request records and the metrics computed from them.
+"""Per-request records and the metrics computed from them, in vLLM's (`vllm bench serve`) and
+guidellm 0.8.1's vocabularies (the names clash, so every key says which one it follows).
 
-Two vocabularies, both reported (their names clash, so every key says which one it follows):
-
-vLLM (`vllm bench serve`), all times from `start` = just before the HTTP POST:
-- TTFT = first SSE event whose `choices` is non-empty.
-- E2EL = last `choices`-bearing event (the usage-only chunk and `[DONE]` are excluded).
-- TPOT = (E2EL - TTFT) / (output_tokens - 1), per request, for outputs of more than one token;
-  mean / median / percentiles over requests (unweighted).
-- ITL = gaps between consecutive `choices`-bearing events, pooled over all requests (per event,
-  not per token: one event may carry several tokens, e.g. with spec decoding).
-- throughputs = totals / benchmark duration.
-
-guidellm 0.8.1:
-- time_to_first_token_ms = first event that carried output text (a role-only chunk does not
-  count; equals vLLM TTFT when the server sends the role chunk with the first token).
-- inter_token_latency_ms = (last - first text event) / (output_tokens - 1) = vLLM TPOT, but
-  aggregated weighted by output_tokens - 1.
-- time_per_output_token_ms = (last text event - start) / output_tokens (includes TTFT),
-  weighted by output_tokens.
-- request_latency (s) = stream closed - start.
+The definitions are those of kdaserve.bench.serve's docstring (`kdaserve bench serve --help`),
+all times from `start` = just before the HTTP POST. Beyond them: vLLM's TPOT counts outputs of
+more than one token, unweighted over requests; guidellm's time_to_first_token_ms skips a
+role-only chunk (it equals vLLM TTFT when the server sends the role chunk with the first token);
+inter_token_latency_ms is weighted by output_tokens - 1, time_per_output_token_ms by
+output_tokens; throughputs are totals / benchmark duration.
 """
 
 from __future__ import annotations
@@ -68,8 +56,7 @@ class RequestRecord:
 
     @property
     def itl(self) -> list[float]:
-        t = self.event_times
-        return [b - a for a, b in itertools.pairwise(t)]
+        return [b - a for a, b in itertools.pairwise(self.event_times)]
 
     @property
     def tpot(self) -> float | None:
@@ -79,10 +66,7 @@ class RequestRecord:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["itl"] = self.itl
-        d["tpot"] = self.tpot
-        return d
+        return {**asdict(self), "itl": self.itl, "tpot": self.tpot}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,9 +82,8 @@ def summarize(values: list[float], percentiles=DEFAULT_PERCENTILES, scale: float
     of `values * scale`; zeros when empty (vLLM's convention), with count 0."""
     arr = np.asarray(values, dtype=np.float64) * scale
     if arr.size == 0:
-        out = {"count": 0, "mean": 0.0, "median": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
-        out.update({percentile_key(p): 0.0 for p in percentiles})
-        return out
+        keys = ["mean", "median", "std", "min", "max"] + [percentile_key(p) for p in percentiles]
+        return {"count": 0, **dict.fromkeys(keys, 0.0)}
     out = {
         "count": int(arr.size),
         "mean": float(arr.mean()),
@@ -159,14 +142,9 @@ def max_concurrent_requests(records: list[RequestRecord]) -> int:
         end = r.request_end if r.request_end is not None else r.latency
         if end is None:
             continue
-        events.append((r.start, 1))
-        events.append((r.start + end, -1))
-    events.sort(key=lambda e: (e[0], e[1]))
-    peak = cur = 0
-    for _, delta in events:
-        cur += delta
-        peak = max(peak, cur)
-    return peak
+        events += [(r.start, 1), (r.start + end, -1)]
+    events.sort()
+    return max(itertools.accumulate(delta for _, delta in events), default=0)
 
 
 def max_output_tokens_per_s(records: list[RequestRecord], t0: float = 0.0) -> float:

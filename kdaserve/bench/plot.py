@@ -5,6 +5,7 @@ run, so several result files can share one figure)."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 PANELS = [
     # (title, y label, [(metrics key, line style suffix)])
@@ -55,8 +56,4 @@ def plot_results(runs: list[dict], path: str, title: str | None = None) -> None:
 
 
 def plot_files(paths: list[str], out: str, title: str | None = None) -> None:
-    runs = []
-    for p in paths:
-        with open(p) as f:
-            runs.append(json.load(f))
-    plot_results(runs, out, title)
+    plot_results([json.loads(pathlib.Path(p).read_text()) for p in paths], out, title)

@@ -67,11 +67,8 @@ def format_table(levels: list[dict]) -> str:
     rows = [[h for h, *_ in TABLE_COLUMNS]]
     for lv in levels:
         m = {"concurrency": lv["concurrency"], **lv["metrics"]}
-        row = []
-        for _, key, scale, fmt in TABLE_COLUMNS:
-            v = m.get(key)
-            row.append("-" if v is None else fmt.format(v * scale if scale != 1 else v))
-        rows.append(row)
+        rows.append(["-" if m.get(key) is None else fmt.format(m[key] * scale)
+                     for _, key, scale, fmt in TABLE_COLUMNS])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

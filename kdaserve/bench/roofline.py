@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 
+from kdaserve.bench.report import git_commit
 from kdaserve.engine.floor import measure_copy_bandwidth, sync, weight_bytes
 
 
@@ -153,10 +154,8 @@ def main(cli_args: argparse.Namespace) -> int:
               "gpu": torch.cuda.get_device_name() if runner.device.type == "cuda" else "none",
               "bandwidth_Bps": bw, "cuda_graphs": runner.decode_graphs is not None,
               "dummy_routing": cli_args.dummy_routing,
-              "kernel_config": {"decode_gemv": cli_args.decode_gemv}, "rows": rows}
-    from kdaserve.bench.report import git_commit
-
-    result["commit"] = git_commit() or "unknown"
+              "kernel_config": {"decode_gemv": cli_args.decode_gemv}, "rows": rows,
+              "commit": git_commit() or "unknown"}
     if cli_args.out:
         with open(cli_args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -210,10 +210,8 @@ async def _run_pool(client, cfg, prompts, concurrency: int, t0: float, tag: str,
             send = bench_client.send_request(client, cfg, f"{tag}-{i}", p.prompt,
                                              p.prompt_len, t0)
             try:
-                if hard_deadline is None:
-                    records.append(await send)
-                else:
-                    records.append(await asyncio.wait_for(send, hard_deadline - now))
+                timeout = None if hard_deadline is None else hard_deadline - now
+                records.append(await asyncio.wait_for(send, timeout))
             except TimeoutError:
                 stopped = "level_timeout"
                 records.append(RequestRecord(

@@ -31,8 +31,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
             value = float(fields[0])
         except ValueError:
             continue
-        name = name.rsplit(":", 1)[-1]
-        name = name.removesuffix("_total")
+        name = name.rsplit(":", 1)[-1].removesuffix("_total")
         out[name] = out.get(name, 0.0) + value
     return out
 
@@ -45,9 +44,7 @@ async def scrape(client: httpx.AsyncClient, base_url: str, api_key: str | None =
         resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
     except httpx.HTTPError:
         return None
-    if resp.status_code != 200:
-        return None
-    return parse_prometheus(resp.text)
+    return parse_prometheus(resp.text) if resp.status_code == 200 else None
 
 
 def level_counters(before: dict | None, after: dict | None) -> dict | None:

@@ -224,9 +224,8 @@ class LoadConfig:
 @dataclass
 class KernelConfig:
     """Kernel choices on CUDA (no effect on the CPU reference path), read once at start-up to
-    pick each layer kind's backend (kdaserve/layers/backends.py). All off = the baseline:
-    cuBLAS projections, the tensor-core fused MoE, a sorting top-k / top-p, five launches per
-    KDA decode, ordinary launches. The defaults are the fastest measured set
+    pick each layer kind's backend (kdaserve/layers/backends.py). All off = the baseline (each
+    switch says what it replaces); the defaults are the fastest measured set
     (benchmarks/PERF_NOTES.md)."""
     decode_gemv: bool = True
     """Projections of 1-2 token rows (decode batches <= 2) through the Triton GEMV

@@ -67,17 +67,3 @@ def resolve_synthetic_rates(num_speculative_tokens: int, rates: list[float] | No
     if rates is not None:
         return check_rates(rates, num_speculative_tokens)
     return rates_from_length(float(length), num_speculative_tokens)
-
-
-def expected_acceptance_length(rates: list[float]) -> float:
-    """Mean tokens per verify step (bonus included) under the given unconditional rates."""
-    return 1.0 + sum(rates)
-
-
-def conditional_rates(rates: list[float]) -> list[float]:
-    """P(draft j accepted | drafts < j accepted) for each position (0 after a zero)."""
-    out, prev = [], 1.0
-    for r in rates:
-        out.append(r / prev if prev > 0 else 0.0)
-        prev = r
-    return out

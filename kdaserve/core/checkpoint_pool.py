@@ -78,10 +78,6 @@ class CheckpointPool:
     def num_ready(self) -> int:
         return len(self._ready)
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     def owns_slot(self, slot: int) -> bool:
         return self.first_slot <= slot < self.first_slot + self.num_slots
 
@@ -152,8 +148,7 @@ class CheckpointPool:
             keys = set(self._by_anchor.get(h, ()))
             if h in self._ready:
                 keys.add(h)
-            for key in keys:
-                dropped.append(self._remove(key))
+            dropped += [self._remove(key) for key in keys]
             for ckpt in self._pending.values():
                 if ckpt.anchor == h:
                     self._dead.add(ckpt.key)

@@ -14,6 +14,7 @@ exports hit-able once the forward that writes them is done; `end_step` drops the
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from kdaserve.core.block_pool import (
@@ -108,30 +109,20 @@ class KVCacheManager:
     def num_free_slots(self) -> int:
         return self.state_pool.num_free_slots
 
-    @property
-    def usage(self) -> float:
-        """MLA KV block usage in [0, 1]."""
-        return self.block_pool.usage
-
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's MLA blocks in position order (a copy; [] if it holds none)."""
         return list(self._blocks.get(req_id, ()))
-
-    def get_state_slot(self, req_id: str) -> int | None:
-        return self._slot.get(req_id)
 
     def holds_resources(self, req_id: str) -> bool:
         return req_id in self._blocks or req_id in self._slot or req_id in self._reserved_slots
 
     # ---- KV blocks ----
-    def num_blocks_to_allocate(self, request: Request, num_new_tokens: int,
-                               num_lookahead_tokens: int = 0) -> int:
-        num_tokens = request.num_computed_tokens + num_new_tokens
+    def _num_blocks(self, num_tokens: int, num_lookahead_tokens: int) -> int:
+        """Blocks covering num_tokens plus the lookahead slots (those never past max_model_len)."""
         total = num_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
             total = min(total, max(self.max_model_len, num_tokens))
-        have = len(self._blocks.get(request.req_id, ()))
-        return max(cdiv(total, self.block_size) - have, 0)
+        return cdiv(total, self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
@@ -144,7 +135,9 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"request {request.req_id!r}: num_new_tokens={num_new_tokens} and "
                              f"num_lookahead_tokens={num_lookahead_tokens} must be >= 0")
-        need = self.num_blocks_to_allocate(request, num_new_tokens, num_lookahead_tokens)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        have = len(self._blocks.get(request.req_id, ()))
+        need = max(self._num_blocks(num_tokens, num_lookahead_tokens) - have, 0)
         if need > self.block_pool.num_free_blocks:
             return None
         new_blocks = self.block_pool.allocate(need) if need else []
@@ -152,9 +145,9 @@ class KVCacheManager:
             self._blocks.setdefault(request.req_id, []).extend(new_blocks)
         if self.enable_prefix_caching:
             # Drafts may be rejected: only tokens that are known for sure get cached.
-            num_tokens = min(request.num_computed_tokens + num_new_tokens, request.num_tokens)
-            if num_tokens // self.block_size > self._num_cached_blocks.get(request.req_id, 0):
-                self._cache_full_blocks(request, num_tokens)
+            num_known = min(num_tokens, request.num_tokens)
+            if num_known // self.block_size > self._num_cached_blocks.get(request.req_id, 0):
+                self._cache_full_blocks(request, num_known)
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -181,13 +174,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         max_tokens = request.num_tokens - 1 if max_tokens is None else max_tokens
-        hit = []
-        for block_hash in self._hashes(request, max_tokens):
-            block_id = self.block_pool.get_cached_block(block_hash)
-            if block_id is None:
-                break
-            hit.append(block_id)
-        return hit
+        blocks = map(self.block_pool.get_cached_block, self._hashes(request, max_tokens))
+        return list(itertools.takewhile(lambda b: b is not None, blocks))
 
     # ---- hybrid prefix hits ----
     def checkpoint_key(self, request: Request, num_tokens: int) -> tuple[BlockHash, BlockHash]:
@@ -238,10 +226,7 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r}: a hit needs num_new_tokens >= 1, "
                              f"got {num_new_tokens}")
         num_tokens = hit.num_tokens + num_new_tokens
-        total = num_tokens + num_lookahead_tokens
-        if self.max_model_len is not None:
-            total = min(total, max(self.max_model_len, num_tokens))
-        num_new_blocks = cdiv(total, self.block_size) - len(hit.block_ids)
+        num_new_blocks = self._num_blocks(num_tokens, num_lookahead_tokens) - len(hit.block_ids)
         pool = self.block_pool
         revived = {b for b in hit.block_ids if pool.ref_count(b) == 0}
         if hit.tail_block is not None and pool.ref_count(hit.tail_block) == 0:
@@ -286,16 +271,11 @@ class KVCacheManager:
             self.block_pool.cache_partial(blocks[num_tokens // self.block_size], key)
         return ckpt
 
-    def commit_checkpoints(self, keys: list[BlockHash]) -> int:
-        """Make pending checkpoints hit-able (their forward is done). Returns how many."""
-        committed = 0
+    def commit_checkpoints(self, keys: list[BlockHash]) -> None:
+        """Make pending checkpoints hit-able (their forward is done)."""
         for key in keys:
-            ckpt = self.checkpoint_pool.commit(key)
-            if ckpt is None:
+            if self.checkpoint_pool.commit(key) is None:
                 self.block_pool.uncache_partial(key)
-            else:
-                committed += 1
-        return committed
 
     def end_step(self) -> None:
         """The step's copies are done: release copy-source pins and checkpoint locks."""
@@ -311,8 +291,7 @@ class KVCacheManager:
 
     def _on_blocks_evicted(self, hashes: list[BlockHash]) -> None:
         for ckpt in self.checkpoint_pool.drop_hashes(hashes):
-            if ckpt.offset:
-                self.block_pool.uncache_partial(ckpt.key)
+            self._on_checkpoint_evicted(ckpt)
 
     def _on_checkpoint_evicted(self, ckpt: Checkpoint) -> None:
         if ckpt.offset:
@@ -336,9 +315,7 @@ class KVCacheManager:
 
     # ---- n > 1 ----
     def num_blocks_to_fork(self, parent: Request) -> int:
-        num_children = parent.num_samples
-        partial = parent.num_computed_tokens % self.block_size != 0
-        return (num_children - 1) if partial else 0
+        return parent.num_samples - 1 if parent.num_computed_tokens % self.block_size else 0
 
     def fork(self, parent: Request, children: list[Request]) -> ForkResult | None:
         """Hand the parent's computed prefix to its children and drop the parent.

@@ -147,7 +147,3 @@ class HybridPrefixCache:
         keys, self._in_flight = self._in_flight, []
         self.kv.commit_checkpoints(keys)
         self.kv.end_step()
-
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._in_flight or self._finish_copies)

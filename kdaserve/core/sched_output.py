@@ -40,9 +40,6 @@ class CachedRequestData:
     """Blocks appended to the request's block list since the previous step."""
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass
 class KDAStateCopy:

@@ -65,8 +65,6 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        self.scheduler_config = scheduler_config
-        self.cache_config = cache_config
         self.max_model_len = max_model_len or scheduler_config.max_model_len
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
@@ -181,18 +179,13 @@ class Scheduler:
             raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
         if isinstance(req_ids, str):
             req_ids = [req_ids]
-        to_finish = []
-        for rid in req_ids:
-            for cid in [rid] + self._children.get(rid, []):
-                request = self.requests.get(cid)
-                if request is not None and request not in to_finish:
-                    to_finish.append(request)
+        to_finish = {cid: self.requests[cid] for rid in req_ids
+                     for cid in [rid] + self._children.get(rid, []) if cid in self.requests}
         if not to_finish:
             return
-        gone = {id(r) for r in to_finish}
-        self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
-        for request in to_finish:
+        self.running = [r for r in self.running if r.req_id not in to_finish]
+        self.waiting = deque(r for r in self.waiting if r.req_id not in to_finish)
+        for request in to_finish.values():
             request.status = finished_status
             self._free_request(request)
 
@@ -546,9 +539,6 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def get_request_counts(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash and KDA checkpoint (vLLM's reset_prefix_cache).
         Returns how many hashes were dropped."""
@@ -560,7 +550,7 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
+            kv_cache_usage=kv.block_pool.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_gpu_blocks,
             num_free_state_slots=kv.num_free_slots,

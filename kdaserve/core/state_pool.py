@@ -22,10 +22,6 @@ class StateSlotPool:
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_slots
-
     def is_free(self, slot: int) -> bool:
         return not self._in_use[self._check(slot)]
 

@@ -33,9 +33,7 @@ def config_from_kwargs(kwargs: dict) -> EngineConfig:
     spec = kwargs.pop("speculative_config", None) or {}
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-    engine_keys = {f.name for f in fields(EngineConfig)} - {
-        "model_config", "cache_config", "scheduler_config", "parallel_config",
-        "speculative_config", "load_config", "kernel_config"}
+    engine_keys = {f.name for f in fields(EngineConfig) if not f.name.endswith("_config")}
     engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
     if kwargs:
         raise ValueError(f"unknown engine arguments: {sorted(kwargs)}")

@@ -64,11 +64,11 @@ class _RequestCollector:
     takes them. A slow consumer gets the deltas of several steps merged into one output."""
 
     def __init__(self, n: int, delta: bool):
-        self.delta = delta
         self.pending: list[RequestOutput] = []
         self.error: BaseException | None = None
         self.event = asyncio.Event()
-        self.outputs = [CompletionOutput(index=i) for i in range(n)]  # cumulative mode only
+        self.totals = None if delta else {i: CompletionOutput(index=i) for i in range(n)}
+        """Cumulative mode: each sample's output so far (None in delta mode)."""
         self.num_generation_tokens = 0
         self.finish_reasons: list[str] = []
 
@@ -89,25 +89,14 @@ class _RequestCollector:
             self.event.clear()
             await self.event.wait()
         pending, self.pending = self.pending, []
-        last = pending[-1]
-        outputs = self._merge_delta(pending) if self.delta else self._merge_cumulative(pending)
-        return dataclasses.replace(last, outputs=outputs)
-
-    def _merge_cumulative(self, pending: list[RequestOutput]) -> list[CompletionOutput]:
-        for d in pending:
-            for c in d.outputs:
-                _extend(self.outputs[c.index], c)
-        return [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
-                                 None if o.logprobs is None else list(o.logprobs),
-                                 o.finish_reason, o.stop_reason) for o in self.outputs]
-
-    @staticmethod
-    def _merge_delta(pending: list[RequestOutput]) -> list[CompletionOutput]:
-        merged: dict[int, CompletionOutput] = {}
+        merged = {} if self.totals is None else self.totals
         for d in pending:
             for c in d.outputs:
                 _extend(merged.setdefault(c.index, CompletionOutput(index=c.index)), c)
-        return [merged[i] for i in sorted(merged)]
+        # Copies: the totals grow on (_extend replaces logprobs, so only token_ids is shared).
+        outputs = [dataclasses.replace(merged[i], token_ids=list(merged[i].token_ids))
+                   for i in sorted(merged)]
+        return dataclasses.replace(pending[-1], outputs=outputs)
 
 
 def _extend(out: CompletionOutput, c: CompletionOutput) -> None:
@@ -185,11 +174,7 @@ class AsyncEngine:
 
             tokenizer = AutoTokenizer.from_pretrained(msg.info["tokenizer"])
         except BaseException:
-            _stop_process(proc)
-            input_sock.close(linger=0)
-            output_sock.close(linger=0)
-            ctx.term()
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+            _close(proc, ctx, (input_sock, output_sock), ipc_dir)
             raise
         return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir, tokenizer)
 
@@ -275,8 +260,6 @@ class AsyncEngine:
             while True:
                 raw = await self.output_sock.recv(copy=False)
                 self._dispatch(self.decoder.decode(raw.buffer))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - a broken channel means a dead engine
             logger.exception("engine output loop failed")
             self._set_dead(f"engine output channel failed: {e}")
@@ -297,8 +280,7 @@ class AsyncEngine:
             self.output_processor.reject_request(msg.request_id)
             collector = self.collectors.get(msg.request_id)
             if collector is not None:
-                error = ValueError(msg.message) if msg.bad_request else RuntimeError(msg.message)
-                collector.fail(error)
+                collector.fail((ValueError if msg.bad_request else RuntimeError)(msg.message))
         elif isinstance(msg, Stats):
             future = self.stats_waiters.get(msg.nonce)
             if future is not None and not future.done():
@@ -346,17 +328,19 @@ class AsyncEngine:
             except zmq.ZMQError:
                 pass
             await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 5.0)
-        _stop_process(self.proc)
-        self.input_sock.close(linger=0)
-        self.output_sock.close(linger=0)
-        self.ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        _close(self.proc, self.ctx, (self.input_sock, self.output_sock), self.ipc_dir)
 
 
-def _stop_process(proc: multiprocessing.Process) -> None:
+def _close(proc: multiprocessing.Process, ctx: zmq.asyncio.Context,
+           socks: tuple[zmq.asyncio.Socket, ...], ipc_dir: str) -> None:
+    """Stop the core process (SIGTERM, then SIGKILL) and release the sockets and ipc folder."""
     if proc.is_alive():
         proc.terminate()
         proc.join(5.0)
     if proc.is_alive():
         proc.kill()
         proc.join(5.0)
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+    shutil.rmtree(ipc_dir, ignore_errors=True)

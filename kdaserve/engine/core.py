@@ -70,7 +70,7 @@ class _StepInFlight:
     """Total context of a decode-only step (for the floor gauge), else None."""
     t0: float
     """perf_counter() at launch."""
-    launched: LaunchedStep | None = None
+    launched: LaunchedStep
 
 
 class EngineCore:
@@ -129,8 +129,8 @@ class EngineCore:
         if prev is not None and not self._can_overlap():
             return self._process(prev)
         so = self.scheduler.schedule()
-        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter())
-        cur.launched = self.worker.launch(so)
+        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter(),
+                            self.worker.launch(so))
         outputs = self._process(prev) if prev is not None else []
         if cur.launched.output is None and self._can_overlap():
             self._in_flight = cur
@@ -140,11 +140,9 @@ class EngineCore:
 
     def _can_overlap(self) -> bool:
         """May the next step be scheduled before the last one's output is processed?"""
-        if not self.engine_config.scheduler_config.async_scheduling:
-            return False
-        if self.model_runner.spec is not None:
-            return False
-        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+        return (self.engine_config.scheduler_config.async_scheduling
+                and self.model_runner.spec is None
+                and not any(r.sampling_params.has_penalties for r in self.scheduler.running))
 
     def _process(self, step: _StepInFlight) -> list[EngineCoreOutput]:
         """Collect a launched step (waits for its sampled ids), then update the scheduler."""
@@ -175,14 +173,11 @@ class EngineCore:
     def _decode_context(self, so: SchedulerOutput) -> int | None:
         """Total context of a decode-only step (None if any request computes more than one
         token: the floor gauge tracks decode steps only)."""
-        if so.scheduled_new_reqs or not so.num_scheduled_tokens:
+        if (so.scheduled_new_reqs or not so.num_scheduled_tokens
+                or any(n != 1 for n in so.num_scheduled_tokens.values())):
             return None
-        total = 0
-        for rid, n in so.num_scheduled_tokens.items():
-            if n != 1:
-                return None
-            total += self.scheduler.requests[rid].num_computed_tokens + 1
-        return total
+        requests = self.scheduler.requests
+        return sum(requests[rid].num_computed_tokens + 1 for rid in so.num_scheduled_tokens)
 
     def _record_step_time(self, so: SchedulerOutput, context: int | None,
                           elapsed: float) -> None:

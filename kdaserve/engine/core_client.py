@@ -61,10 +61,7 @@ _FRONT_ONLY_PARAMS = ("stop", "include_stop_str_in_output", "skip_special_tokens
 
 def core_sampling_params(params: SamplingParams) -> dict[str, Any]:
     """SamplingParams as the core needs them: stop strings and detokenization stay in front."""
-    d = dataclasses.asdict(params)
-    for name in _FRONT_ONLY_PARAMS:
-        del d[name]
-    return d
+    return {k: v for k, v in dataclasses.asdict(params).items() if k not in _FRONT_ONLY_PARAMS}
 
 
 # ----------------------------------------------------------------------------- core -> front

@@ -12,17 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tokenizers import Tokenizer
+
 _REPLACEMENT_CHAR = "\ufffd"
 _INITIAL_CONTEXT_TOKENS = 5
 """Prompt tokens decoded as context before the first output token."""
-
-
-def _is_rust_tokenizer(obj: Any) -> bool:
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return False
-    return isinstance(obj, Tokenizer)
 
 
 class IncrementalDetokenizer:
@@ -51,7 +45,7 @@ class IncrementalDetokenizer:
         # Fast tokenizers: call the Rust backend directly (what their decode does without the
         # clean-up, minus the Python wrapping per call; two calls per token per step).
         backend = getattr(tokenizer, "_tokenizer", None)
-        self._fast_decode = backend.decode if _is_rust_tokenizer(backend) else None
+        self._fast_decode = backend.decode if isinstance(backend, Tokenizer) else None
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -67,25 +61,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(len(self._ids) - _INITIAL_CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         self._text = ""  # all complete text decoded so far (before stop truncation)
-        self._output_text = ""
-        self._num_emitted = 0  # chars of _output_text already returned as deltas
-        self._stop_hold = 0 if include_stop_str_in_output or not stop else \
-            max(len(s) for s in stop) - 1
-
-    @property
-    def output_text(self) -> str:
+        self.output_text = ""
         """Full text so far (cut at the stop string once one matched; the stop string itself is
         kept only with include_stop_str_in_output). May run ahead of the emitted deltas."""
-        return self._output_text
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_reason is not None
+        self._num_emitted = 0  # chars of output_text already returned as deltas
+        self._stop_hold = 0 if include_stop_str_in_output or not stop else \
+            max(len(s) for s in stop) - 1
 
     def append(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Add sampled tokens. Returns (text newly safe to emit, matched stop string or None).
         Once a stop string matched the output is final: the delta carries all remaining text."""
-        if self.stopped:
+        if self.stop_reason is not None:
             raise ValueError(f"append({list(new_token_ids)!r}) after the output already stopped "
                              f"on stop string {self.stop_reason!r}")
         for tok in new_token_ids:
@@ -98,25 +84,25 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Emit everything held back (an incomplete trailing character renders as U+FFFD, as a
         full decode would). Call once when the request finishes without a stop string."""
-        if self.stopped:
+        if self.stop_reason is not None:
             return ""
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
         prev_len = len(self._text)
         self._text += self._decode_window(final)
-        self._output_text = self._text
+        self.output_text = self._text
         matched = self._find_stop(prev_len)
         if matched is not None:
             stop, idx = matched
             self.stop_reason = stop
             cut = idx + len(stop) if self.include_stop_str_in_output else idx
-            self._output_text = self._text[:cut]
+            self.output_text = self._text[:cut]
             final = True
-        end = len(self._output_text) if final else len(self._output_text) - self._stop_hold
+        end = len(self.output_text) if final else len(self.output_text) - self._stop_hold
         if end <= self._num_emitted:
             return ""
-        delta = self._output_text[self._num_emitted:end]
+        delta = self.output_text[self._num_emitted:end]
         self._num_emitted = end
         return delta
 

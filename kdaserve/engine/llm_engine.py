@@ -46,8 +46,7 @@ class LLMEngine:
     # -----------------------------------------------------------------------------------------
 
     def reset_prefix_cache(self) -> int:
-        """Drop every cached KV block and KDA checkpoint not held by a running request;
-        returns what was dropped (vLLM's reset_prefix_cache)."""
+        """EngineCore.reset_prefix_cache."""
         return self.engine_core.reset_prefix_cache()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -9,6 +9,7 @@ import sys
 
 from kdaserve.entrypoints.openai.cli_args import (add_engine_args, engine_kwargs_from_args,
                                                   positive_int, resolve_model)
+from kdaserve.sampling_params import SamplingParams
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,9 +39,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def build_sampling_params(args: argparse.Namespace):
-    from kdaserve.sampling_params import SamplingParams
-
+def build_sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed,
                           max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
@@ -55,14 +54,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
         kwargs = engine_kwargs_from_args(args, model)
         llm = LLM(kwargs.pop("model"), **kwargs)
-        prompts = args.prompt
         if args.chat:
-            tok = llm.get_tokenizer()
-            prompts = [{"prompt": p, "prompt_token_ids": tok.encode(
-                tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                        add_generation_prompt=True),
-                add_special_tokens=False)} for p in prompts]
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                               use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
     except ValueError as e:
         print(f"kdaserve generate: error: {e}", file=sys.stderr)
         return 2

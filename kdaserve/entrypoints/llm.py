@@ -89,10 +89,9 @@ class LLM:
              ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.llm_engine.tokenizer
-        prompts = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
-                                           tools=tools, **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids":
-                            tok.encode(text, add_special_tokens=False)})
+        texts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
+                                         tools=tools, **(chat_template_kwargs or {}))
+                 for conv in conversations]
+        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)}
+                   for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -106,7 +106,7 @@ def test_configuration_doc_covers_every_option_and_key():
     rows = {line.split("|")[1].strip(): line for line in doc.splitlines()
             if line.startswith("| `")}
     for keys in (cli_args.OPTIMIZATION_CONFIG_KEYS, cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS):
-        for key, (kind, _) in keys.items():
+        for key, kind in keys.items():
             assert f"`{key}`" in rows and kind.name.replace("|", "\\|") in rows[f"`{key}`"], key
     for field in dataclasses.fields(SpeculativeConfig):
         if field.init:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -95,59 +96,37 @@ def one_of(*values: str) -> KeyType:
                    lambda v: isinstance(v, str) and v in values)
 
 
-OPTIMIZATION_CONFIG_KEYS: dict[str, tuple[KeyType, str]] = {
-    "decode_gemv": (BOOL, "CUDA: projections of decode batches <= 2 through the Triton GEMV "
-                          "(off: cuBLAS)."),
-    "pdl": (BOOL, "CUDA (Hopper+): the Triton kernels of the captured decode graphs with "
-                  "programmatic dependent launch (off: ordinary launches; always off below "
-                  "compute capability 9.0); with decode_gemv it covers the projections too."),
-    "fused_kda_decode": (BOOL, "CUDA: decode-only steps run each KDA layer's conv, gates, delta "
-                               "rule and gated norm in one Triton launch (off: five launches)."),
-    "kda_state_prefetch": (BOOL, "CUDA (with pdl): the one-launch KDA decode reads its states "
-                                 "before its PDL wait (off: after it)."),
-    "mla_absorb_gemv": (BOOL, "CUDA: MLA's per-head W_UK / W_UV products of decode batches <= 2 "
-                              "as one batched Triton GEMV launch each (off: cuBLAS)."),
-    "dense_mlp_gemv": (BOOL, "CUDA (with decode_gemv): the dense MLP of decode batches <= 2 as "
-                             "two GEMVs, the second reading silu(gate) * up (off: cuBLAS GEMMs, "
-                             "silu, mul)."),
-    "sampling_threshold_kernel": (BOOL, "CUDA: top-k / top-p by a sort-free threshold search "
-                                        "(off: a full sort of the vocabulary per row)."),
-    "kda_checkpoint_mode": (one_of("internal", "split"),
-                            "KDA prefix checkpoints exported from inside one prefill pass "
-                            "(internal) or, the baseline, by ending the prefill chunk at the "
-                            "checkpoint (split: one more forward pass)."),
-    "kda_checkpoint_interval": (POSITIVE_INT, "Tokens between KDA prefix checkpoints (a "
-                                              "multiple of --block-size; default 512 at block "
-                                              "size 16)."),
-    "num_kda_checkpoint_slots": (NON_NEGATIVE_INT, "KDA checkpoint slots (default: sized from "
-                                                   "memory; 0 = no KDA checkpoints, so no "
-                                                   "prefix hits)."),
-    "kda_checkpoint_turn_end": (BOOL, "Also checkpoint at the end of each prompt and where each "
-                                      "request finishes (off: interval checkpoints only)."),
-    "adaptive_spec_budget": (BOOL, "Reserve draft slots only for scheduled requests (off: the "
-                                   "static rule, (K - 1) x max_num_seqs slots every step)."),
+OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
+    "decode_gemv": BOOL,
+    "pdl": BOOL,
+    "fused_kda_decode": BOOL,
+    "kda_state_prefetch": BOOL,
+    "mla_absorb_gemv": BOOL,
+    "dense_mlp_gemv": BOOL,
+    "sampling_threshold_kernel": BOOL,
+    "kda_checkpoint_mode": one_of("internal", "split"),
+    "kda_checkpoint_interval": POSITIVE_INT,
+    "num_kda_checkpoint_slots": NON_NEGATIVE_INT,
+    "kda_checkpoint_turn_end": BOOL,
+    "adaptive_spec_budget": BOOL,
 }
-"""--optimization-config keys -> (value type, what it does). Each key is the engine kwarg of
-the same name (LLMEngine.from_engine_args routes it to its config dataclass); a key left out
-keeps the engine's default, and every default is the optimised path."""
+"""--optimization-config keys -> value type (what each does: DOCS and the config dataclasses).
+Each key is the engine kwarg of the same name (LLMEngine.from_engine_args routes it to its
+config dataclass); a key left out keeps the engine's default, and every default is the
+optimised path."""
 
-MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, tuple[KeyType, str]] = {
-    "dummy_routing": (one_of("vllm", "spread"),
-                      "With --load-format dummy: vllm = every weight uniform in +-1e-3 (all "
-                      "tokens pick the same experts, as vLLM); spread = router weights drawn so "
-                      "tokens pick different experts."),
-}
-"""--model-loader-extra-config keys -> (value type, what it does); each is an engine kwarg."""
+MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, KeyType] = {"dummy_routing": one_of("vllm", "spread")}
+"""--model-loader-extra-config keys -> value type; each is an engine kwarg."""
 
 
-def keyed_json(value: str, keys: dict[str, tuple[KeyType, str]]) -> dict[str, Any]:
+def keyed_json(value: str, keys: dict[str, KeyType]) -> dict[str, Any]:
     """A JSON object whose every key is in `keys` with a value of that key's type."""
     data = json_dict(value)
     for key, v in data.items():
         if key not in keys:
             raise argparse.ArgumentTypeError(
                 f"unknown key {key!r}; valid keys: {', '.join(keys)} (see {DOCS})")
-        kind = keys[key][0]
+        kind = keys[key]
         if not kind.check(v):
             raise argparse.ArgumentTypeError(f"{key!r} must be {kind.name}, got {json.dumps(v)}")
     return data
@@ -220,20 +199,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Accepted for vLLM compatibility; no remote code is ever run.")
 
 
-_ENGINE_FLAGS = {
-    "tokenizer": "tokenizer", "dtype": "dtype", "seed": "seed",
-    "max_model_len": "max_model_len", "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens", "block_size": "block_size",
-    "gpu_memory_utilization": "gpu_memory_utilization", "enforce_eager": "enforce_eager",
-    "load_format": "load_format", "tensor_parallel_size": "tensor_parallel_size",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "speculative_config": "speculative_config", "num_gpu_blocks_override": "num_gpu_blocks",
-    "num_state_slots": "num_state_slots", "device": "device",
-    "async_scheduling": "async_scheduling",
-    "long_prefill_token_threshold": "long_prefill_token_threshold",
-}
-"""Flag dest -> engine kwarg. The keys of --optimization-config and
---model-loader-extra-config are engine kwargs themselves."""
+_ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
+                 "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
+                 "enforce_eager", "load_format", "tensor_parallel_size", "enable_prefix_caching",
+                 "speculative_config", "num_gpu_blocks_override", "num_state_slots", "device",
+                 "async_scheduling", "long_prefill_token_threshold")
+"""Flag dests passed on as the engine kwarg of the same name (or its _RENAMED one). The keys of
+--optimization-config and --model-loader-extra-config are engine kwargs themselves."""
+_RENAMED = {"num_gpu_blocks_override": "num_gpu_blocks"}
 
 
 def resolve_model(args: argparse.Namespace) -> str:
@@ -246,10 +219,10 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 def engine_kwargs_from_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"model": model}
-    for attr, key in _ENGINE_FLAGS.items():
+    for attr in _ENGINE_FLAGS:
         value = getattr(args, attr, None)
         if value is not None:
-            kwargs[key] = value
+            kwargs[_RENAMED.get(attr, attr)] = value
     for option in ("optimization_config", "model_loader_extra_config"):
         kwargs |= getattr(args, option, None) or {}
     return kwargs
@@ -271,8 +244,6 @@ def default_model_path() -> str:
     try:
         os.rename(tmp, path)
     except OSError:  # another process won the race
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 

@@ -58,33 +58,28 @@ class _EngineStatsCollector:
         self.healthy = True
 
     def collect(self):
-        labels = ["model_name"]
-        healthy = GaugeMetricFamily(f"{self.prefix}engine_healthy",
-                                    "1 while the engine process is alive.", labels=labels)
-        healthy.add_metric([self.model_name], 1.0 if self.healthy else 0.0)
-        yield healthy
-        if self.stats is None:
+        yield self._family(GaugeMetricFamily, "engine_healthy",
+                           "1 while the engine process is alive.", 1.0 if self.healthy else 0.0)
+        stats = self.stats
+        if stats is None:
             return
         for name, doc, attr in _GAUGES:
-            g = GaugeMetricFamily(self.prefix + name, doc, labels=labels)
-            g.add_metric([self.model_name], float(getattr(self.stats, attr)))
-            yield g
-        slots = self.stats.num_total_state_slots
-        g = GaugeMetricFamily(f"{self.prefix}state_slot_usage_perc",
-                              "Fraction of KDA state slots in use (0..1).", labels=labels)
-        g.add_metric([self.model_name],
-                     (slots - self.stats.num_free_state_slots) / slots if slots else 0.0)
-        yield g
+            yield self._family(GaugeMetricFamily, name, doc, getattr(stats, attr))
+        slots = stats.num_total_state_slots
+        yield self._family(GaugeMetricFamily, "state_slot_usage_perc",
+                           "Fraction of KDA state slots in use (0..1).",
+                           (slots - stats.num_free_state_slots) / slots if slots else 0.0)
         for name, doc, attr in _COUNTERS:
-            c = CounterMetricFamily(self.prefix + name, doc, labels=labels)
-            c.add_metric([self.model_name], float(getattr(self.stats, attr)))
-            yield c
-        if self.stats.step_floor_ratio is not None:
-            g = GaugeMetricFamily(f"{self.prefix}step_floor_ratio",
-                                  "Last decode step time over its memory-bandwidth floor.",
-                                  labels=labels)
-            g.add_metric([self.model_name], float(self.stats.step_floor_ratio))
-            yield g
+            yield self._family(CounterMetricFamily, name, doc, getattr(stats, attr))
+        if stats.step_floor_ratio is not None:
+            yield self._family(GaugeMetricFamily, "step_floor_ratio",
+                               "Last decode step time over its memory-bandwidth floor.",
+                               stats.step_floor_ratio)
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        family = kind(self.prefix + name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], float(value))
+        return family
 
 
 class ServerMetrics:

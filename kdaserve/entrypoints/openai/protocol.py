@@ -107,10 +107,10 @@ class SamplingFields(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    """vLLM extension: put prompt_token_ids and token_ids into the response."""
     cache_salt: str | None = Field(default=None, min_length=1)
     """vLLM extension: prefix-cache entries are shared only between requests with the same
     salt."""
-    """vLLM extension: put prompt_token_ids and token_ids into the response."""
     user: str | None = None
 
     @field_validator("stop")
@@ -188,8 +188,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     @property
     def num_top_logprobs(self) -> int | None:
@@ -211,9 +210,8 @@ class CompletionRequest(SamplingFields):
                 raise ValueError("prompt must not be an empty list")
             if any(isinstance(p, list) and not p for p in v):
                 raise ValueError("token-id prompts must not be empty")
-            if any(isinstance(t, int) and t < 0 for t in v):
-                raise ValueError("token ids must be >= 0")
-            if any(isinstance(p, list) and any(t < 0 for t in p) for p in v):
+            if any(t < 0 for p in v for t in (p if isinstance(p, list) else [p])
+                   if isinstance(t, int)):
                 raise ValueError("token ids must be >= 0")
         return v
 
@@ -255,11 +253,6 @@ def random_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def error_body(message: str, err_type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int,

@@ -76,10 +76,7 @@ class KimiK3ReasoningParser:
         return min(hits) if hits else (-1, 0)
 
 
-_REASONING_PARSERS = {
-    "kimi_k3": KimiK3ReasoningParser,
-    "kimi_k2": KimiK3ReasoningParser,
-}
+_REASONING_PARSERS = {"kimi_k3": KimiK3ReasoningParser, "kimi_k2": KimiK3ReasoningParser}
 
 
 def reasoning_parser_names() -> list[str]:

@@ -69,11 +69,10 @@ async def serve(args: argparse.Namespace, model: str, engine_kwargs: dict[str, A
         raise ValueError(f"the engine failed to start: {e}") from e
     try:
         app = build_app(build_state(engine, args, model, chat_template))
-        config = uvicorn.Config(app, host=args.host, port=args.port,
-                                log_level=args.uvicorn_log_level,
-                                access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=5)
-        server = _Server(config)
+        server = _Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                        log_level=args.uvicorn_log_level,
+                                        access_log=not args.disable_uvicorn_access_log,
+                                        timeout_keep_alive=5))
         logger.info("serving %s on http://%s:%d (max_model_len=%d)", model, args.host,
                     args.port, engine.info["max_model_len"])
         await server.serve()

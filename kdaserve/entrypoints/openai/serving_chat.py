@@ -11,7 +11,7 @@ from kdaserve.entrypoints.openai.chat_output import ChatOutputState
 from kdaserve.entrypoints.openai.protocol import (ChatCompletionRequest, now, random_id,
                                                   usage_dict)
 from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
-                                                        sse, sse_error)
+                                                        prepend, sse, sse_error)
 from kdaserve.outputs import RequestOutput
 
 
@@ -75,13 +75,10 @@ class OpenAIServingChat(OpenAIServing):
                                    delta=req.stream, cache_salt=req.cache_salt)
         first = await self.first_output(gen)
 
-        def new_state() -> ChatOutputState:
-            return ChatOutputState(
-                self.reasoning_parser_cls(prompt_text) if self.reasoning_parser_cls else None,
-                self.tool_parser_cls() if tools_active else None,
-                self.mirror_reasoning_content)
-
-        states = [new_state() for _ in range(params.n)]
+        states = [ChatOutputState(
+            self.reasoning_parser_cls(prompt_text) if self.reasoning_parser_cls else None,
+            self.tool_parser_cls() if tools_active else None, self.mirror_reasoning_content)
+            for _ in range(params.n)]
         ctx = _ChatCall(request_id, model_name, now(), prompt_ids, req, states)
         if req.stream:
             return self._stream(ctx, first, gen)
@@ -119,11 +116,8 @@ class OpenAIServingChat(OpenAIServing):
         num_tokens = [0] * len(ctx.states)
         role_sent = [False] * len(ctx.states)
         prompt_len = len(ctx.prompt_ids)
-        last = first
         try:
-            out: RequestOutput | None = first
-            while out is not None:
-                last = out
+            async for out in prepend(first, gen):
                 for comp in out.outputs:
                     i = comp.index
                     if not role_sent[i]:
@@ -149,9 +143,8 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # text held back by a parser: nothing to show yet
                     if delta is None:
                         delta = {"content": ""} if final else {}
-                    reason = None
-                    if final:
-                        reason = _finish_reason(comp.finish_reason, ctx.states[i].has_tool_calls)
+                    reason = (_finish_reason(comp.finish_reason, ctx.states[i].has_tool_calls)
+                              if final else None)
                     chunk = ctx.chunk(i, delta, reason, logprobs)
                     if final:
                         chunk["choices"][0]["stop_reason"] = comp.stop_reason
@@ -160,14 +153,11 @@ class OpenAIServingChat(OpenAIServing):
                     if ctx.req.continuous_usage:
                         chunk["usage"] = usage_dict(prompt_len, sum(num_tokens))
                     yield sse(chunk)
-                out = await anext(gen, None)
             if ctx.req.include_usage:
                 yield sse({"id": ctx.request_id, "object": "chat.completion.chunk",
                            "created": ctx.created, "model": ctx.model_name, "choices": [],
                            "usage": usage_dict(prompt_len, sum(num_tokens),
-                                               last.num_cached_tokens)})
-        except asyncio.CancelledError:
-            raise
+                                               out.num_cached_tokens)})
         except Exception as e:  # noqa: BLE001 - reported in-band, as vLLM does
             yield sse_error(e)
         finally:

@@ -9,7 +9,8 @@ from typing import Any
 
 from kdaserve.entrypoints.openai.protocol import CompletionRequest, now, random_id, usage_dict
 from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
-                                                        merge_async_iterators, sse, sse_error)
+                                                        merge_async_iterators, prepend, sse,
+                                                        sse_error)
 from kdaserve.outputs import RequestOutput
 
 
@@ -20,15 +21,6 @@ def split_prompts(prompt: str | list) -> list[str | list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)
-
-
-async def _prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
-    try:
-        yield first
-        async for out in gen:
-            yield out
-    finally:
-        await gen.aclose()
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -59,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for g in gens:
                 await g.aclose()
             raise
-        gens = [_prepend(f, g) for f, g in zip(firsts, gens)]
+        gens = [prepend(f, g) for f, g in zip(firsts, gens)]
         ctx = _CompletionCall(base_id, model_name, now(), prompts, req)
         if req.stream:
             return self._stream(ctx, gens)
@@ -71,9 +63,8 @@ class OpenAIServingCompletion(OpenAIServing):
             finals[i] = out
         n = ctx.req.n
         choices, num_generated, num_cached = [], 0, 0
-        for p, out in enumerate(finals):
+        for p, (out, (prompt_text, prompt_ids)) in enumerate(zip(finals, ctx.prompts)):
             num_cached += out.num_cached_tokens
-            prompt_text, _ = ctx.prompts[p]
             for comp in out.outputs:
                 num_generated += len(comp.token_ids)
                 text = prompt_text + comp.text if ctx.req.echo else comp.text
@@ -83,7 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
                           if ctx.req.logprobs is not None else None,
                           "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
                 if ctx.req.return_token_ids:
-                    choice["prompt_token_ids"] = ctx.prompts[p][1]
+                    choice["prompt_token_ids"] = prompt_ids
                     choice["token_ids"] = list(comp.token_ids)
                 choices.append(choice)
         return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
@@ -131,8 +122,6 @@ class OpenAIServingCompletion(OpenAIServing):
                            "created": ctx.created, "model": ctx.model_name, "choices": [],
                            "usage": usage_dict(ctx.num_prompt_tokens, sum(num_tokens),
                                                sum(num_cached))})
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # noqa: BLE001 - reported in-band
             yield sse_error(e)
         finally:

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineDeadError
-from kdaserve.entrypoints.openai.protocol import SamplingFields, error_body
+from kdaserve.entrypoints.openai.protocol import SamplingFields
 from kdaserve.outputs import Logprob, RequestOutput
 from kdaserve.sampling_params import SamplingParams
 
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 404: "not_found_error", 405: "invalid_request_error",
-                 413: "invalid_request_error", 500: "internal_error",
+_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "internal_error",
                  503: "service_unavailable"}
+"""OpenAI error type by HTTP status; any other status is an invalid_request_error."""
 
 
 class OpenAIError(Exception):
@@ -33,8 +32,9 @@ class OpenAIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, _STATUS_TYPES.get(self.status, "invalid_request_error"),
-                          self.param, self.code)
+        err_type = _STATUS_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": err_type, "param": self.param,
+                          "code": self.code}}
 
 
 @dataclass
@@ -144,12 +144,11 @@ class OpenAIServing:
                       top_k: int) -> dict[str, Any]:
         content = []
         for tid, step in zip(token_ids, logprobs or []):
-            ranked = self.ranked(step)
             chosen = step.get(tid)
             s = self.token_str(tid, chosen)
             top = [{"token": (ts := self.token_str(t, lp)), "logprob": max(lp.logprob, -9999.0),
                     "bytes": list(ts.encode("utf-8", errors="replace"))}
-                   for t, lp, rank in ranked if rank <= top_k][:top_k]
+                   for t, lp, rank in self.ranked(step) if rank <= top_k][:top_k]
             content.append({"token": s,
                             "logprob": -9999.0 if chosen is None else max(chosen.logprob, -9999.0),
                             "bytes": list(s.encode("utf-8", errors="replace")),
@@ -184,6 +183,16 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from e
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503) from e
+
+
+async def prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
+    """`first` (an output already taken from `gen`), then the rest of `gen`; closes `gen`."""
+    try:
+        yield first
+        async for out in gen:
+            yield out
+    finally:
+        await gen.aclose()
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:

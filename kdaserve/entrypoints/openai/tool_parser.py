@@ -88,10 +88,7 @@ def _function_name(call_id: str) -> str:
     return name.split(".", 1)[1] if name.startswith("functions.") else name
 
 
-_TOOL_PARSERS = {
-    "kimi_k3": KimiK3ToolParser,
-    "kimi_k2": KimiK3ToolParser,
-}
+_TOOL_PARSERS = {"kimi_k3": KimiK3ToolParser, "kimi_k2": KimiK3ToolParser}
 
 
 def tool_parser_names() -> list[str]:
