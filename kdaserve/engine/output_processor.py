@@ -179,10 +179,11 @@ class OutputProcessor:
         comp.token_ids.extend(out.new_token_ids)
         if comp.logprobs is not None and out.new_logprobs:
             comp.logprobs.extend(out.new_logprobs)
-        _, stop_str = sample.detok.append(out.new_token_ids)
+        # Only text the detokenizer released: it holds back what may start a stop string.
+        delta, stop_str = sample.detok.append(out.new_token_ids)
         if out.finished and stop_str is None:
-            sample.detok.flush()
-        comp.text = sample.detok.output_text
+            delta += sample.detok.flush()
+        comp.text += delta
         if stop_str is not None:
             comp.finish_reason, comp.stop_reason = "stop", stop_str
             return True

@@ -226,3 +226,27 @@ def test_rust_backend_path_equals_the_wrapper_path(tokenizer, tmp_path):
                 assert fast._fast_decode is not None
                 slow._fast_decode = None
                 assert _stream(fast, ids[5:]) == _stream(slow, ids[5:])
+
+
+def test_streamed_deltas_never_carry_a_stop_strings_start(tokenizer):
+    """Through the output processor (delta mode, as the server streams): a stop string spanning
+    tokens is held back until it matches, so no delta sends its first characters."""
+    from kdaserve.core.engine_output import EngineCoreOutput
+    from kdaserve.engine.output_processor import OutputProcessor
+    from kdaserve.sampling_params import SamplingParams
+
+    text = "hello world the world says hello"
+    ids = tokenizer.encode(text)
+    for stop in ["world says", "d t", "lo"]:
+        op = OutputProcessor(tokenizer, len(tokenizer), 1000, 20)
+        op.add_request("r", None, [ids[0]], SamplingParams(stop=[stop], max_tokens=50),
+                       delta=True)
+        sent = []
+        for tid in ids:
+            res = op.process_outputs([EngineCoreOutput("r", [tid])])
+            sent += [c.text for ro in res.request_outputs for c in ro.outputs]
+            if res.reqs_to_abort:
+                break
+        want = text[:text.index(stop)]
+        assert "".join(sent) == want, (stop, sent)
+        assert all(want.startswith("".join(sent[:i + 1])) for i in range(len(sent))), sent
