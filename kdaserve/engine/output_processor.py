@@ -114,6 +114,16 @@ class OutputProcessor:
         if bad:
             raise ValueError(f"request {request_id!r}: logit_bias token id {bad[0]} is outside "
                              f"the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: stop token id {bad[0]} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        # the sampler keeps top_k in int32 rows and seeds a torch generator (int64)
+        if params.top_k >= 2**31:
+            raise ValueError(f"top_k={params.top_k} is too large (a top_k of the vocabulary "
+                             f"size or more is the same as -1)")
+        if params.seed is not None and not 0 <= params.seed < 2**63:
+            raise ValueError(f"seed={params.seed} must be in [0, 2**63)")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens, but "

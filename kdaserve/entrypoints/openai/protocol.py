@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """OpenAI request models (pydantic) and the small builders for response bodies.
 
-Requests are validated here; unknown fields are ignored (clients send many). Responses are
-plain dicts built by the serving classes: the exact set of fields is part of the wire contract
-and easier to see as literals than as `exclude_unset` models.
+Requests are validated here; unknown fields are ignored (clients send many). A field that is
+declared is honoured or, where kdaserve cannot honour it, refused at any value but its neutral
+one (VllmUnsupportedFields): a vLLM user never gets a 200 that silently ignored it. Responses
+are plain dicts built by the serving classes: the exact set of fields is part of the wire
+contract and easier to see as literals than as `exclude_unset` models.
 """
 
 from __future__ import annotations
@@ -18,7 +20,65 @@ _MAX_SEED = 2**63 - 1
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1.0,), "length_penalty applies to beam search, which is not supported"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not supported"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported; use logit_bias"),
+    "bad_words": ((None, []), "bad_words is not supported; use logit_bias"),
+    "logprob_token_ids": ((None,), "logprob_token_ids is not supported"),
+    "spaces_between_special_tokens": ((True,), "only spaces_between_special_tokens=true is "
+                                               "supported"),
+    "priority": ((0,), "priority scheduling is not supported (only priority 0)"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not "
+                                                  "supported"),
+    "kv_transfer_params": ((None,), "KV transfer is not supported"),
+    "vllm_xargs": ((None,), "vllm_xargs is not supported"),
+    "thinking_token_budget": ((None,), "thinking_token_budget is not supported"),
+    "functions": ((None,), "the legacy `functions` parameter is not supported; use `tools`"),
+    "function_call": ((None,), "the legacy `function_call` parameter is not supported; use "
+                               "`tool_choice`"),
+    "mm_processor_kwargs": ((None, {}), "this model takes text only"),
+    "media_io_kwargs": ((None, {}), "this model takes text only"),
+}
+"""vLLM's request fields that kdaserve cannot honour -> (their neutral values, why). Given at
+any other value they are a 400 that names them."""
+
+_CHAT_ONLY_UNSUPPORTED = ("functions", "function_call", "mm_processor_kwargs", "media_io_kwargs")
+
+
+class VllmUnsupportedFields(OpenAIBaseModel):
+    """vLLM extensions declared so that a request using them is refused, not ignored."""
+
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
+
+    @field_validator(*[name for name in _UNSUPPORTED if name not in _CHAT_ONLY_UNSUPPORTED])
+    @classmethod
+    def _refuse(cls, v, info):
+        return refuse_unless_neutral(v, info.field_name)
+
+
+def refuse_unless_neutral(value: Any, name: str) -> Any:
+    neutral, why = _UNSUPPORTED[name]
+    if value not in neutral:
+        raise ValueError(f"{name}={value!r} is not supported: {why}")
+    return value
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -82,11 +142,12 @@ class ChatMessage(OpenAIBaseModel):
         return d
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(VllmUnsupportedFields):
     """Fields shared by chat and completion requests (OpenAI + vLLM extensions)."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1)
+    """At most the server's max_n_sequences (checked by the serving class)."""
     best_of: int | None = None
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -112,6 +173,20 @@ class SamplingFields(OpenAIBaseModel):
     """vLLM extension: prefix-cache entries are shared only between requests with the same
     salt."""
     user: str | None = None
+    """OpenAI's end-user id (for abuse monitoring elsewhere): accepted, no effect on output."""
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """vLLM: keep only this many prompt tokens (-1: max_model_len), the last ones unless
+    truncation_side is "right"."""
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    """vLLM: the id of the response (`<prefix>-<request_id>`)."""
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (max_model_len) or >= 1")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -127,7 +202,8 @@ class SamplingFields(OpenAIBaseModel):
     @classmethod
     def _logit_bias(cls, v):
         for key, val in (v or {}).items():
-            if not key.strip().isdigit():
+            k = key.strip()
+            if not (k.isascii() and k.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100.0 <= val <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {val} for "
@@ -154,6 +230,27 @@ class SamplingFields(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False
+    """vLLM: the reply starts with the last message's content when that message has the
+    reply's role (assistant)."""
+    add_special_tokens: bool = False
+    """vLLM: also add the tokenizer's special tokens (BOS) before the templated prompt."""
+    documents: list[dict[str, Any]] | None = None
+    """vLLM / HF: passed to the chat template (RAG documents)."""
+    reasoning_effort: str | None = None
+    """Passed to the chat template as `reasoning_effort`, as vLLM does."""
+    include_reasoning: bool = True
+    """vLLM: false leaves the reasoning out of the reply."""
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+
+    @field_validator(*_CHAT_ONLY_UNSUPPORTED)
+    @classmethod
+    def _refuse_chat(cls, v, info):
+        return refuse_unless_neutral(v, info.field_name)
+
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -198,9 +295,13 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    """Takes precedence over max_tokens, as on /v1/chat/completions."""
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to text prompts (vLLM's default: true)."""
 
     @field_validator("prompt")
     @classmethod
@@ -223,13 +324,22 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo together with logprobs is not supported")
         return self
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
 
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    """Default as vLLM: true for a prompt, false for messages (the template adds them)."""
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[ChatCompletionToolParam] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
