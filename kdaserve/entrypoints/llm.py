@@ -6,6 +6,8 @@ import itertools
 from typing import Any, Sequence
 
 from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.entrypoints.chat_utils import (UserTextGuard, added_token_texts, render_chat,
+                                             template_kwargs)
 from kdaserve.outputs import RequestOutput
 from kdaserve.sampling_params import SamplingParams
 
@@ -87,11 +89,17 @@ class LLM:
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None
              ) -> list[RequestOutput]:
+        """Each conversation through the chat template; text in the messages tokenizes as text
+        even where it spells a control token (chat_utils.UserTextGuard)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.llm_engine.tokenizer
-        texts = [tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
-                                         tools=tools, **(chat_template_kwargs or {}))
-                 for conv in conversations]
-        prompts = [{"prompt": t, "prompt_token_ids": tok.encode(t, add_special_tokens=False)}
-                   for t in texts]
+        token_texts = added_token_texts(tok)
+        prompts = []
+        for conv in conversations:
+            guard = UserTextGuard(token_texts)
+            pieces = guard.split(render_chat(
+                tok, guard.protect(conv), tools=guard.protect(tools),
+                kwargs=guard.protect(template_kwargs(chat_template_kwargs))))
+            prompts.append({"prompt": "".join(pieces), "prompt_token_ids": [
+                t for piece in pieces for t in tok.encode(piece, add_special_tokens=False)]})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

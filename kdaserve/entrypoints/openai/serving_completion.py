@@ -24,24 +24,47 @@ def split_prompts(prompt: str | list) -> list[str | list[int]]:
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    def _tokenize(self, prompts: list[str | list[int]]) -> list[tuple[str, list[int]]]:
+    def _tokenize(self, prompts: list[str | list[int]],
+                  req: CompletionRequest) -> list[tuple[str, list[int]]]:
+        """(text, token ids) per prompt; text prompts tokenized with bounded work, token-id
+        prompts truncated like text ones."""
         result = []
         for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise OpenAIError("prompt must not be empty", param="prompt")
-                result.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+                ids = self.encode_prompt([p], add_special_tokens=req.add_special_tokens,
+                                         param="prompt", truncate=req.truncate_prompt_tokens,
+                                         side=req.truncation_side)
+                result.append((p, ids))
             else:
                 self.check_token_ids(p, "prompt")
+                if req.truncate_prompt_tokens is not None:
+                    p = self._truncate_ids(p, req.truncate_prompt_tokens, req.truncation_side)
                 result.append((self.tokenizer.decode(p, skip_special_tokens=False), p))
         return result
 
+    def _truncate_ids(self, ids: list[int], truncate: int, side: str | None) -> list[int]:
+        keep = self.model.max_model_len if truncate == -1 else truncate
+        if keep > self.model.max_model_len:
+            raise OpenAIError(f"truncate_prompt_tokens={truncate} is greater than max_model_len"
+                              f"={self.model.max_model_len}; request a smaller truncation size",
+                              param="truncate_prompt_tokens")
+        return ids[:keep] if side == "right" else ids[-keep:]
+
     async def create_completion(self, req: CompletionRequest):
         model_name = self.check_model(req.model)
-        prompts = await asyncio.to_thread(self._tokenize, split_prompts(req.prompt))
+        prompt_list = split_prompts(req.prompt)
+        limit = self.limits.max_completion_prompts
+        if len(prompt_list) > limit:
+            raise OpenAIError(f"the request has {len(prompt_list)} prompts; this server allows "
+                              f"at most {limit} per request", param="prompt")
+        self.check_num_sequences(req.n, len(prompt_list))
+        prompts = await asyncio.to_thread(self._tokenize, prompt_list, req)
         base_id = random_id("cmpl")
-        params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
-                                       req.skip_special_tokens) for _, ids in prompts]
+        params = [self.sampling_params(req, len(ids), req.requested_max_tokens, req.logprobs,
+                                       req.skip_special_tokens, prompt_param="prompt")
+                  for _, ids in prompts]
         gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream,
                                      cache_salt=req.cache_salt)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
@@ -52,7 +75,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 await g.aclose()
             raise
         gens = [prepend(f, g) for f, g in zip(firsts, gens)]
-        ctx = _CompletionCall(base_id, model_name, now(), prompts, req)
+        response_id = base_id if req.request_id is None else f"cmpl-{req.request_id}"
+        ctx = _CompletionCall(response_id, model_name, now(), prompts, req)
         if req.stream:
             return self._stream(ctx, gens)
         return await self._full(ctx, gens)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What chat and completion serving share: the model check, request -> SamplingParams,
-logprob formatting, SSE framing, and the error type that becomes an OpenAI error body."""
+"""What chat and completion serving share: the model check, the per-request limits, bounded
+prompt tokenization, request -> SamplingParams, logprob formatting, SSE framing, and the error
+type that becomes an OpenAI error body."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kdaserve.entrypoints.openai.protocol import SamplingFields
+from kdaserve.entrypoints.prompt_tokens import PromptTokenizer, PromptTooLongError
 from kdaserve.outputs import Logprob, RequestOutput
 from kdaserve.sampling_params import SamplingParams
 
@@ -24,12 +26,13 @@ class OpenAIError(Exception):
     """Raised anywhere in a handler; the app turns it into `{"error": {...}}` with `status`."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | int | None = None):
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         err_type = _STATUS_TYPES.get(self.status, "invalid_request_error")
@@ -41,9 +44,28 @@ class OpenAIError(Exception):
 class ModelInfo:
     served_names: list[str]
     root: str
-    """The local model path (clients load the tokenizer from it)."""
+    """The local model path: accepted as a model name in requests, never shown to clients."""
     max_model_len: int
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on the work one request may start (--additional-config keys of the same names)."""
+
+    max_n_sequences: int = 256
+    """Sequences one request may generate: n, times the number of prompts on /v1/completions."""
+    max_completion_prompts: int = 256
+    """Prompts in one /v1/completions request."""
+
+
+def context_length_error(limit: int, num_tokens: int, param: str,
+                         at_least: bool = False) -> "OpenAIError":
+    more = "more than " if at_least else ""
+    return OpenAIError(
+        f"This model's maximum context length is {limit} tokens. However, your request has "
+        f"{more}{num_tokens} input tokens. Please reduce the length of the input.",
+        param=param, code="context_length_exceeded")
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -61,11 +83,37 @@ def sse_error(exc: BaseException) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer, model: ModelInfo):
+    def __init__(self, engine: AsyncEngine, tokenizer, model: ModelInfo, *,
+                 limits: RequestLimits | None = None,
+                 prompt_tokenizer: PromptTokenizer | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        self.limits = limits or RequestLimits()
+        self.prompt_tokenizer = prompt_tokenizer or PromptTokenizer(tokenizer,
+                                                                    model.max_model_len)
         self._token_strs: dict[int, str] = {}
+
+    def check_num_sequences(self, n: int, num_prompts: int = 1) -> None:
+        """n samples of num_prompts prompts: at most max_n_sequences sequences."""
+        limit = self.limits.max_n_sequences
+        if n * num_prompts > limit:
+            what = f"n={n}" if num_prompts == 1 else f"n={n} x {num_prompts} prompts"
+            raise OpenAIError(f"{what} asks for {n * num_prompts} sequences; this server "
+                              f"allows at most {limit} per request", param="n")
+
+    def encode_prompt(self, pieces: list[str], *, add_special_tokens: bool, param: str,
+                      truncate: int | None = None, side: str | None = None) -> list[int]:
+        """Token ids of prompt text (PromptTokenizer: bounded work, vLLM's
+        truncate_prompt_tokens / truncation_side); a prompt that cannot fit is the
+        context-length error naming `param`."""
+        try:
+            return self.prompt_tokenizer.encode(pieces, add_special_tokens=add_special_tokens,
+                                                truncate=truncate, side=side or "left")
+        except PromptTooLongError as e:
+            raise context_length_error(e.limit, e.num_tokens, param, not e.exact) from e
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from e
 
     def check_model(self, name: str | None) -> str:
         """The served name to echo back; unknown names are a 404."""
@@ -83,13 +131,15 @@ class OpenAIServing:
                               f"[0, {self.model.vocab_size})", param=what)
 
     def sampling_params(self, req: SamplingFields, prompt_len: int, max_tokens: int | None,
-                        logprobs: int | None, skip_special_tokens: bool) -> SamplingParams:
+                        logprobs: int | None, skip_special_tokens: bool,
+                        prompt_param: str = "messages") -> SamplingParams:
+        """prompt_param: the request field that holds the prompt (named by the context-length
+        error)."""
         limit = self.model.max_model_len
+        if prompt_len == 0:
+            raise OpenAIError("the prompt is empty (no tokens)", param=prompt_param)
         if prompt_len >= limit:
-            raise OpenAIError(
-                f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {prompt_len} input tokens. Please reduce the length of the input.",
-                param="messages", code="context_length_exceeded")
+            raise context_length_error(limit, prompt_len, prompt_param)
         room = limit - prompt_len
         if max_tokens is None:
             max_tokens = room
@@ -108,7 +158,10 @@ class OpenAIServing:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
+                # a top_k that covers the vocabulary is no top-k (the sampler's int32 rows
+                # could not hold any larger value)
+                top_k=-1 if req.top_k is None or req.top_k >= self.model.vocab_size
+                else req.top_k,
                 min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
