@@ -1,23 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The HTTP app: routes, error mapping, API-key and body-size guards, disconnect -> abort."""
+"""The HTTP app: routes, error mapping, the request guards (http_guards), disconnect -> abort,
+and the OpenAPI document (openapi)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kdaserve import __version__
 from kdaserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kdaserve.entrypoints.openai.http_guards import GuardMiddleware, HostPolicy, error_response
+from kdaserve.entrypoints.openai.json_body import BodyError, parse_json_body
 from kdaserve.entrypoints.openai.metrics import ServerMetrics
+from kdaserve.entrypoints.openai.openapi import install_openapi
 from kdaserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest,
                                                   model_card)
@@ -26,8 +30,6 @@ from kdaserve.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from kdaserve.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
 
 logger = logging.getLogger(__name__)
-
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -38,63 +40,21 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     max_request_body_bytes: int = 16 * 1024 * 1024
-
-
-def error_response(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
-class _GuardMiddleware:
-    """Pure ASGI: API key on /v1 routes, 413 for bodies over the limit (declared or streamed)."""
-
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
-        path = scope.get("path", "")
-        key = self.state.api_key
-        if key and path.startswith(_PROTECTED_PREFIXES):
-            if headers.get("authorization", "") != f"Bearer {key}":
-                return await error_response(OpenAIError(
-                    "Unauthorized: missing or wrong API key", 401, code="invalid_api_key"))(
-                        scope, receive, send)
-        limit = self.state.max_request_body_bytes
-        declared = headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await error_response(OpenAIError(
-                f"request body of {declared} bytes exceeds the limit of {limit} bytes", 413))(
-                    scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise OpenAIError(f"request body exceeds the limit of {limit} bytes", 413)
-            return message
-
-        await self.app(scope, limited_receive, send)
+    hosts: HostPolicy | None = None
+    """Host header policy (None: any host)."""
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
-    raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"invalid JSON body: {e}") from e
-    if not isinstance(data, dict):
-        raise OpenAIError(f"the body must be a JSON object, got {type(data).__name__}")
+        data = parse_json_body(await request.body())
+    except BodyError as e:
+        raise OpenAIError(str(e)) from e
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from e
+    except RecursionError as e:
+        raise OpenAIError("the body is nested too deeply") from e
 
 
 def _validation_error(e: ValidationError) -> OpenAIError:
@@ -165,7 +125,9 @@ def _respond(request: Request, result: Any) -> Response:
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kdaserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
-    app.add_middleware(_GuardMiddleware, state=state)
+    app.add_middleware(GuardMiddleware, api_key=state.api_key,
+                       max_body_bytes=state.max_request_body_bytes,
+                       hosts=state.hosts or HostPolicy("0.0.0.0", None))
     serving: OpenAIServing = state.completion
 
     @app.exception_handler(OpenAIError)
@@ -174,7 +136,12 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
-        return error_response(OpenAIError(str(exc.detail), exc.status_code))
+        return error_response(OpenAIError(str(exc.detail), exc.status_code,
+                                          headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError):
+        return error_response(OpenAIError("; ".join(str(e.get("msg")) for e in exc.errors())))
 
     @app.exception_handler(ValidationError)
     async def _validation(_: Request, exc: ValidationError):
@@ -184,9 +151,16 @@ def build_app(state: ServerState) -> FastAPI:
     async def _dead(_: Request, exc: EngineDeadError):
         return error_response(OpenAIError(str(exc), 503))
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        # a server bug: still an OpenAI error body (Starlette logs the traceback)
+        return error_response(OpenAIError(f"internal error ({type(exc).__name__})", 500))
+
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if state.engine.is_healthy else 503)
+        if state.engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        return error_response(OpenAIError("the engine is not running", 503))
 
     @app.get("/version")
     async def version():
@@ -195,13 +169,13 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def list_models():
         m = serving.model
-        return {"object": "list",
-                "data": [model_card(name, m.root, m.max_model_len) for name in m.served_names]}
+        return {"object": "list", "data": [model_card(name, m.served_names[0], m.max_model_len)
+                                           for name in m.served_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         name = serving.check_model(model_id)
-        return model_card(name, serving.model.root, serving.model.max_model_len)
+        return model_card(name, serving.model.served_names[0], serving.model.max_model_len)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -220,11 +194,20 @@ def build_app(state: ServerState) -> FastAPI:
         req = await _parse(request, TokenizeRequest)
         serving.check_model(req.model)
         if req.messages is not None:
-            _, ids = await asyncio.to_thread(
-                state.chat.render_prompt, [m.to_template_dict() for m in req.messages],
-                None, req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            built = await _cancel_on_disconnect(request, state.chat.build_prompt(
+                [m.to_template_dict() for m in req.messages], tools=tools,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template, kwargs=req.chat_template_kwargs,
+                add_special_tokens=bool(req.add_special_tokens)))
+            if isinstance(built, Response):
+                return built
+            ids = built[1]
         else:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            add_special = req.add_special_tokens is not False
+            ids = await asyncio.to_thread(serving.encode_prompt, [req.prompt],
+                                          add_special_tokens=add_special, param="prompt")
         body = {"count": len(ids), "max_model_len": serving.model.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = serving.tokenizer.convert_ids_to_tokens(ids)
@@ -249,4 +232,5 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(stats, healthy),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    install_openapi(app, serving.model.served_names[0])
     return app
