@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from kdaserve import __version__
+
 _SUBCOMMANDS = {
     "serve": "kdaserve.entrypoints.openai.cli_args",
     "generate": "kdaserve.entrypoints.generate",
@@ -20,6 +22,7 @@ _SUBCOMMANDS = {
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kdaserve", description="Serve Kimi Linear models.")
+    parser.add_argument("--version", "-v", action="version", version=f"kdaserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module in _SUBCOMMANDS.items():
         if only is not None and name != only:

@@ -3,10 +3,11 @@
 
 Engine flags (shared with `kdaserve generate`) map 1:1 onto LLMEngine.from_engine_args kwargs;
 a flag left unset is not passed, so the engine's own default applies. The optimisation switches
-(whose "off" is a plain baseline, kept for ablation) and the dummy loader's routing are keys of
-two JSON options, --optimization-config and --model-loader-extra-config (vLLM groups such knobs
-as JSON options too), so that --help lists what a user tunes; docs/configuration.md documents
-every option and key.
+(whose "off" is a plain baseline, kept for ablation), the dummy loader's routing and the
+kdaserve-only knobs of the server are keys of three JSON options, --optimization-config,
+--model-loader-extra-config and --additional-config (vLLM groups such knobs as JSON options
+too), so that --help lists what a user tunes; docs/configuration.md documents every option and
+key.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -91,6 +93,16 @@ NON_NEGATIVE_INT = KeyType("int >= 0",
                            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+POSITIVE_FLOAT = KeyType("float > 0", lambda v: _number(v) and v > 0)
+NON_NEGATIVE_FLOAT = KeyType("float >= 0", lambda v: _number(v) and v >= 0)
+STRING_LIST = KeyType("list of strings", lambda v: isinstance(v, list) and all(
+    isinstance(s, str) and s for s in v))
+
+
 def one_of(*values: str) -> KeyType:
     return KeyType(" | ".join(f'"{v}"' for v in values),
                    lambda v: isinstance(v, str) and v in values)
@@ -118,6 +130,39 @@ optimised path."""
 MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, KeyType] = {"dummy_routing": one_of("vllm", "spread")}
 """--model-loader-extra-config keys -> value type; each is an engine kwarg."""
 
+ADDITIONAL_CONFIG_KEYS: dict[str, KeyType] = {
+    "num_state_slots": POSITIVE_INT,
+    "mirror_reasoning_content": BOOL,
+    "max_request_body_bytes": POSITIVE_INT,
+    "engine_startup_timeout": POSITIVE_FLOAT,
+    "max_n_sequences": POSITIVE_INT,
+    "max_completion_prompts": POSITIVE_INT,
+    "request_chat_template_timeout": POSITIVE_FLOAT,
+    "allowed_hosts": STRING_LIST,
+    "graceful_shutdown_timeout": NON_NEGATIVE_FLOAT,
+    "stream_buffer_limit": POSITIVE_INT,
+}
+"""--additional-config keys -> value type: the kdaserve-only knobs (vLLM's option of that name
+holds platform-specific ones). ENGINE_ADDITIONAL_KEYS are engine kwargs; the others are read
+by the server from args.additional_config, which holds every key (ADDITIONAL_CONFIG_DEFAULTS
+for those not given)."""
+
+ENGINE_ADDITIONAL_KEYS = ("num_state_slots",)
+
+ADDITIONAL_CONFIG_DEFAULTS: dict[str, Any] = {
+    "mirror_reasoning_content": True,
+    "max_request_body_bytes": 16 * 1024 * 1024,
+    "engine_startup_timeout": 900.0,
+    "max_n_sequences": 256,
+    "max_completion_prompts": 256,
+    "request_chat_template_timeout": 5.0,
+    "allowed_hosts": None,
+    "graceful_shutdown_timeout": 10.0,
+    "stream_buffer_limit": 64,
+}
+"""Server-side defaults (the engine keys have none: the engine sizes them). allowed_hosts None:
+only loopback names in the Host header when --host is a loopback address, any host otherwise."""
+
 
 def keyed_json(value: str, keys: dict[str, KeyType]) -> dict[str, Any]:
     """A JSON object whose every key is in `keys` with a value of that key's type."""
@@ -142,7 +187,19 @@ def model_loader_extra_config(value: str) -> dict[str, Any]:
     return keyed_json(value, MODEL_LOADER_EXTRA_CONFIG_KEYS)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def additional_config(value: str) -> dict[str, Any]:
+    """argparse type of `kdaserve serve --additional-config` (ADDITIONAL_CONFIG_KEYS): every
+    key, the defaults filling those not given."""
+    return ADDITIONAL_CONFIG_DEFAULTS | keyed_json(value, ADDITIONAL_CONFIG_KEYS)
+
+
+def engine_additional_config(value: str) -> dict[str, Any]:
+    """argparse type of `kdaserve generate --additional-config`: the engine keys only."""
+    return keyed_json(value, {k: ADDITIONAL_CONFIG_KEYS[k] for k in ENGINE_ADDITIONAL_KEYS})
+
+
+def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
+    """The engine options; server=True: --additional-config takes the server's keys too."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", dest="model_flag", default=None,
                    help="Model folder (same as the positional MODEL).")
@@ -179,9 +236,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(keys: " + DOCS + ").")
     g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
                    help="Exact number of MLA KV blocks (skips memory profiling).")
-    g.add_argument("--num-state-slots", type=positive_int, default=None,
-                   help="Exact number of KDA state slots.")
-    g.add_argument("--device", default=None, choices=["auto", "cuda", "cpu"])
+    g.add_argument("--device", default=None, choices=["auto", "cuda", "cpu"],
+                   help="auto = cuda when available, else cpu.")
     g.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="Most tokens one prefill may take per step (0 = only the budget).")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -195,6 +251,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"kda_checkpoint_mode\": \"split\"}'. Keys: "
                         + ", ".join(OPTIMIZATION_CONFIG_KEYS) + " (types, defaults and "
                         "baselines: " + DOCS + ").")
+    keys = ADDITIONAL_CONFIG_KEYS if server else ENGINE_ADDITIONAL_KEYS
+    g.add_argument("--additional-config", type=additional_config if server
+                   else engine_additional_config, default="{}", metavar="JSON",
+                   help="JSON object of kdaserve-only knobs, e.g. '{\"num_state_slots\": 64}'. "
+                        "Keys: " + ", ".join(keys) + " (" + DOCS + ").")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; no remote code is ever run.")
 
@@ -202,19 +263,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                  "enforce_eager", "load_format", "tensor_parallel_size", "enable_prefix_caching",
-                 "speculative_config", "num_gpu_blocks_override", "num_state_slots", "device",
+                 "speculative_config", "num_gpu_blocks_override", "device",
                  "async_scheduling", "long_prefill_token_threshold")
 """Flag dests passed on as the engine kwarg of the same name (or its _RENAMED one). The keys of
---optimization-config and --model-loader-extra-config are engine kwargs themselves."""
+--optimization-config and --model-loader-extra-config, and ENGINE_ADDITIONAL_KEYS of
+--additional-config, are engine kwargs themselves."""
 _RENAMED = {"num_gpu_blocks_override": "num_gpu_blocks"}
 
 
 def resolve_model(args: argparse.Namespace) -> str:
+    """The model folder to load: MODEL or --model (a ValueError if they differ or the folder is
+    missing), else the embedded default."""
     positional = getattr(args, "model_tag", None)
     if positional and args.model_flag and positional != args.model_flag:
-        raise SystemExit(f"error: two different models given: {positional!r} and "
-                         f"{args.model_flag!r}")
-    return positional or args.model_flag or default_model_path()
+        raise ValueError(f"two different models given: {positional!r} and {args.model_flag!r}")
+    model = positional or args.model_flag
+    if model is None:
+        return default_model_path()
+    if not os.path.exists(model):
+        raise ValueError(f"model folder {model!r} does not exist")
+    if not os.path.isdir(model):
+        raise ValueError(f"model {model!r} is not a folder (config.json + weights + tokenizer)")
+    return model
 
 
 def engine_kwargs_from_args(args: argparse.Namespace, model: str) -> dict[str, Any]:
@@ -225,7 +295,17 @@ def engine_kwargs_from_args(args: argparse.Namespace, model: str) -> dict[str, A
             kwargs[_RENAMED.get(attr, attr)] = value
     for option in ("optimization_config", "model_loader_extra_config"):
         kwargs |= getattr(args, option, None) or {}
+    extra = getattr(args, "additional_config", None) or {}
+    kwargs |= {k: extra[k] for k in ENGINE_ADDITIONAL_KEYS if extra.get(k) is not None}
     return kwargs
+
+
+def served_model_names(args: argparse.Namespace, model: str) -> list[str]:
+    """--served-model-name, else the model folder's name: the path itself is not shown to
+    clients (/v1/models, /metrics labels), which may still send it as the model."""
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [os.path.basename(os.path.normpath(model)) or model]
 
 
 def default_model_path() -> str:
@@ -256,29 +336,47 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="Model folder (config.json + weights + tokenizer).")
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="Address to listen on (default: %(default)s, this machine only; "
+                        "0.0.0.0 for every interface).")
+    s.add_argument("--port", type=int, default=8000,
+                   help="Port to listen on (default: %(default)s).")
     s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) clients use; the first is reported (default: MODEL).")
+                   help="Model name(s) clients use; the first is reported (default: the name "
+                        "of the MODEL folder).")
     s.add_argument("--api-key", default=None,
-                   help="Require `Authorization: Bearer KEY` on /v1 routes.")
+                   help="Require `Authorization: Bearer KEY` on every route but /health "
+                        "(default: $KDASERVE_API_KEY, else $VLLM_API_KEY, else none).")
     s.add_argument("--chat-template", default=None,
                    help="Chat template file or inline Jinja (overrides the tokenizer's).")
-    s.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names())
-    s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names())
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Accept a request's own `chat_template` (rendered in a sandbox process "
+                        "with a time limit); without it such requests get HTTP 400.")
+    s.add_argument("--reasoning-parser", default=None, choices=reasoning_parser_names(),
+                   help="Split the reasoning out of chat outputs.")
+    s.add_argument("--tool-call-parser", default=None, choices=tool_parser_names(),
+                   help="Parse tool calls out of chat outputs.")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Let the model call tools (tool_choice=auto); needs --tool-call-parser.")
-    s.add_argument("--mirror-reasoning-content", action=argparse.BooleanOptionalAction,
-                   default=True, help="Also send reasoning as `reasoning_content`.")
-    s.add_argument("--max-request-body-bytes", type=positive_int, default=16 * 1024 * 1024,
-                   help="Larger request bodies get HTTP 413.")
-    s.add_argument("--engine-startup-timeout", type=float, default=900.0)
     s.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    s.add_argument("--disable-uvicorn-access-log", action="store_true")
-    add_engine_args(p)
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="Log level of the server and of kdaserve's logging (default: info).")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="No access log line per HTTP request.")
+    add_engine_args(p, server=True)
     p.set_defaults(func=run_serve)
     return p
+
+
+API_KEY_ENV = ("KDASERVE_API_KEY", "VLLM_API_KEY")
+"""Where the API key is read from when --api-key is not given (first set wins): a key in the
+environment is not visible in `ps` as a command-line argument is."""
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key:
+        return args.api_key
+    return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
 
 
 def check_server_args(args: argparse.Namespace) -> None:
@@ -289,6 +387,23 @@ def check_server_args(args: argparse.Namespace) -> None:
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(
             f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the engine loads (minutes for a large model) if the address is taken."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e}") from e
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -303,18 +418,23 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Start-up failures print one line (exit code 2); their traceback goes to the log at
+    debug level."""
     import asyncio
 
     logging.basicConfig(level=args.uvicorn_log_level.upper() if args.uvicorn_log_level != "trace"
                         else "DEBUG", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_server_args(args)
+        check_port_free(args.host, args.port)
+        args.api_key = resolve_api_key(args)
         chat_template = load_chat_template(args.chat_template)
         model = resolve_model(args)
         from kdaserve.entrypoints.openai.server import serve
 
         return asyncio.run(serve(args, model, engine_kwargs_from_args(args, model),
                                  chat_template))
-    except ValueError as e:
+    except (ValueError, OSError) as e:
+        logger.debug("start-up failed", exc_info=True)
         print(f"kdaserve serve: error: {e}", file=sys.stderr)
         return 2

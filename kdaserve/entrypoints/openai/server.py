@@ -13,12 +13,16 @@ import uvicorn
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineStartupError
 from kdaserve.entrypoints.openai.api_server import ServerState, build_app
+from kdaserve.entrypoints.openai.cli_args import served_model_names
+from kdaserve.entrypoints.openai.http_guards import HostPolicy
 from kdaserve.entrypoints.openai.metrics import ServerMetrics
 from kdaserve.entrypoints.openai.reasoning_parser import get_reasoning_parser
 from kdaserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kdaserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kdaserve.entrypoints.openai.serving_engine import ModelInfo
+from kdaserve.entrypoints.openai.serving_engine import ModelInfo, RequestLimits
+from kdaserve.entrypoints.openai.template_sandbox import RequestTemplateRenderer
 from kdaserve.entrypoints.openai.tool_parser import get_tool_parser
+from kdaserve.entrypoints.prompt_tokens import PromptTokenizer
 
 logger = logging.getLogger("kdaserve.serve")
 
@@ -42,29 +46,42 @@ def build_state(engine: AsyncEngine, args: argparse.Namespace, model: str,
                 chat_template: str | None) -> ServerState:
     info = engine.info
     tokenizer = engine.tokenizer
+    extra = args.additional_config
     vocab_size = int(info.get("vocab_size") or len(tokenizer))
-    names = args.served_model_name or [model]
+    names = served_model_names(args, model)
     model_info = ModelInfo(names, model, int(info["max_model_len"]), vocab_size)
+    shared = dict(limits=RequestLimits(extra["max_n_sequences"], extra["max_completion_prompts"]),
+                  prompt_tokenizer=PromptTokenizer(tokenizer, model_info.max_model_len))
+    request_templates = None
+    if args.trust_request_chat_template:
+        request_templates = RequestTemplateRenderer(
+            info["tokenizer"], extra["request_chat_template_timeout"],
+            model_info.max_model_len * shared["prompt_tokenizer"].max_token_chars)
+        request_templates.start()
     chat = OpenAIServingChat(
         engine, tokenizer, model_info, chat_template=chat_template,
         reasoning_parser_cls=get_reasoning_parser(args.reasoning_parser)
         if args.reasoning_parser else None,
         tool_parser_cls=get_tool_parser(args.tool_call_parser) if args.tool_call_parser else None,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        mirror_reasoning_content=args.mirror_reasoning_content)
-    completion = OpenAIServingCompletion(engine, tokenizer, model_info)
+        mirror_reasoning_content=extra["mirror_reasoning_content"],
+        request_templates=request_templates, **shared)
+    completion = OpenAIServingCompletion(engine, tokenizer, model_info, **shared)
     metrics = ServerMetrics(names[0])
     engine.request_observer = metrics.observe
     return ServerState(engine, chat, completion, metrics, args.api_key,
-                       args.max_request_body_bytes)
+                       extra["max_request_body_bytes"],
+                       HostPolicy(args.host, extra["allowed_hosts"]))
 
 
 async def serve(args: argparse.Namespace, model: str, engine_kwargs: dict[str, Any],
                 chat_template: str | None) -> int:
     logger.info("starting the engine for %s", model)
     try:
-        engine = await AsyncEngine.start(engine_kwargs, args.engine_startup_timeout,
-                                         log_level="INFO")
+        engine = await AsyncEngine.start(engine_kwargs,
+                                         args.additional_config["engine_startup_timeout"],
+                                         log_level="DEBUG" if args.uvicorn_log_level in (
+                                             "debug", "trace") else "INFO")
     except EngineStartupError as e:
         raise ValueError(f"the engine failed to start: {e}") from e
     try:
