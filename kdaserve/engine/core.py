@@ -185,10 +185,14 @@ class EngineCore:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = elapsed / floor
         if elapsed > SLOW_STEP_S:
-            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
-                           "JIT compilation or autotuning of a new shape?", elapsed,
-                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
-                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
+            # Only CUDA steps compile kernels (Triton JIT, autotuning); on the CPU reference
+            # path a long step is just the work, so it is no warning there.
+            jit = self.engine_config.device == "cuda"
+            logger.log(logging.WARNING if jit else logging.DEBUG,
+                       "slow step: %.2f s for %d tokens of %d requests (%d new)%s%s", elapsed,
+                       so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
+                       len(so.scheduled_new_reqs), " (decode only)" if context else "",
+                       ": JIT compilation or autotuning of a new shape?" if jit else "")
 
     def get_stats(self) -> SchedulerStats:
         """Everything but the token counters, which the front keeps."""
@@ -296,7 +300,8 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
     try:
         core = EngineCore(config_from_kwargs(engine_kwargs))
     except Exception as e:  # noqa: BLE001 - any start-up failure goes back to the front
-        logger.error("engine core: start-up failed:\n%s", traceback.format_exc())
+        # the front prints the one-line reason; the traceback is for debugging
+        logger.debug("engine core: start-up failed:\n%s", traceback.format_exc())
         msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         output_sock.send(encoder.encode(StartupFailed(msg)))
         output_sock.close(linger=2000)
