@@ -5,7 +5,7 @@
 # Exits non-zero if any request errored.
 #
 #   benchmarks/run_guidellm.sh [--target URL] [--streams N] [--requests N]
-#       [--prompt-tokens N] [--output-tokens N] [--api-key KEY] [--out DIR]
+#       [--prompt-tokens N] [--output-tokens N] [--api-key KEY] [--out DIR] [--tokenizer PATH]
 #
 # guidellm lives in its own venv ($GUIDELLM_VENV, default ~/.cache/kdaserve/guidellm-venv).
 # torch is a hard dependency of guidellm: the CPU build is installed first so pip never pulls
@@ -25,6 +25,7 @@ PROMPT_TOKENS=64
 OUTPUT_TOKENS=16
 API_KEY=""
 OUT=./guidellm-results
+TOKENIZER=""
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,6 +36,7 @@ while [ $# -gt 0 ]; do
     --output-tokens) OUTPUT_TOKENS=$2; shift 2 ;;
     --api-key) API_KEY=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --tokenizer) TOKENIZER=$2; shift 2 ;;
     -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "run_guidellm.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -59,7 +61,8 @@ AUTH=()
 [ -n "$API_KEY" ] && AUTH=(-H "Authorization: Bearer $API_KEY")
 MODELS=$(curl -sf "${AUTH[@]}" "$TARGET/v1/models")
 MODEL_ID=$(echo "$MODELS" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-MODEL_ROOT=$(echo "$MODELS" | "$VENV/bin/python" -c 'import json,sys; d=json.load(sys.stdin)["data"][0]; print(d.get("root") or d["id"])')
+# kdaserve's root is the served name, not a path: pass --tokenizer MODEL_FOLDER for it
+MODEL_ROOT=${TOKENIZER:-$(echo "$MODELS" | "$VENV/bin/python" -c 'import json,sys; d=json.load(sys.stdin)["data"][0]; print(d.get("root") or d["id"])')}
 
 BACKEND="kind=openai_http,target=$TARGET,model=$MODEL_ID"
 [ -n "$API_KEY" ] && BACKEND="$BACKEND,api_key=$API_KEY"

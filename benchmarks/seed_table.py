@@ -119,7 +119,7 @@ def bench_args(args: argparse.Namespace, server: ServerProcess, concurrency: int
             "--duration", f"{duration:.1f}", "--warmup", str(args.warmup),
             "--seed", str(args.seed), "--temperature", "1.0", "--top-p", "0.95",
             "--ignore-eos", "--label", label, "--server-flags", server.command_line,
-            "--timeout", "900"]
+            "--timeout", "900", "--tokenizer", args.model]
     if args.endpoint == "completions":
         argv.append("--token-ids")
     ns = add_cli_args(argparse.ArgumentParser()).parse_args(argv)

@@ -93,7 +93,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Model name to send. Default: data[0].id of GET /v1/models.")
     g.add_argument("--tokenizer", default=None,
                    help="Tokenizer folder/file or hub id for building prompts. Default: "
-                        "data[0].root of /v1/models, else the model id.")
+                        "data[0].root of /v1/models (vLLM: the model path; kdaserve shows "
+                        "no path, so pass its model folder), else the model id.")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Allow a tokenizer's own code (transformers), e.g. tiktoken-based ones.")
     g.add_argument("--endpoint", choices=["chat", "completions"], default="chat",

@@ -35,7 +35,7 @@ def test_guidellm_concurrent_run_has_no_errors(tiny_model, tmp_path):
         r = subprocess.run(
             ["bash", os.path.join(REPO, "benchmarks", "run_guidellm.sh"), "--target", srv.url,
              "--streams", "4", "--requests", "24", "--prompt-tokens", "64",
-             "--output-tokens", "16", "--out", str(tmp_path)],
+             "--output-tokens", "16", "--out", str(tmp_path), "--tokenizer", tiny_model],
             capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=env)
     finally:
         srv.stop()
