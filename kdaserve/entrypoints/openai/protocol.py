@@ -346,6 +346,11 @@ class TokenizeRequest(OpenAIBaseModel):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        chat_only = sorted(self.model_fields_set & {
+            "add_generation_prompt", "continue_final_message", "tools", "chat_template",
+            "chat_template_kwargs"})
+        if self.prompt is not None and chat_only:
+            raise ValueError(f"{', '.join(chat_only)} apply to messages, not to a prompt")
         return self
 
 
