@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -101,7 +102,8 @@ def server(tiny_model):
                         str(MAX_MODEL_LEN), "--max-num-seqs", "64",
                         "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
                         "--enable-auto-tool-choice", "--served-model-name", tiny_model, "tiny",
-                        "--max-request-body-bytes", str(BODY_LIMIT), "--seed", "0"])
+                        "--additional-config", json.dumps({"max_request_body_bytes": BODY_LIMIT}),
+                        "--seed", "0"])
     yield srv
     srv.stop()
 

@@ -13,11 +13,12 @@ import sys
 import httpx
 import pytest
 
+import kdaserve
 from kdaserve.entrypoints.cli import build_parser
 from kdaserve.entrypoints.openai import cli_args
 from kdaserve.entrypoints.openai.cli_args import (check_server_args, engine_kwargs_from_args,
                                                   human_int)
-from tests.entrypoints.conftest import REPO, RemoteServer
+from tests.entrypoints.conftest import REPO, RemoteServer, free_port
 
 
 def parse(*argv):
@@ -105,7 +106,8 @@ def test_configuration_doc_covers_every_option_and_key():
             assert f"`{flag}" in doc, flag
     rows = {line.split("|")[1].strip(): line for line in doc.splitlines()
             if line.startswith("| `")}
-    for keys in (cli_args.OPTIMIZATION_CONFIG_KEYS, cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS):
+    for keys in (cli_args.OPTIMIZATION_CONFIG_KEYS, cli_args.MODEL_LOADER_EXTRA_CONFIG_KEYS,
+                 cli_args.ADDITIONAL_CONFIG_KEYS):
         for key, kind in keys.items():
             assert f"`{key}`" in rows and kind.name.replace("|", "\\|") in rows[f"`{key}`"], key
     for field in dataclasses.fields(SpeculativeConfig):
@@ -149,8 +151,99 @@ def test_unsupported_tensor_parallel_is_a_startup_error(tiny_model):
 
 
 def test_missing_model_folder_is_a_startup_error(tmp_path):
+    """Reported as missing, in one line without a traceback, before the engine starts."""
     r = _run_cli("serve", str(tmp_path / "nope"))
-    assert r.returncode == 2 and "config.json" in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"kdaserve serve: error: model folder {str(tmp_path / 'nope')!r} does not exist"]
+    (tmp_path / "empty").mkdir()
+    r = _run_cli("serve", str(tmp_path / "empty"), "--port", str(free_port()))
+    assert r.returncode == 2 and "has no config.json" in r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+
+
+def test_port_in_use_is_a_startup_error(tiny_model):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _run_cli("serve", tiny_model, "--port", str(port), timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"kdaserve serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert "starting the engine" not in r.stderr + r.stdout  # refused before the engine loads
+
+
+def test_version_and_help_text():
+    r = _run_cli("--version", timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"kdaserve {kdaserve.__version__}"
+    text = serve_parser().format_help()
+    assert "Address to listen on (default: 127.0.0.1" in " ".join(text.split())
+    assert "Port to listen on (default: 8000)" in " ".join(text.split())
+    for action in serve_options():
+        assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_additional_config_keys_are_checked(capsys):
+    args = parse("/m", "--additional-config", '{"num_state_slots": 12, "max_n_sequences": 4}')
+    assert args.additional_config == {**cli_args.ADDITIONAL_CONFIG_DEFAULTS,
+                                      "num_state_slots": 12, "max_n_sequences": 4}
+    assert engine_kwargs_from_args(args, "/m") == {"model": "/m", "num_state_slots": 12}
+    # every key the server reads has a default; the lifecycle keys pass through untouched
+    assert parse("/m").additional_config == cli_args.ADDITIONAL_CONFIG_DEFAULTS
+    assert {"graceful_shutdown_timeout", "stream_buffer_limit"} <= set(
+        cli_args.ADDITIONAL_CONFIG_DEFAULTS)
+    for bad, message in [('{"bogus": 1}', "unknown key 'bogus'"),
+                         ('{"max_n_sequences": 0}', "'max_n_sequences' must be int >= 1"),
+                         ('{"engine_startup_timeout": "soon"}', "must be float > 0"),
+                         ('{"mirror_reasoning_content": 1}', "must be bool"),
+                         ('{"allowed_hosts": "a.example"}', "must be list of strings"),
+                         ("[1]", "expected a JSON object")]:
+        with pytest.raises(SystemExit):
+            parse("/m", "--additional-config", bad)
+        err = capsys.readouterr().err
+        assert "argument --additional-config" in err and message in err, err
+    # `kdaserve generate` takes only the engine keys
+    gen = build_parser("generate")
+    assert gen.parse_args(["generate", "-p", "x", "--additional-config",
+                           '{"num_state_slots": 3}']).additional_config == {"num_state_slots": 3}
+    with pytest.raises(SystemExit):
+        gen.parse_args(["generate", "-p", "x", "--additional-config",
+                        '{"max_request_body_bytes": 3}'])
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    from kdaserve.entrypoints.openai.cli_args import resolve_api_key
+
+    monkeypatch.delenv("KDASERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert resolve_api_key(parse("/m")) is None
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert resolve_api_key(parse("/m")) == "v"
+    monkeypatch.setenv("KDASERVE_API_KEY", "k")
+    assert resolve_api_key(parse("/m")) == "k"
+    assert resolve_api_key(parse("/m", "--api-key", "flag")) == "flag"
+
+
+def test_slow_step_warns_of_jit_only_on_cuda(caplog):
+    """The CPU reference path compiles nothing: a slow step there is no JIT warning."""
+    import logging
+    from types import SimpleNamespace
+
+    from kdaserve.engine.core import SLOW_STEP_S, EngineCore
+
+    so = SimpleNamespace(total_num_scheduled_tokens=4096, num_scheduled_tokens={"a": 4096},
+                         scheduled_new_reqs=["a"])
+    for device, level in [("cpu", logging.DEBUG), ("cuda", logging.WARNING)]:
+        core = SimpleNamespace(engine_config=SimpleNamespace(device=device))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="kdaserve.engine.core"):
+            EngineCore._record_step_time(core, so, None, SLOW_STEP_S + 1)
+        [record] = caplog.records
+        assert record.levelno == level
+        assert ("JIT" in record.getMessage()) == (device == "cuda")
 
 
 def test_generate_takes_the_engine_options():
@@ -172,14 +265,19 @@ def test_generate_cli(tiny_model):
 
 
 def test_serve_without_model_uses_the_embedded_default(tmp_path):
+    """Served under the short name of its folder; the cache path is not shown to clients (and
+    is still accepted as the model name)."""
     srv = RemoteServer(["--max-model-len", "256"], env={"KDASERVE_CACHE": str(tmp_path)})
     try:
         card = httpx.get(srv.url + "/v1/models").json()["data"][0]
-        expected = os.path.join(str(tmp_path), "tiny-kimi-linear")
-        assert card["id"] == card["root"] == expected
-        assert os.path.isfile(os.path.join(expected, "config.json"))
+        path = os.path.join(str(tmp_path), "tiny-kimi-linear")
+        assert card["id"] == card["root"] == "tiny-kimi-linear"
+        assert os.path.isfile(os.path.join(path, "config.json"))
         r = srv.client().completions.create(model=card["id"], prompt="hi", max_tokens=3)
         assert r.usage.completion_tokens >= 1
+        assert srv.client().completions.create(model=path, prompt="hi", max_tokens=1).model == (
+            path)
+        assert str(tmp_path) not in httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
     assert srv.proc.returncode == 0, srv.logs()

@@ -17,7 +17,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def scrape(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

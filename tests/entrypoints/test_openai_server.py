@@ -29,7 +29,8 @@ def test_models_health_version(server, tiny_model):
     card = raw.json()["data"][0]
     assert card["root"] == tiny_model and card["max_model_len"] == MAX_MODEL_LEN
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(server.url + "/version", headers=auth).json()["version"]
 
 
 def test_chat_non_streaming_usage(server, tokenizer):

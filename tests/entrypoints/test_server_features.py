@@ -40,7 +40,7 @@ def srv_model(srv) -> str:
 
 
 def metric(srv, name: str) -> float:
-    text = httpx.get(srv.url + "/metrics").text
+    text = httpx.get(srv.url + "/metrics", headers=HEADERS).text
     m = re.search(rf"^kdaserve:{name}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
     assert m, name
     return float(m.group(1))
