@@ -622,3 +622,34 @@ def test_schemathesis_finds_no_5xx_and_no_undocumented_status(srv, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+# --- class 5: the vLLM parameters kdaserve honours -----------------------------------------
+
+
+def test_honoured_vllm_parameters(srv, server):
+    def post(url, path, body):
+        r = httpx.post(url + path, json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    out = post(srv.url, COMP, comp(max_completion_tokens=3, ignore_eos=True, request_id="abc"))
+    assert out["usage"]["completion_tokens"] == 3 and out["id"] == "cmpl-abc"
+    out = post(srv.url, CHAT, chat(messages=[{"role": "user", "content": "w " * 300}],
+                                   truncate_prompt_tokens=5, request_id="r1"))
+    assert out["usage"]["prompt_tokens"] == 5 and out["id"] == "chatcmpl-r1"
+    prefill = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure: "}]
+    echo = dict(messages=prefill, echo=True, continue_final_message=True,
+                add_generation_prompt=False)
+    assert post(srv.url, CHAT, chat(**echo))["choices"][0]["message"]["content"].startswith(
+        "Sure: ")
+    stream = httpx.post(srv.url + CHAT, json=chat(**echo, stream=True), headers=AUTH,
+                        timeout=60).text
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in stream.splitlines()
+              if line.startswith("data: {")]
+    assert deltas[1] == {"content": "Sure: "}
+    # the shared server parses reasoning: include_reasoning=false leaves it out
+    with_reasoning = post(server.url, CHAT, chat(model="tiny"))["choices"][0]["message"]
+    without = post(server.url, CHAT, chat(model="tiny", include_reasoning=False))
+    assert "reasoning" in with_reasoning
+    assert not {"reasoning", "reasoning_content"} & set(without["choices"][0]["message"])
