@@ -10,7 +10,9 @@ kdaserve.worker is made here.
 `EngineCoreProc` runs an EngineCore in its own process for the server: a busy loop that takes
 new / abort / stats messages from the input socket, steps while work exists and pushes each
 step's token outputs back (kdaserve.engine.core_client is the wire protocol). When idle it
-blocks on the socket (1 s at a time, to notice a dead parent).
+blocks on the socket (1 s at a time, to notice a dead parent). The front owns its lifetime:
+SIGINT (a terminal's Ctrl-C reaches the whole process group) is ignored, so that the front's
+graceful shutdown still has an engine; SIGTERM ends it quietly.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -45,10 +48,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SLOW_STEP_S = 1.0
-"""A step slower than this is logged as a warning (a decode step takes milliseconds and a full
-8K-token prefill well under this): it shows mid-serving JIT or autotune stalls."""
+"""A step slower than this is logged (a decode step on a GPU takes milliseconds and a full
+8K-token prefill well under this): on CUDA as a warning, since it shows mid-serving JIT or
+autotune stalls; elsewhere (the CPU reference path is slow by nature) at debug level."""
 
 _IDLE_POLL_MS = 1000
+
+
+def slow_step_log_level(device_type: str) -> int:
+    """The level of the slow-step line: a warning only where JIT compilation or autotuning
+    of a new shape is its likely cause (Triton kernels and CUDA graphs, on CUDA)."""
+    return logging.WARNING if device_type == "cuda" else logging.DEBUG
 
 
 def config_eos_token_ids(config: EngineConfig) -> list[int]:
@@ -90,6 +100,7 @@ class EngineCore:
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None
+        self._slow_step_level = slow_step_log_level(self.model_runner.device.type)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -184,11 +195,13 @@ class EngineCore:
         if context is not None:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = elapsed / floor
-        if elapsed > SLOW_STEP_S:
-            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
-                           "JIT compilation or autotuning of a new shape?", elapsed,
-                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
-                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
+        if elapsed > SLOW_STEP_S and logger.isEnabledFor(self._slow_step_level):
+            guess = (": JIT compilation or autotuning of a new shape?"
+                     if self._slow_step_level >= logging.WARNING else "")
+            logger.log(self._slow_step_level, "slow step: %.2f s for %d tokens of %d requests "
+                       "(%d new)%s%s", elapsed, so.total_num_scheduled_tokens,
+                       len(so.num_scheduled_tokens), len(so.scheduled_new_reqs),
+                       " (decode only)" if context else "", guess)
 
     def get_stats(self) -> SchedulerStats:
         """Everything but the token counters, which the front keeps."""
@@ -284,9 +297,12 @@ class EngineCoreProc:
 
 def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr: str,
                     parent_pid: int, log_level: str = "INFO") -> None:
-    """Entry point of the core process: build the core, report Ready, then loop."""
+    """Entry point of the core process: build the core, report Ready, then loop until the
+    front sends Shutdown, SIGTERM arrives or the parent is gone."""
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s [engine-core] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.PULL)
     input_sock.connect(input_addr)
@@ -310,6 +326,12 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
         input_sock.close(linger=0)
         output_sock.close(linger=1000)
         ctx.term()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM: leave the loop through SystemExit (its finally closes the sockets); no
+    traceback, exit status 0."""
+    raise SystemExit(0)
 
 
 def _engine_info(core: EngineCore) -> dict[str, Any]:
