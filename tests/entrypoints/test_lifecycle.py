@@ -301,7 +301,8 @@ def test_engine_death_fails_the_streams_and_exits_nonzero(tiny_model):
         assert srv.proc.returncode == 1
         assert elapsed < 10
         assert events[-1] == "[DONE]"
-        assert "the engine process died" in json.loads(events[-2])["error"]["message"]
+        error = json.loads(events[-2])["error"]
+        assert "the engine process died" in error["message"] and error["code"] is None
         log = full_log(srv)
         assert "the engine is dead" in log
         assert_no_exception(log)
