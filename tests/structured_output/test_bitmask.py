@@ -4,7 +4,6 @@ checks of bad constraints."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest

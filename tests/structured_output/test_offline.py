@@ -127,18 +127,46 @@ def test_drafts_are_cut_where_the_grammar_refuses(llms, tiny_preset):
     assert any(len(after) < len(before) for before, after in seen)
 
 
-def test_unconstrained_requests_keep_their_tokens(llms):
+def test_unconstrained_requests_keep_their_tokens(llms, monkeypatch):
     """Greedy free-text requests give the same tokens alone and batched with constrained ones
-    (the constrained ones only turn async scheduling off while they run)."""
+    (the constrained ones only turn async scheduling off while they run); alone, no step
+    builds or applies a mask."""
+    import kdaserve.worker.model_runner as model_runner
+
     llm = llms()
+    masked = []
+    apply = model_runner.apply_grammar_bitmask
+    monkeypatch.setattr(model_runner, "apply_grammar_bitmask",
+                        lambda logits, mask: masked.append(1) or apply(logits, mask))
     prompts = ["hello world", "the lazy dog", "once upon a time"]
     plain = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in prompts]
     alone = [o.token_ids for o in _generate(llm, prompts, plain)]
+    assert not masked and not llm.llm_engine.engine_core.structured_output.active
     mixed = _generate(llm, prompts + ["x"] * 4, plain + [
         SamplingParams(max_tokens=24, seed=s, structured_outputs=SO(regex=REGEX))
         for s in range(4)])
     assert [o.token_ids for o in mixed[:3]] == alone
-    assert all(re.fullmatch(REGEX, o.text) for o in mixed[3:])
+    assert all(re.fullmatch(REGEX, o.text) for o in mixed[3:]) and masked
+
+
+def test_a_grammar_that_fails_to_compile_aborts_its_request(llms, monkeypatch):
+    """Every sample of the request ends as aborted (an n > 1 request forked from its prompt
+    and one of one-token prompt queued as samples); the others run on."""
+    llm = llms()
+    manager = llm.llm_engine.engine_core.structured_output
+
+    def fail(spec):
+        raise RuntimeError("no compiler today")
+
+    monkeypatch.setattr(manager, "_compile", fail)
+    so = SO(regex="a+")
+    outs = llm.generate(["hello world again", "hi", "hello"],
+                        [SamplingParams(n=2, max_tokens=4, structured_outputs=so),
+                         SamplingParams(n=2, max_tokens=4, structured_outputs=so),
+                         SamplingParams(max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    for out in outs[:2]:
+        assert [(c.finish_reason, c.token_ids) for c in out.outputs] == [("abort", [])] * 2
+    assert outs[2].outputs[0].finish_reason == "length"
 
 
 def test_samples_chunked_prefill_and_preemption(llms):

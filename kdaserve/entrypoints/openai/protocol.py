@@ -112,22 +112,20 @@ class ResponseFormat(OpenAIBaseModel):
 
 class StructuredOutputsRequest(OpenAIBaseModel):
     """vLLM's `structured_outputs` object: one constraint, or only options (then the constraint
-    comes from response_format, a guided_* field or tool_choice)."""
+    comes from response_format, a guided_* field or tool_choice). Keys it cannot honour
+    (structural_tag, whitespace_pattern, ...) are refused, not ignored."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
     json_schema: str | dict[str, Any] | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    structural_tag: str | dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _supported(self):
-        if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag is not supported")
-        return self
+    disable_fallback: bool = False
+    """Honoured as is: there is one backend and no fallback."""
+    disable_additional_properties: bool = False
+    """Honoured as is: xgrammar never adds properties a schema does not allow."""
 
     def constraint(self) -> dict[str, Any]:
         """The StructuredOutputsParams fields of its constraint ({} when it has none)."""
@@ -145,6 +143,23 @@ class StructuredOutputFields(OpenAIBaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _backend(cls, v):
+        if v is not None and v not in ("auto", "xgrammar"):
+            raise ValueError(f"only the xgrammar backend is available, got {v!r}")
+        return v
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _whitespace_pattern(cls, v):
+        if v is not None:
+            raise ValueError("guided_whitespace_pattern is not supported (xgrammar); "
+                             "structured_outputs.disable_any_whitespace turns whitespace off")
+        return v
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         """(request field, StructuredOutputsParams constraint) for every field that sets one."""
