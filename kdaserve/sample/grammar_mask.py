@@ -21,9 +21,10 @@ import torch
 @dataclass
 class GrammarMask:
     bitmask: torch.Tensor
-    """[R, ceil(V / 32)] int32 on the logits' device: row i masks logits row i."""
+    """[>= max row + 1, ceil(V / 32)] int32 on the logits' device: row i masks logits row i
+    (rows of unconstrained logits rows are left unset and never read)."""
     rows: torch.Tensor | None
-    """[N] int32 on the device: the logits rows to mask (None: all R)."""
+    """[N] int32 on the device: the logits rows to mask (None: every row)."""
 
     @classmethod
     def build(cls, bitmask: torch.Tensor, src_rows: list[int], dst_rows: list[int],
@@ -33,7 +34,7 @@ class GrammarMask:
         rows = None
         if src_rows != dst_rows or len(dst_rows) != num_logit_rows:
             # xgrammar reads row i of the bitmask for logits row i: align them.
-            aligned = torch.empty((num_logit_rows, bitmask.shape[1]), dtype=bitmask.dtype)
+            aligned = torch.empty((max(dst_rows) + 1, bitmask.shape[1]), dtype=bitmask.dtype)
             aligned[torch.tensor(dst_rows, dtype=torch.long)] = \
                 bitmask[torch.tensor(src_rows, dtype=torch.long)]
             bitmask = aligned

@@ -77,6 +77,10 @@ class StructuredOutputManager:
     def add_request(self, request: Request, spec: GrammarSpec) -> None:
         """Start compiling `spec` (validated) for a request the scheduler just took."""
         rid = request.req_id
+        # An id used again (its earlier request finished): no matcher of that one may remain.
+        samples = range(request.num_samples) if request.is_fork_parent else ()
+        for core_id in [rid] + [request.child_req_id(i) for i in samples]:
+            self._grammars.pop(core_id, None)
         future = self._pool().submit(self._compile, spec)
         future.add_done_callback(lambda f: self._on_compiled(rid, f))
         self._compiled[rid] = future

@@ -287,7 +287,7 @@ class ModelRunner:
         return emitted, logprobs
 
     def _grammar_mask(self, so: SchedulerOutput, batch: StepBatch,
-                      num_logit_rows: int) -> GrammarMask:
+                      num_logit_rows: int) -> GrammarMask | None:
         """The step's bitmask rows on the device, each aimed at its logits row (sampling rows
         in batch order, 1 + drafts rows each; the bitmask is in the core's request order)."""
         first_row: dict[str, int] = {}
@@ -304,6 +304,8 @@ class ModelRunner:
                 src.extend(range(offset, offset + n))
                 dst.extend(range(start, start + n))
             offset += n
+        if not dst:
+            return None
         return GrammarMask.build(so.grammar_bitmask, src, dst, num_logit_rows, self.device)
 
     def _plan(self, batch: StepBatch, kda_checkpoints, spec_exports) -> StepPlan:

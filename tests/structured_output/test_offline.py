@@ -194,3 +194,19 @@ def test_bad_constraint_is_refused_and_the_engine_goes_on(llms):
     out = _generate(llm, ["hi"], [SamplingParams(max_tokens=8, structured_outputs=SO(
         choice=["ok"]))])
     assert out[0].text == "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_cuda_engine_masks_graph_steps(llms, tiny_preset, spec):
+    """On CUDA (bf16, decode / verification graphs): constrained outputs hold, mixed with
+    free-text requests in the same steps."""
+    llm = llms(device="cuda", **_spec(spec, tiny_preset))
+    assert str(llm.llm_engine.model_runner.device).startswith("cuda")
+    params = ([SamplingParams(max_tokens=32, seed=s, structured_outputs=SO(regex=REGEX))
+               for s in range(16)]
+              + [SamplingParams(max_tokens=16, seed=s) for s in range(4)])
+    outs = _generate(llm, ["the quick brown fox"] * len(params), params)
+    assert all(o.finish_reason == "stop" and re.fullmatch(REGEX, o.text) for o in outs[:16])
+    assert all(len(o.token_ids) > 0 for o in outs[16:])
