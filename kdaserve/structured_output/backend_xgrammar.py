@@ -21,6 +21,9 @@ from kdaserve.structured_output.spec import GrammarSpec
 CACHE_LIMIT_BYTES = 512 * 2**20
 """Compiled grammars the compiler keeps (vLLM's default xgrammar cache size)."""
 
+BATCH_FILL_MIN_ROWS = 16
+"""From this many one-row requests in a step, their rows are filled by xgrammar's threads."""
+
 
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row."""
@@ -39,6 +42,8 @@ class XgrammarBackend:
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max_threads or min(8, os.cpu_count() or 1),
             cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
+        self._batch = None
+        """xgrammar BatchGrammarMatcher (made on first use)."""
 
     @classmethod
     def from_tokenizer_dir(cls, path: str, vocab_size: int,
@@ -62,6 +67,20 @@ class XgrammarBackend:
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def fill_next_rows(self, grammars: list[RequestGrammar], rows: list[int],
+                       bitmask: torch.Tensor) -> None:
+        """Row rows[i] of `bitmask` <- what grammars[i] (not terminated) allows next; many at
+        once on xgrammar's thread pool (the work runs outside the GIL)."""
+        if len(grammars) < BATCH_FILL_MIN_ROWS:
+            for grammar, row in zip(grammars, rows):
+                grammar.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
 
     def request_grammar(self, compiled, stop_token_ids: Iterable[int]) -> RequestGrammar:
         """A fresh matcher over `compiled` for one request. stop_token_ids (EOS and the

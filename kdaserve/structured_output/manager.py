@@ -142,9 +142,17 @@ class StructuredOutputManager:
         bitmask = torch.empty((sum(1 + len(d) for _, _, d in todo),
                                bitmask_width(self.vocab_size)), dtype=torch.int32)
         row = 0
+        plain: list[RequestGrammar] = []   # one row, not terminated: filled as one batch
+        plain_rows: list[int] = []
         for _, grammar, drafts in todo:
-            grammar.fill_rows(bitmask, row, list(drafts))
+            if drafts or grammar.is_terminated():
+                grammar.fill_rows(bitmask, row, list(drafts))
+            else:
+                plain.append(grammar)
+                plain_rows.append(row)
             row += 1 + len(drafts)
+        if plain:
+            self._backend.result().fill_next_rows(plain, plain_rows, bitmask)
         so.structured_output_request_ids = [rid for rid, _, _ in todo]
         so.grammar_bitmask = bitmask
 

@@ -82,6 +82,23 @@ def test_spec_rows_follow_the_drafts(backend, tok):
     assert torch.equal(again[0], rows[0])
 
 
+def test_batch_fill_matches_one_by_one(backend, tok):
+    """Many one-row requests are filled on xgrammar's threads: the same rows."""
+    compiled = _compiled(backend, SO(json=SCHEMA, disable_any_whitespace=True))
+    text = '{"ok": true, "size": "m"}'
+    grammars, prefixes = [], []
+    for cut in range(1, 21):
+        prefix = tok.encode(text, add_special_tokens=False)[:cut % 9]
+        g = backend.request_grammar(compiled, STOP)
+        assert g.accept_tokens(prefix)
+        grammars.append(g)
+        prefixes.append(prefix)
+    rows = _rows(backend, 2 * len(grammars))
+    backend.fill_next_rows(grammars, list(range(0, 2 * len(grammars), 2)), rows)
+    for i, prefix in enumerate(prefixes):
+        assert torch.equal(rows[2 * i], _reference_row(backend, compiled, prefix)), i
+
+
 def test_validate_truncates_an_invalid_draft(backend, tok):
     compiled = _compiled(backend, SO(regex=r"ab+c"))
     grammar = backend.request_grammar(compiled, STOP)
