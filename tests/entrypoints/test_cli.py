@@ -227,25 +227,6 @@ def test_api_key_from_the_environment(monkeypatch):
     assert resolve_api_key(parse("/m", "--api-key", "flag")) == "flag"
 
 
-def test_slow_step_warns_of_jit_only_on_cuda(caplog):
-    """The CPU reference path compiles nothing: a slow step there is no JIT warning."""
-    import logging
-    from types import SimpleNamespace
-
-    from kdaserve.engine.core import SLOW_STEP_S, EngineCore
-
-    so = SimpleNamespace(total_num_scheduled_tokens=4096, num_scheduled_tokens={"a": 4096},
-                         scheduled_new_reqs=["a"])
-    for device, level in [("cpu", logging.DEBUG), ("cuda", logging.WARNING)]:
-        core = SimpleNamespace(engine_config=SimpleNamespace(device=device))
-        caplog.clear()
-        with caplog.at_level(logging.DEBUG, logger="kdaserve.engine.core"):
-            EngineCore._record_step_time(core, so, None, SLOW_STEP_S + 1)
-        [record] = caplog.records
-        assert record.levelno == level
-        assert ("JIT" in record.getMessage()) == (device == "cuda")
-
-
 def test_generate_takes_the_engine_options():
     args = build_parser("generate").parse_args([
         "generate", "/m", "-p", "hi", "--optimization-config", '{"pdl": false}',
@@ -281,45 +262,3 @@ def test_serve_without_model_uses_the_embedded_default(tmp_path):
     finally:
         srv.stop()
     assert srv.proc.returncode == 0, srv.logs()
-
-
-def _engine_core_pid(server_pid: int) -> int:
-    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().decode(errors="replace")
-        if "spawn_main" in cmd:
-            return pid
-    raise AssertionError(f"no engine-core child among {children}")
-
-
-def test_dead_engine_gives_error_event_and_503(tiny_model):
-    import signal
-    import time
-
-    srv = RemoteServer([tiny_model, "--max-model-len", "1024"])
-    try:
-        payload = {"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        events = []
-        with httpx.stream("POST", srv.url + "/v1/completions", json=payload, timeout=60) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line:
-                    continue
-                events.append(line)
-                if len(events) == 2:
-                    os.kill(_engine_core_pid(srv.proc.pid), signal.SIGKILL)
-        assert events[-1] == "data: [DONE]"
-        error = json.loads(events[-2][len("data: "):])["error"]
-        assert "engine process died" in error["message"] and error["code"] is None
-        deadline = time.monotonic() + 10
-        while httpx.get(srv.url + "/health").status_code != 503:
-            assert time.monotonic() < deadline, "health never reported the dead engine"
-            time.sleep(0.2)
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
-        metrics = httpx.get(srv.url + "/metrics").text
-        assert 'kdaserve:engine_healthy{model_name=' in metrics and "} 0.0" in metrics
-    finally:
-        srv.stop()

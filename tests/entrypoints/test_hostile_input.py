@@ -281,6 +281,30 @@ case("comp_echo_with_logprobs", COMP, comp(echo=True, logprobs=1))
 case("comp_logprobs_over_20", COMP, comp(logprobs=21))
 case("comp_add_special_tokens_string", COMP, comp(add_special_tokens="nope"))
 
+# --- structured outputs: a bad constraint is a 400 naming it (xgrammar; valid ones are 2xx) --
+for p, path, make in [("chat", CHAT, chat), ("comp", COMP, comp)]:
+    for cid, fields in [
+            ("guided_regex_unbalanced", {"guided_regex": "([a-"}),
+            ("guided_json_bad_schema", {"guided_json": {"type": 5}}),
+            ("guided_json_not_json", {"guided_json": "{not json"}),
+            ("guided_choice_not_list", {"guided_choice": "yes"}),
+            ("guided_grammar_garbage", {"guided_grammar": "root ::= ("}),
+            ("guided_backend_other", {"guided_decoding_backend": "outlines",
+                                      "guided_choice": ["a"]}),
+            ("guided_whitespace_pattern", {"guided_whitespace_pattern": " *"}),
+            ("two_constraints", {"guided_regex": "a+", "guided_choice": ["a"]}),
+            ("structured_outputs_unknown_key", {"structured_outputs": {"structural_tag": "x"}}),
+            ("response_format_bogus_type", {"response_format": {"type": "yaml"}}),
+            ("response_format_schema_missing", {"response_format": {"type": "json_schema"}}),
+            ("response_format_schema_bool", {"response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": True}}})]:
+        case(f"{p}_{cid}", path, make(**fields))
+case("chat_tool_choice_required_without_tools", CHAT, chat(tool_choice="required"))
+case("chat_tool_choice_unknown_function", CHAT, chat(
+    tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}))
+case("ok_guided_choice", COMP, comp(guided_choice=["yes", "no"], max_tokens=8), OK)
+case("ok_tool_choice_required", CHAT, chat(tools=[TOOL], tool_choice="required"), OK)
+
 # --- tokenize / detokenize -----------------------------------------------------------------
 for cid, body in [("nothing", {}), ("both", {"prompt": "x", "messages": MSG}),
                   ("prompt_int", {"prompt": 5}), ("prompt_too_long", {"prompt": "word " * 400_000}),
@@ -390,6 +414,7 @@ def test_documented_successes_act(results, srv, tiny_model):
     card = httpx.get(srv.url + "/v1/models", headers=AUTH).json()["data"][0]
     assert results["ok_model_by_path_alias"].json()["model"] == tiny_model
     assert "/" not in card["id"] and "/" not in card["root"], card
+    assert results["ok_guided_choice"].json()["choices"][0]["text"] in ("yes", "no")
 
 
 def test_engine_healthy_after_the_matrix(results, srv):

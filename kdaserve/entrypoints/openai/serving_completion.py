@@ -10,7 +10,7 @@ from typing import Any
 from kdaserve.entrypoints.openai.protocol import CompletionRequest, now, random_id, usage_dict
 from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
                                                         merge_async_iterators, prepend, sse,
-                                                        sse_error)
+                                                        sse_error, structured_outputs_of)
 from kdaserve.outputs import RequestOutput
 
 
@@ -60,11 +60,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIError(f"the request has {len(prompt_list)} prompts; this server allows "
                               f"at most {limit} per request", param="prompt")
         self.check_num_sequences(req.n, len(prompt_list))
+        structured = await structured_outputs_of(req)
         prompts = await asyncio.to_thread(self._tokenize, prompt_list, req)
         base_id = random_id("cmpl")
         params = [self.sampling_params(req, len(ids), req.requested_max_tokens, req.logprobs,
                                        req.skip_special_tokens, prompt_param="prompt")
                   for _, ids in prompts]
+        for p in params:
+            p.structured_outputs = structured
         gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream,
                                      cache_salt=req.cache_salt)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
