@@ -22,7 +22,7 @@ from kdaserve.kernels.mxfp4.format import dequantize_mxfp4, quantize_mxfp4
 from kdaserve.models import make_k3
 from kdaserve.models.loader import expected_tensors, load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
-from tests.models.test_k3_model import k3_tiny_dir  # noqa: F401
+from tests.models.k3_tiny import k3_tiny_dir, one_torch_thread  # noqa: F401
 
 
 def build(path: str, quantization: str | None = None, fmt: str = "auto"):

@@ -14,19 +14,14 @@ from safetensors.torch import load_file
 
 from kdaserve.config import LoadConfig, ModelConfig
 from kdaserve.models.loader import load_weights
-from kdaserve.models.make_model import make_model
 from kdaserve.models.registry import build_model, resolve_architecture
 from tests.models.k3_reference import K3Reference
+from tests.models.k3_tiny import k3_tiny_dir, one_torch_thread  # noqa: F401
 from tests.models.test_parity_hf import Runner, rel
 
 
-@pytest.fixture(scope="session")
-def k3_tiny_dir(tmp_path_factory) -> str:
-    return make_model(str(tmp_path_factory.mktemp("kimi_k3_tiny")), preset="kimi-k3-tiny")
-
-
 @pytest.fixture(scope="module")
-def k3(k3_tiny_dir):
+def k3(k3_tiny_dir):  # noqa: F811
     mc = ModelConfig(k3_tiny_dir)
     model = build_model(mc.arch, torch.float32, "cpu", resolve_architecture(mc.hf_config))
     load_weights(model, k3_tiny_dir, LoadConfig())

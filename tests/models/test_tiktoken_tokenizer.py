@@ -14,7 +14,7 @@ import pytest
 tiktoken = pytest.importorskip("tiktoken")
 
 from kdaserve.models.tokenizer import TiktokenTokenizer, get_tokenizer  # noqa: E402
-from tests.models.test_k3_model import k3_tiny_dir  # noqa: E402,F401
+from tests.models.k3_tiny import k3_tiny_dir, one_torch_thread  # noqa: E402,F401
 
 PAT = "|".join([
     r"""[\p{Han}]+""",
