@@ -54,3 +54,20 @@ def test_greedy_follows_the_reference_model(make_k3_llm, k3_tiny_dir):  # noqa: 
         if top2[t, 0] - top2[t, 1] > 1e-4:
             assert tok == int(logits[t].argmax()), t
     assert torch.isfinite(logits).all()
+
+
+def test_step_floor_counts_mxfp4_expert_bytes(make_k3_llm):  # noqa: F811
+    from kdaserve.engine.floor import weight_bytes
+    from kdaserve.kernels.mxfp4.format import packed_bytes
+
+    llm = make_k3_llm()
+    model, args = llm.llm_engine.model_runner.model, llm.llm_engine.model_runner.args
+    dense, per_expert, moe_layers = weight_bytes(model)
+    inter, lat = args.moe_intermediate_size, args.expert_input_size
+    assert per_expert == packed_bytes(2 * inter, lat) + packed_bytes(lat, inter)
+    assert moe_layers == args.mlp_layer_types.count("sparse")
+    params = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                 if "embed_tokens" not in n)
+    assert dense == params          # every parameter is non-expert; experts are buffers
+    floor = llm.llm_engine.step_floor
+    assert floor.per_expert_bytes == per_expert and floor.seconds(4, 400) > 0
