@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """`kdaserve serve` on kimi-k3-tiny (CPU): the Kimi tiktoken tokenizer in the API process, the
-XTML chat template with thinking / thinking_effort, and the server's greedy completions equal
-the offline engine's."""
+XTML chat template with thinking / thinking_effort, the kimi_k3 parsers on the think / response
+channels, and the server's greedy completions equal the offline engine's."""
 
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ PROMPT = [17, 230, 5, 991, 41, 41, 2000, 7, 88]
 @pytest.fixture(scope="module")
 def k3_server(k3_tiny_dir):  # noqa: F811
     srv = RemoteServer([k3_tiny_dir, "--api-key", API_KEY, "--max-model-len", "512",
-                        "--max-num-seqs", "8", "--served-model-name", "k3", "--seed", "0"])
+                        "--max-num-seqs", "8", "--served-model-name", "k3", "--seed", "0",
+                        "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
+                        "--enable-auto-tool-choice"])
     yield srv
     srv.stop()
 
@@ -52,3 +54,19 @@ def test_chat_uses_the_xtml_template(k3_server, k3_tiny_dir):  # noqa: F811
                                                   add_generation_prompt=True, **kwargs))
         assert r.usage.prompt_tokens == len(want), kwargs
         assert r.usage.completion_tokens == 3
+
+
+def test_kimi_k3_parsers_split_the_channels(k3_server):
+    """The random model never closes a channel: thinking on, the output is reasoning; thinking
+    off (the prompt opened the response channel), it is content."""
+    messages = [{"role": "user", "content": "Think first."}]
+    client = k3_server.client()
+    r = client.chat.completions.create(model="k3", messages=messages, max_tokens=6,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning"] and not msg.content
+    r = client.chat.completions.create(
+        model="k3", messages=messages, max_tokens=6, temperature=0,
+        extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
+    msg = r.choices[0].message
+    assert msg.content and not msg.model_extra.get("reasoning")
