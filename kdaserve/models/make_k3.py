@@ -33,7 +33,6 @@ from kdaserve.config.model_args import MXFP4_FORMAT, KimiLinearArgs
 from kdaserve.kernels.mxfp4.format import packed_bytes, quantize_mxfp4
 
 K3_PRESETS = ("kimi-k3-tiny", "kimi-k3-mini", "kimi-k3")
-K3_CHAT_TEMPLATE_FILE = "chat_template_k3.jinja"
 
 BOS, EOS, PAD, UNK = "[BOS]", "[EOS]", "[PAD]", "[UNK]"
 END_OF_MSG = "<|end_of_msg|>"
@@ -139,8 +138,8 @@ def write_k3_tokenizer(out_dir: str, model_max_length: int) -> dict[str, int]:
     """tiktoken.model (the ranks of a byte-level BPE trained on the shipped corpus),
     tokenizer_config.json (the special tokens as added_tokens_decoder, the K3 chat template)
     and chat_template.jinja. Returns the ids of the tokens the config names."""
-    from kdaserve.models.make_model import DATA_DIR, train_tokenizer
-    from kdaserve.models.tokenizer import _byte_chars
+    from kdaserve.models.make_model import train_tokenizer
+    from kdaserve.models.tokenizer import K3_CHAT_TEMPLATE, _byte_chars
 
     tok = train_tokenizer(TINY_VOCAB - NUM_SPECIAL, with_added_tokens=False)
     decode = {c: b for b, c in _byte_chars().items()}
@@ -154,7 +153,7 @@ def write_k3_tokenizer(out_dir: str, model_max_length: int) -> dict[str, int]:
     added = {str(i): dict(content=t, lstrip=False, normalized=False, rstrip=False,
                           single_word=False, special=t not in K3_MARKUP)
              for t, i in ids.items()}
-    with open(os.path.join(DATA_DIR, K3_CHAT_TEMPLATE_FILE), encoding="utf-8") as f:
+    with open(K3_CHAT_TEMPLATE, encoding="utf-8") as f:
         template = f.read()
     cfg = dict(added_tokens_decoder=added, bos_token=BOS, eos_token=EOS, pad_token=PAD,
                unk_token=UNK, model_max_length=model_max_length,

@@ -40,6 +40,19 @@ MAX_RUN_CHARS = 25_000
 the text is cut into pieces of at most these sizes first, as Kimi's tokenizer does."""
 
 
+K3_CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "data", "chat_template_k3.jinja")
+"""K3's XTML chat format, the template of folders of model_type kimi_k3 that ship none."""
+
+
+def _model_type(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
 def get_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer of `path` (a folder, or a hub id transformers resolves)."""
     if is_tiktoken_folder(path):
@@ -149,6 +162,10 @@ class TiktokenTokenizer:
         template_file = os.path.join(path, CHAT_TEMPLATE_FILE)
         if self.chat_template is None and os.path.isfile(template_file):
             with open(template_file, encoding="utf-8") as f:
+                self.chat_template = f.read()
+        if self.chat_template is None and _model_type(path) == "kimi_k3":
+            # Kimi K3 renders chats in Python (no template ships): kdaserve's XTML template
+            with open(K3_CHAT_TEMPLATE, encoding="utf-8") as f:
                 self.chat_template = f.read()
 
     # --------------------------------------------------------------------------- ids

@@ -70,3 +70,15 @@ def test_kimi_k3_parsers_split_the_channels(k3_server):
         extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": False}})
     msg = r.choices[0].message
     assert msg.content and not msg.model_extra.get("reasoning")
+
+
+def test_images_are_refused_with_a_clear_error(k3_server):
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    r = httpx.post(k3_server.url + "/v1/chat/completions",
+                   headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": "k3", "messages": messages, "max_tokens": 2})
+    assert r.status_code == 400     # the request validation refuses it, before the template
+    assert "image_url" in r.json()["error"]["message"]
+    assert k3_server.client().models.list().data       # the server lives on

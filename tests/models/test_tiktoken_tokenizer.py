@@ -143,3 +143,24 @@ def test_k3_preset_tokenizer_and_chat_format(k3_tiny_dir):  # noqa: F811
     assert 'name="a&quot;&amp;b"' in escaped
     with pytest.raises(Exception, match="thinking_effort"):
         tok.apply_chat_template(msgs[:1], tokenize=False, thinking_effort="medium")
+
+
+def test_k3_folder_without_template_gets_the_xtml_one(k3_tiny_dir, tmp_path):  # noqa: F811
+    import shutil
+
+    for name in ("tiktoken.model", "config.json"):
+        shutil.copy(os.path.join(k3_tiny_dir, name), tmp_path / name)
+    with open(os.path.join(k3_tiny_dir, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    del cfg["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = get_tokenizer(str(tmp_path))
+    assert tok.chat_template == get_tokenizer(k3_tiny_dir).chat_template
+
+
+def test_k3_template_refuses_images(k3_tiny_dir):  # noqa: F811
+    tok = get_tokenizer(k3_tiny_dir)
+    msg = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                        {"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(Exception, match="only the text model"):
+        tok.apply_chat_template(msg, tokenize=False)
