@@ -267,6 +267,11 @@ class KernelConfig:
     """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
     launches, gate|up then the down projection reading silu(gate) * up in its K loop
     (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
+    latent_moe_fused_tail: bool = True
+    """Latent MoE (Kimi K3): the routed experts (MXFP4 or bf16) as the Triton latent-MoE
+    kernels, whose tail launch sums the top-k expert outputs while it runs the latent norm and
+    up projection (kernels/moe/mxfp4_moe.py), instead of experts, top-k sum, norm and up
+    projection as separate ops."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

@@ -262,6 +262,58 @@ def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torc
     return _moe_loop(x, weights, w2_packed.shape[-1] * 2, topk_weights, topk_ids, act)
 
 
+def moe_partials_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                       w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_ids: torch.Tensor,
+                       act=silu_and_mul) -> torch.Tensor:
+    """Twin of kernels/moe/mxfp4_moe.py moe_partials with MXFP4 weights: each routing entry's
+    unweighted expert output, [N * k, D] in x.dtype (row n * k + j: expert topk_ids[n, j] on
+    x[n]; rows of ids outside [0, E) are zero)."""
+    from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
+
+    return moe_partials(x, lambda e: (dequantize_mxfp4(w13_packed[e], w13_scale[e]),
+                                      dequantize_mxfp4(w2_packed[e], w2_scale[e])),
+                        w13_packed.shape[0], topk_ids, act)
+
+
+def moe_partials(x: torch.Tensor, weights, num_experts: int, topk_ids: torch.Tensor,
+                 act=silu_and_mul) -> torch.Tensor:
+    """Twin of kernels/moe/mxfp4_moe.py moe_partials: weights(e) -> (w13 [2I, D],
+    w2 [D, I]) (dense: lambda e: (w13[e], w2[e])); fp32 math, [N * k, D] in x.dtype."""
+    N, k = topk_ids.shape
+    out = torch.zeros(N * k, x.shape[1], dtype=x.dtype, device=x.device)
+    ids = topk_ids.reshape(-1)
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < num_experts:
+            continue
+        rows = torch.where(ids == e)[0]
+        w13, w2 = (w.float() for w in weights(e))
+        inter = w2.shape[-1]
+        h = x[rows // k].float() @ w13.t()
+        out[rows] = (act(h[:, :inter], h[:, inter:]) @ w2.t()).to(x.dtype)
+    return out
+
+
+def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    up_weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                    residual: torch.Tensor | None = None,
+                    num_experts: int | None = None) -> torch.Tensor:
+    """Twin of kernels/moe/mxfp4_moe.py latent_moe_tail: lat[n] = sum_j w[n, j] *
+    partials[n * k + j] (fp32; ids outside [0, num_experts) skipped), RMSNorm(lat; norm_weight)
+    when given, @ up_weight^T (+ residual). Returns [N, H] in up_weight.dtype."""
+    N, k = topk_ids.shape
+    ok = topk_ids >= 0
+    if num_experts is not None:
+        ok &= topk_ids < num_experts
+    w = torch.where(ok, topk_weights.float(), 0.0)                            # [N, k]
+    lat = (w[..., None] * partials.float().view(N, k, -1).nan_to_num()).sum(1)  # [N, L]
+    if norm_weight is not None:
+        lat = lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    out = lat @ up_weight.float().t()
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(up_weight.dtype)
+
+
 def _moe_loop(x, weights, inter: int, topk_weights, topk_ids, act) -> torch.Tensor:
     """out[n] = sum_j topk_weights[n, j] * W2_e @ act(W1_e x_n, W3_e x_n), e = topk_ids[n, j];
     weights(e) -> (w13 [2I, D], w2 [D, I]). The top-k sum accumulates in fp32."""

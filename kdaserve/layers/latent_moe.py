@@ -9,6 +9,12 @@ is normed (routed_expert_norm, when latent_moe_use_norm) and mapped back by
 routed_expert_up_proj. The norm + up projection is the "latent tail": the MXFP4 MoE kernel is to
 fuse the top-k sum into it (no [T, L] round trip). Parameter names follow the K3 checkpoints
 under `mlp.` (`block_sparse_moe.` there).
+
+Backends (layers/backends.py latent_moe): reference (the CPU twins); unfused (experts, top-k
+sum, norm, up projection as separate ops); fused_tail on CUDA (kernels/moe/mxfp4_moe.py: the
+expert GEMMs read MXFP4 or bf16 weights directly and return each routing entry's output; one
+tail launch sums them with the routing weights inside the norm + up projection and adds the
+shared experts' output).
 """
 
 from __future__ import annotations
@@ -40,13 +46,37 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = nn.Linear(lat, h, bias=False)
         self.shared_experts = MLP(h, args.moe_intermediate_size * args.num_shared_experts,
                                   backends, act)
+        self.fused_tail = backends.latent_moe == "fused_tail"
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         topk_weights, topk_ids = self.gate(x, pdl=pdl)                      # [T, k]
         latent = linear(x, self.routed_expert_down_proj.weight, self.gemv, pdl=pdl)  # [T, L]
+        if self.fused_tail and x.is_cuda:
+            return self._fused_tail(x, latent, topk_weights, topk_ids, pdl)
         routed = self.experts(latent, topk_weights, topk_ids)               # [T, L]
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
         out = linear(routed, self.routed_expert_up_proj.weight, self.gemv, pdl=pdl)  # [T, H]
         return out + self.shared_experts(x, pdl)
+
+    def _fused_tail(self, x: torch.Tensor, latent: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, pdl: bool) -> torch.Tensor:
+        from kdaserve.kernels.moe.mxfp4_moe import latent_moe_tail, moe_partials
+
+        ex, act = self.experts, self.experts.act
+        if ex.quant == "mxfp4":
+            weights = (ex.gate_up_proj_packed, ex.down_proj_packed, ex.gate_up_proj_scale,
+                       ex.down_proj_scale)
+        else:
+            weights = (ex.gate_up_proj, ex.down_proj, None, None)
+        w13, w2, s13, s2 = weights
+        partials = moe_partials(latent, w13, w2, topk_ids, s13, s2, act.name, act.beta,
+                                act.linear_beta, pdl=pdl)                   # [T * k, L]
+        shared = self.shared_experts(x, pdl)                                # [T, H]
+        norm = self.routed_expert_norm
+        return latent_moe_tail(partials, topk_weights, topk_ids,
+                               self.routed_expert_up_proj.weight,
+                               None if norm is None else norm.weight,
+                               1e-6 if norm is None else norm.eps, shared,
+                               num_experts=w13.shape[0], pdl=pdl)

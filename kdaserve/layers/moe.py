@@ -76,6 +76,15 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [N, D]; topk_*: [N, k] -> sum_j w[n, j] * expert_j(x[n]), [N, D]."""
+        if self.quant == "mxfp4" and x.is_cuda and x.shape[1] % 32 == 0:
+            from kdaserve.kernels.moe.mxfp4_moe import moe_partials
+
+            N, k = topk_ids.shape
+            partials = moe_partials(x, self.gate_up_proj_packed, self.down_proj_packed, topk_ids,
+                                    self.gate_up_proj_scale, self.down_proj_scale,
+                                    self.act.name, self.act.beta, self.act.linear_beta)
+            return (partials.view(N, k, -1).float()
+                    * topk_weights[..., None].float()).sum(1).to(x.dtype)   # [N, D]
         if self.quant == "mxfp4":
             return ref.moe_experts_mxfp4(x, self.gate_up_proj_packed, self.gate_up_proj_scale,
                                          self.down_proj_packed, self.down_proj_scale,

@@ -81,3 +81,16 @@ def test_the_eager_plan_follows_the_batch():
     assert StepPlan.eager_for(2, 0, 0, exports=True).decode_only is False
     assert StepPlan.eager_for(0, 3, 0, exports=False).mode is ExecMode.EAGER
     assert StepPlan.eager_for(1, 3, 0, exports=False).mode is ExecMode.MIXED
+
+
+def test_latent_moe_switch_picks_the_fused_tail():
+    from kdaserve.layers.latent_moe import LatentMoE
+    from kdaserve.models.make_model import preset_args
+
+    assert select_backends(KernelConfig(), "cuda").latent_moe == "fused_tail"
+    assert select_backends(KernelConfig.baseline(), "cuda").latent_moe == "unfused"
+    args = preset_args("kimi-k3-tiny")
+    with torch.device("meta"):
+        on = LatentMoE(args, select_backends(KernelConfig(), "cuda"))
+        off = LatentMoE(args, select_backends(KernelConfig.baseline(), "cuda"))
+    assert on.fused_tail and not off.fused_tail

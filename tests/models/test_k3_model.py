@@ -75,3 +75,27 @@ def test_mxfp4_experts_stay_packed(k3):
     assert packed and all(b.dtype == torch.uint8 for _, b in packed)
     assert not any("experts.gate_up_proj" == n.rsplit(".", 1)[-1] for n, _ in
                    model.named_parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused_tail", [True, False])
+def test_cuda_bf16_path_matches_the_cpu_reference(k3, k3_tiny_dir, fused_tail):  # noqa: F811
+    """The CUDA kernels (KDA with the bounded full-rank gate, MLA, the MXFP4 latent MoE with
+    its fused tail or the unfused baseline) in bf16 against the CPU fp32 model."""
+    import dataclasses
+
+    from kdaserve.config import KernelConfig
+    from kdaserve.layers.backends import select_backends
+
+    model, args, _ = k3
+    mc = ModelConfig(k3_tiny_dir)
+    kc = dataclasses.replace(KernelConfig(), latent_moe_fused_tail=fused_tail)
+    gpu = build_model(mc.arch, torch.bfloat16, "cuda", resolve_architecture(mc.hf_config),
+                      select_backends(kc, "cuda"))
+    load_weights(gpu, k3_tiny_dir, LoadConfig())
+    reqs = [(0, list(range(5, 60)), 0), (1, list(range(100, 117)), 0)]
+    want = Runner(model, args, 2).step(reqs)
+    got = Runner(gpu, args, 2, dtype=torch.bfloat16, device="cuda").step(reqs)
+    for r in want:
+        assert rel(got[r].float(), want[r]) <= 2e-2
