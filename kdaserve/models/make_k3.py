@@ -54,7 +54,7 @@ def _layers(n: int, every: int, extra_last: bool) -> tuple[list[int], list[int]]
     return [i for i in range(1, n + 1) if i not in full], full
 
 
-def _text_arch(preset: str) -> dict:
+def text_arch(preset: str) -> dict:
     if preset == "kimi-k3-tiny":
         kda, full = [1, 3, 4, 5], [2, 6]
         return dict(
@@ -118,7 +118,7 @@ def k3_config(preset: str, token_ids: dict[str, int], vocab_size: int) -> dict:
         tie_word_embeddings=False, bos_token_id=token_ids["bos"],
         eos_token_id=token_ids["eos"], pad_token_id=token_ids["pad"],
         quantization_config=quantization_config())
-    text.update(copy.deepcopy(_text_arch(preset)))
+    text.update(copy.deepcopy(text_arch(preset)))
     cfg = dict(architectures=["KimiK3ForConditionalGeneration"], model_type="kimi_k3",
                text_config=text, bos_token_id=text["bos_token_id"],
                eos_token_id=text["eos_token_id"], pad_token_id=text["pad_token_id"],
@@ -256,16 +256,16 @@ def count(args: KimiLinearArgs, dtype: torch.dtype = torch.bfloat16) -> dict[str
 
 
 def _amount(n: float, units: tuple[str, ...], base: float) -> str:
-    for unit in units[:-1]:
-        if n < base:
-            return f"{n:.2f} {unit}"
+    for unit in units:
+        if n < base or unit == units[-1]:
+            return f"{n:.2f} {unit}".rstrip()
         n /= base
-    return f"{n:.2f} {units[-1]}"
+    raise AssertionError(units)
 
 
 def format_count(preset: str, c: dict[str, int]) -> str:
     def params(n):
-        return _amount(n, ("", "K", "M", "B", "T"), 1000.0).rstrip() + " parameters"
+        return _amount(n, ("", "K", "M", "B", "T"), 1000.0) + " parameters"
 
     def size(n):
         return _amount(n, ("B", "KiB", "MiB", "GiB", "TiB"), 1024.0)

@@ -230,7 +230,7 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
 
 
 def _make_k3_model(out_dir: str, preset: str, seed: int) -> str:
-    max_len = int(make_k3._text_arch(preset)["model_max_length"])
+    max_len = int(make_k3.text_arch(preset)["model_max_length"])
     ids = make_k3.write_k3_tokenizer(out_dir, max_len)
     cfg = make_k3.k3_config(preset, ids, ids["vocab_size"])
     args = KimiLinearArgs.from_hf_config(cfg)  # validates the config we are about to write

@@ -215,3 +215,34 @@ def test_kimi_linear_config_with_k3_fields():
     model.process_weights_after_loading()
     out = Runner(model, args, 2).step([(0, [5, 6, 7, 8], 0), (1, list(range(3, 40)), 0)])
     assert all(torch.isfinite(o).all() for o in out.values())
+
+
+# --- presets -------------------------------------------------------------------------------------
+
+def test_count_presets():
+    import subprocess
+    import sys
+
+    from kdaserve.models.make_model import preset_args
+
+    out = subprocess.run([sys.executable, "-m", "kdaserve.entrypoints.cli", "make-model",
+                          "--preset", "kimi-k3", "--count"], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("kimi-k3: ") and "T parameters" in out.stdout, out.stdout
+    full = make_k3.count(preset_args("kimi-k3"))
+    # 92 MoE layers of 896 experts x 3 x 3584 x 3072 weights at 4.25 bits
+    assert full["expert_params"] == 92 * 896 * 3 * 3584 * 3072
+    assert full["expert_bytes"] == full["expert_params"] * 17 // 32
+    mini = make_k3.count(preset_args("kimi-k3-mini"))
+    assert mini["expert_bytes"] > mini["bytes"] - mini["expert_bytes"]   # the MoE dominates
+    assert mini["bytes"] < 40 * 2 ** 30          # one H200 with room for caches
+
+
+def test_config_only_presets(tmp_path):
+    from kdaserve.models.make_model import make_model
+
+    path = make_model(str(tmp_path / "k3"), preset="kimi-k3")
+    assert not os.path.exists(os.path.join(path, "model.safetensors"))
+    args = ModelConfig(path).arch
+    assert args.num_hidden_layers == 93 and args.has_vision
