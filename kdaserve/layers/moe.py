@@ -1,5 +1,7 @@
-"""Sparse MoE block: sigmoid router with selection-only correction bias, routed SwiGLU experts,
-shared expert. Parameter names follow transformers' KimiLinearMoE."""
+"""Sparse MoE block: sigmoid router with selection-only correction bias, routed gated experts
+(SwiGLU, or SiTU; model dtype or MXFP4), shared expert. Parameter names follow transformers'
+KimiLinearMoE. The router and the experts are also the parts of the latent MoE
+(layers/latent_moe.py)."""
 
 from __future__ import annotations
 

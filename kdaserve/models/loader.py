@@ -402,19 +402,23 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
     selection bias then decides, so every token picks the same experts).
     spread: the same, except router weights `mlp.gate.weight` ~ N(0, 0.02) and
     `e_score_correction_bias` = 0, so the choice depends on the token.
-    MXFP4 experts (`*_packed` + `*_scale`) hold the MXFP4 packing of such uniform values,
-    drawn one expert at a time (no full-size float temporary).
+    MXFP4 experts (`*_packed` + `*_scale`) hold the MXFP4 packing of exactly the values the
+    same model with model-dtype experts gets (same seed, same draw), so `--quantization mxfp4`
+    on dummy weights is the quantised twin of the dummy bf16 model.
     """
     if dummy_routing not in ("vllm", "spread"):
         raise ValueError(f"dummy_routing must be vllm or spread, got {dummy_routing!r}")
     seen: set[int] = set()
     with torch.no_grad():
         tensors = _loadable_tensors(model)
+        float_dtype = next((t.dtype for n, t in tensors.items() if t.is_floating_point()
+                            and not n.endswith(FP32_SUFFIXES)), torch.float32)
         for name, t in tensors.items():
             data = t.data
             if name.endswith("_packed") and data.device.type != "meta":
-                _fill_mxfp4_dummy(data, tensors[name.removesuffix("_packed") + "_scale"].data,
-                                  tensor_seed(seed, name))
+                base = name.removesuffix("_packed")
+                _fill_mxfp4_dummy(data, tensors[base + "_scale"].data, tensor_seed(seed, base),
+                                  float_dtype)
                 continue
             if not data.is_floating_point() or data.device.type == "meta":
                 continue
@@ -430,16 +434,16 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
                 _fill(data, s, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
 
 
-def _fill_mxfp4_dummy(packed: torch.Tensor, scale: torch.Tensor, seed: int) -> None:
-    """packed [E, N, K/2], scale [E, N, K/32] <- quantize_mxfp4(U(-1e-3, 1e-3) [N, K]) per
-    expert."""
-    gen = torch.Generator(device=packed.device)
-    gen.manual_seed(seed)
+def _fill_mxfp4_dummy(packed: torch.Tensor, scale: torch.Tensor, seed: int,
+                      dtype: torch.dtype) -> None:
+    """packed [E, N, K/2], scale [E, N, K/32] <- quantize_mxfp4 of the [E, N, K] tensor in
+    dtype that the model-dtype experts' dummy fill draws with this seed (quantised one expert
+    at a time)."""
     n, k = packed.shape[-2], packed.shape[-1] * 2
+    w = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
+    _fill(w, seed, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
     for e in range(packed.shape[0]):
-        w = torch.empty(n, k, dtype=torch.float32, device=packed.device)
-        w.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=gen)
-        p, s = quantize_mxfp4(w)
+        p, s = quantize_mxfp4(w[e])
         packed[e].copy_(p)
         scale[e].copy_(s)
 

@@ -134,9 +134,15 @@ def test_dummy_packs_uniform_weights(k3_tiny_dir):  # noqa: F811
     assert torch.equal(a[name], b[name])
     w = dequantize_mxfp4(a[name], a[name.replace("_packed", "_scale")])
     assert w.abs().max() <= 1e-3 and w.abs().max() > 5e-4 and (w != 0).float().mean() > 0.5
-    # what quantize_mxfp4 makes of such weights
-    p, s = quantize_mxfp4(torch.empty(64, 64).uniform_(-1e-3, 1e-3))
-    assert (s == a[name.replace("_packed", "_scale")][0, 0, 0]).any()
+    # exactly the quantisation of the dummy weights of the same model with bf16 experts
+    folder = k3_tiny_dir
+    mc = ModelConfig(folder)
+    plain = build_model(dataclasses.replace(mc.arch, expert_quantization=None), torch.float32,
+                        "cpu", resolve_architecture(mc.hf_config))
+    load_weights(plain, folder, LoadConfig(load_format="dummy"))
+    dense = dict(plain.named_parameters())["model.layers.2.mlp.experts.down_proj"]
+    p, s = quantize_mxfp4(dense.data)
+    assert torch.equal(p, a[name]) and torch.equal(s, a[name.replace("_packed", "_scale")])
 
 
 def test_fastsafetensors_falls_back_with_one_log_line(k3_tiny_dir, caplog):  # noqa: F811

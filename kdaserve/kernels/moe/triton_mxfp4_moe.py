@@ -62,12 +62,15 @@ def _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we,
     """(even-K columns, odd-K columns) [BKH, BN] of the weight rows offs_n: decoded from MXFP4,
     or read from a dense [E, N, K] weight (the bf16 baseline; s_ptr unused)."""
     if MXFP4:
-        return _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we,
-                           stride_wn, stride_se, stride_sn, DTYPE)
-    j = j0 + offs_j
-    mask = (j < half_k)[:, None] & mask_n[None, :]
-    ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + 2 * j[:, None]
-    return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + 1, mask=mask, other=0.0)
+        lo, hi = _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we,
+                             stride_wn, stride_se, stride_sn, DTYPE)
+    else:
+        j = j0 + offs_j
+        mask = (j < half_k)[:, None] & mask_n[None, :]
+        ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + 2 * j[:, None]
+        lo = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+        hi = tl.load(ptrs + 1, mask=mask, other=0.0).to(DTYPE)
+    return lo, hi
 
 
 @triton.jit
