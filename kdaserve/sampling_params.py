@@ -1,4 +1,5 @@
-"""SamplingParams with vLLM's field names and validation."""
+"""SamplingParams with vLLM's field names and validation; StructuredOutputsParams, the
+constraint a request's output must follow (vLLM's `structured_outputs`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,53 @@ import copy
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint on the whole output (vLLM's names): `json` a JSON schema (a dict
+    or its JSON text), `regex` a pattern the output must match in full, `choice` one of these
+    strings, `grammar` an EBNF grammar (GBNF style, `root ::= ...`; Lark syntax when it has no
+    `::=`), `json_object` any JSON object. disable_any_whitespace: JSON without whitespace
+    between tokens (else any amount may appear, as in vLLM).
+
+    Only the shape is checked here; whether the schema / pattern / grammar parses is checked
+    by kdaserve.structured_output.validate_structured_outputs (it needs the grammar library)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            kinds = ", ".join(STRUCTURED_OUTPUT_KINDS)
+            raise ValueError(f"structured_outputs needs exactly one of {kinds}, "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its "
+                             f"JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            self.choice = list(self.choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -37,8 +85,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     max_logprobs: int = field(default=_MAX_LOGPROBS, repr=False)
+    structured_outputs: StructuredOutputsParams | None = None
+    """The output must follow this constraint (grammar-masked sampling); None = free text."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):   # from the wire (dataclasses.asdict)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
@@ -80,6 +132,9 @@ class SamplingParams:
                 bad("logit_bias", f"keys must be token ids >= 0 (key {tok!r})")
             if not -100.0 <= val <= 100.0:
                 bad("logit_bias", f"values must be in [-100, 100] (token {tok}: {val})")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be StructuredOutputsParams")
 
     @property
     def has_penalties(self) -> bool:

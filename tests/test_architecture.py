@@ -3,7 +3,8 @@
 Each package may import only leftward, lowest layer first:
 kernels <- attention, layers <- models <- spec_decode <- worker <- engine <- entrypoints.
 ``config`` is a leaf (it imports no package of kdaserve), and so are ``sampling_params`` and
-``outputs``; ``request`` imports only ``sampling_params``. ``attention`` and ``sample`` sit on the
+``outputs``; ``request`` imports only ``sampling_params``. ``attention``, ``sample`` and
+``structured_output`` (the grammar backend and the engine core's grammar state) sit on the
 kernels; ``layers`` uses attention (never the sampler); ``spec_decode`` may read ``core``'s
 scheduler-output types. ``core/`` imports only config, request and sampling params and never
 touches ``torch.cuda``: it is pure scheduling and cache bookkeeping, unit-testable on CPU.
@@ -44,28 +45,30 @@ ALLOWED: dict[str, set[str]] = {
     # 2.
     "attention": {"kernels", "config", "sampling_params", "outputs"},
     "sample": {"kernels", "config", "sampling_params", "outputs"},
+    "structured_output": {"kernels", "config", "sampling_params", "outputs"},
     # 3.
     "layers": {"attention", "kernels", "config"},
     # 4.
     "models": {"layers", "attention", "kernels", "config"},
     # 5. (core: the scheduler-output types)
-    "spec_decode": {"models", "layers", "attention", "sample", "kernels", "config",
-                    "sampling_params", "outputs", "core"},
+    "spec_decode": {"models", "layers", "attention", "sample", "structured_output", "kernels",
+                    "config", "sampling_params", "outputs", "core"},
     # 6.
-    "worker": {"spec_decode", "models", "layers", "attention", "sample", "kernels", "config",
-               "sampling_params", "outputs", "request", "core", "distributed", "disagg"},
+    "worker": {"spec_decode", "models", "layers", "attention", "sample", "structured_output",
+               "kernels", "config", "sampling_params", "outputs", "request", "core",
+               "distributed", "disagg"},
     # 7.
-    "engine": {"worker", "spec_decode", "models", "layers", "attention", "sample", "kernels",
-               "config", "sampling_params", "outputs", "request", "core", "distributed",
-               "disagg"},
+    "engine": {"worker", "spec_decode", "models", "layers", "attention", "sample",
+               "structured_output", "kernels", "config", "sampling_params", "outputs",
+               "request", "core", "distributed", "disagg"},
     # 8.
     "bench": {"engine", "worker", "spec_decode", "models", "layers", "attention", "sample",
-              "kernels", "config", "sampling_params", "outputs", "request", "core",
-              "distributed", "disagg"},
+              "structured_output", "kernels", "config", "sampling_params", "outputs",
+              "request", "core", "distributed", "disagg"},
     # 9.
     "entrypoints": {"bench", "engine", "worker", "spec_decode", "models", "layers", "attention",
-                    "sample", "kernels", "config", "sampling_params", "outputs", "request",
-                    "core", "distributed", "disagg"},
+                    "sample", "structured_output", "kernels", "config", "sampling_params",
+                    "outputs", "request", "core", "distributed", "disagg"},
     # beside the layers
     "core": {"config", "request", "sampling_params"},
     "distributed": {"config"},

@@ -8,6 +8,7 @@ only what changed (vLLM's "new vs cached" split).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kdaserve.sampling_params import SamplingParams
 
@@ -87,6 +88,13 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(src_block, dst_block) MLA latent-KV block copies to do before the forward (copy-on-write of
     a partially filled block when n > 1 samples fork from one prompt)."""
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    """Sampling requests whose output follows a grammar, in grammar_bitmask row order (filled by
+    the engine core's structured-output manager after schedule())."""
+    grammar_bitmask: Any = None
+    """[rows, ceil(vocab_size / 32)] int32 host array (bit t of a row: token t allowed), 1 + its
+    scheduled drafts rows per structured_output_request_ids entry; None when no structured
+    request samples this step."""
 
     @property
     def is_empty(self) -> bool:

@@ -34,7 +34,7 @@ return [] for the others.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kdaserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
@@ -107,6 +107,9 @@ class Scheduler:
         """Forked children the worker has not seen yet (they go out as NewRequestData)."""
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.grammar_ready: Callable[[Request], bool] | None = None
+        """Set by the engine: False while a waiting structured-output request's grammar is
+        still compiling (it is passed over, not blocking the queue). None: all are ready."""
 
     def _check_config(self, num_gpu_blocks: int) -> None:
         if self.max_num_scheduled_tokens <= 0:
@@ -240,8 +243,12 @@ class Scheduler:
         # WAITING next, FCFS, only if nobody was preempted this step.
         if not preempted:
             num_seqs = sum(self._weight(r) for r in self.running)
+            skipped: list[Request] = []   # waiting for their grammar: passed, kept in order
             while self.waiting and token_budget > 0 and input_budget > charge:
                 request = self.waiting[0]
+                if self._waits_for_grammar(request):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if request.num_output_placeholders:
                     break  # preempted with a token in flight: re-admit it once it has landed
                 weight = self._weight(request)
@@ -274,9 +281,16 @@ class Scheduler:
                 token_budget -= num_new
                 input_budget -= num_new + charge
                 scheduled.append(request)
+            self.waiting.extendleft(reversed(skipped))
 
         self._build_output(out, scheduled, new_blocks, preempted)
         return out
+
+    def _waits_for_grammar(self, request: Request) -> bool:
+        """A structured-output request whose grammar is not compiled yet (vLLM's
+        WAITING_FOR_FSM): the engine's `grammar_ready` hook decides."""
+        return (request.sampling_params.structured_outputs is not None
+                and self.grammar_ready is not None and not self.grammar_ready(request))
 
     def _allocate_waiting(self, request: Request, hit: PrefixHit | None, num_new: int,
                           out: SchedulerOutput) -> list[int] | None:

@@ -6,6 +6,11 @@ task turns the core's per-step token outputs into text (OutputProcessor: detoken
 strings) and dispatches them into per-request collectors; a stop string aborts its sample in
 the core. `generate()` is an async iterator per request; leaving it early (client gone, task
 cancelled) aborts the request in the core at once, which frees its KV blocks and state slot.
+
+Backpressure: a consumer that stops taking its outputs (a client that no longer reads its
+stream) lets them pile up in its collector; past `stream_buffer_limit` undelivered step outputs
+the request is aborted in the core, so it stops costing the engine, and its consumer, should
+it resume, gets what was buffered and then the error.
 """
 
 from __future__ import annotations
@@ -73,6 +78,11 @@ class _RequestCollector:
         self.num_generation_tokens = 0
         self.finish_reasons: list[str] = []
 
+    @property
+    def num_pending(self) -> int:
+        """Step outputs put and not yet taken by the consumer."""
+        return len(self.pending)
+
     def put(self, delta: RequestOutput) -> None:
         self.num_generation_tokens += sum(len(c.token_ids) for c in delta.outputs)
         self.finish_reasons += [c.finish_reason for c in delta.outputs if c.finish_reason]
@@ -113,7 +123,8 @@ def _extend(out: CompletionOutput, c: CompletionOutput) -> None:
 class AsyncEngine:
     def __init__(self, proc: multiprocessing.Process, ctx: zmq.asyncio.Context,
                  input_sock: zmq.asyncio.Socket, output_sock: zmq.asyncio.Socket,
-                 info: dict[str, Any], ipc_dir: str, tokenizer: Any):
+                 info: dict[str, Any], ipc_dir: str, tokenizer: Any,
+                 stream_buffer_limit: int | None = None):
         self.proc = proc
         self.ctx = ctx
         self.input_sock = input_sock
@@ -130,7 +141,12 @@ class AsyncEngine:
         self.collectors: dict[str, _RequestCollector] = {}
         self.stats_waiters: dict[int, asyncio.Future] = {}
         self.nonces = itertools.count()
+        self.stream_buffer_limit = stream_buffer_limit
+        """Undelivered step outputs a request may buffer before it is aborted (None: no
+        limit)."""
         self.dead_error: EngineDeadError | None = None
+        self.closed = False
+        """shutdown() has begun: nothing more is sent to the core."""
         self.request_observer: Callable[[RequestTiming], None] | None = None
         self.tasks = [asyncio.create_task(self._output_loop()),
                       asyncio.create_task(self._watch_process())]
@@ -139,9 +155,11 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, engine_kwargs: dict[str, Any], startup_timeout: float = 900.0,
-                    log_level: str = "INFO") -> "AsyncEngine":
+                    log_level: str = "INFO",
+                    stream_buffer_limit: int | None = None) -> "AsyncEngine":
         """Spawn the core process, wait until its engine is built, load the tokenizer, return
-        the front.
+        the front. stream_buffer_limit: see the module docstring (None: never abort a request
+        for a consumer that lags).
 
         Raises EngineStartupError with the engine's message (e.g. a bad flag value)."""
         ipc_dir = tempfile.mkdtemp(prefix="kdaserve-")
@@ -175,7 +193,8 @@ class AsyncEngine:
         except BaseException:
             _close(proc, ctx, (input_sock, output_sock), ipc_dir)
             raise
-        return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir, tokenizer)
+        return cls(proc, ctx, input_sock, output_sock, msg.info, ipc_dir, tokenizer,
+                   stream_buffer_limit)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -187,9 +206,13 @@ class AsyncEngine:
 
         delta=False: each output is cumulative (all text / tokens so far), as LLMEngine.step.
         delta=True: each output holds only what is new since the previous one.
-        Raises ValueError if the engine rejects the request, EngineDeadError if it is gone."""
+        Raises ValueError if the engine rejects the request, EngineDeadError if it is gone (or
+        shut down, or abort_all failed the request); RuntimeError if it was aborted otherwise
+        (abort(), a step failure, a consumer past stream_buffer_limit)."""
         if self.dead_error is not None:
             raise self.dead_error
+        if self.closed:
+            raise EngineDeadError("the engine is shut down")
         if request_id in self.collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = list(prompt_token_ids)
@@ -219,10 +242,32 @@ class AsyncEngine:
                 collector.fail(RuntimeError(f"request {rid} was aborted"))
         self._abort_now(ids)
 
+    def abort_all(self, reason: str) -> int:
+        """Fail every request in flight with EngineDeadError(reason) and abort it in the core
+        (a server's shutdown once its graceful timeout is over: each consumer gets the error,
+        and a stream can end with an error event). Returns how many requests there were."""
+        request_ids = list(self.collectors)
+        error = EngineDeadError(reason)
+        for rid in request_ids:
+            self.collectors[rid].fail(error)
+        if request_ids:
+            self._abort_now(request_ids)
+        return len(request_ids)
+
     def _abort_now(self, request_ids: list[str]) -> None:
         self.output_processor.abort_requests(request_ids)
         if self.dead_error is None:
             self._send(AbortRequests(request_ids))
+
+    def _abort_stalled(self, request_id: str, collector: _RequestCollector) -> None:
+        """The consumer has not taken `stream_buffer_limit` step outputs: abort the request
+        (its blocks and slot are freed) and fail the collector after what it holds."""
+        logger.info("request %s aborted: its client has not read %d step outputs",
+                    request_id, collector.num_pending)
+        self._abort_now([request_id])
+        collector.fail(RuntimeError(
+            f"request {request_id} was aborted: its client stopped reading the stream "
+            f"({collector.num_pending} step outputs buffered)"))
 
     async def get_stats(self) -> SchedulerStats:
         if self.dead_error is not None:
@@ -249,7 +294,11 @@ class AsyncEngine:
         return len(self.collectors)
 
     def _send(self, msg) -> None:
-        # PUSH to a connected peer queues at once; the future needs no awaiting.
+        # PUSH to a connected peer queues at once; the future needs no awaiting. After
+        # shutdown() began, the socket is (being) closed and the core is stopped regardless:
+        # a generator finalized late (its consumer cancelled at exit) must not touch it.
+        if self.closed:
+            return
         self.input_sock.send(self.encoder.encode(msg), copy=False)
 
     # --------------------------------------------------------------------------- background
@@ -259,6 +308,10 @@ class AsyncEngine:
             while True:
                 raw = await self.output_sock.recv(copy=False)
                 self._dispatch(self.decoder.decode(raw.buffer))
+                # A message already queued is received without suspending: yield, so that
+                # the consumers take each step's outputs before the next step's (a backlog
+                # must not count as a client that stopped reading).
+                await asyncio.sleep(0)
         except Exception as e:  # noqa: BLE001 - a broken channel means a dead engine
             logger.exception("engine output loop failed")
             self._set_dead(f"engine output channel failed: {e}")
@@ -273,6 +326,9 @@ class AsyncEngine:
                 collector.put(out)
                 if out.finished:
                     self._observe(collector, out)
+                elif (self.stream_buffer_limit is not None and collector.error is None
+                      and collector.num_pending > self.stream_buffer_limit):
+                    self._abort_stalled(out.request_id, collector)
             if processed.reqs_to_abort:
                 self._send(AbortRequests(processed.reqs_to_abort, stopped=True))
         elif isinstance(msg, RequestFailed):
@@ -318,14 +374,27 @@ class AsyncEngine:
     # ------------------------------------------------------------------------------ shutdown
 
     async def shutdown(self) -> None:
+        """Fail what is still in flight, stop the core (a Shutdown message, then SIGTERM,
+        then SIGKILL) and release the sockets. Idempotent; later calls into the engine send
+        nothing (generate() raises EngineDeadError)."""
+        if self.closed:
+            return
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        error = self.dead_error or EngineDeadError("the engine is shut down")
+        for collector in self.collectors.values():
+            collector.fail(error)
+        for future in self.stats_waiters.values():
+            if not future.done():
+                future.set_exception(error)
         if self.proc.is_alive():
             try:
                 self._send(Shutdown())
             except zmq.ZMQError:
                 pass
+        self.closed = True
+        if self.proc.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 5.0)
         _close(self.proc, self.ctx, (self.input_sock, self.output_sock), self.ipc_dir)
 

@@ -5,12 +5,18 @@
 token-level outputs (new token ids, logprobs, the scheduler's finish reasons: EOS, stop token
 ids, length, abort). It never detokenizes and never sees stop strings: those are the front's
 (OutputProcessor), which aborts a request here when a stop string ends it. Every call into
-kdaserve.worker is made here.
+kdaserve.worker is made here. Structured outputs' grammar state (kdaserve.structured_output)
+lives here too, beside the scheduler: after each schedule it puts the step's token bitmask into
+the SchedulerOutput, after each step it advances the grammars over the sampled tokens and cuts
+the next drafts where the grammar refuses them; without a structured request alive every hook
+is skipped.
 
 `EngineCoreProc` runs an EngineCore in its own process for the server: a busy loop that takes
 new / abort / stats messages from the input socket, steps while work exists and pushes each
 step's token outputs back (kdaserve.engine.core_client is the wire protocol). When idle it
-blocks on the socket (1 s at a time, to notice a dead parent).
+blocks on the socket (1 s at a time, to notice a dead parent). The front owns its lifetime:
+SIGINT (a terminal's Ctrl-C reaches the whole process group) is ignored, so that the front's
+graceful shutdown still has an engine; SIGTERM ends it quietly.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,6 +45,8 @@ from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, 
 from kdaserve.engine.floor import StepFloor, measure_copy_bandwidth
 from kdaserve.request import Request, RequestStatus
 from kdaserve.sampling_params import SamplingParams
+from kdaserve.structured_output.manager import StructuredOutputManager
+from kdaserve.structured_output.spec import validate_structured_outputs
 
 if TYPE_CHECKING:
     from kdaserve.worker.input_batch import LaunchedStep
@@ -45,10 +54,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SLOW_STEP_S = 1.0
-"""A step slower than this is logged as a warning (a decode step takes milliseconds and a full
-8K-token prefill well under this): it shows mid-serving JIT or autotune stalls."""
+"""A step slower than this is logged (a decode step on a GPU takes milliseconds and a full
+8K-token prefill well under this): on CUDA as a warning, since it shows mid-serving JIT or
+autotune stalls; elsewhere (the CPU reference path is slow by nature) at debug level."""
 
 _IDLE_POLL_MS = 1000
+_GRAMMAR_WAIT_S = 0.005
+"""How long a step with nothing to schedule waits for a grammar compilation before returning."""
+
+
+def slow_step_log_level(device_type: str) -> int:
+    """The level of the slow-step line: a warning only where JIT compilation or autotuning
+    of a new shape is its likely cause (Triton kernels and CUDA graphs, on CUDA)."""
+    return logging.WARNING if device_type == "cuda" else logging.DEBUG
 
 
 def config_eos_token_ids(config: EngineConfig) -> list[int]:
@@ -90,11 +108,22 @@ class EngineCore:
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None
+        self._slow_step_level = slow_step_log_level(self.model_runner.device.type)
+        mc = config.model_config
+        self.structured_output = StructuredOutputManager(mc.tokenizer, mc.arch.vocab_size,
+                                                         mc.trust_remote_code)
+        self.scheduler.grammar_ready = self.structured_output.grammar_ready
 
     # ------------------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; a structured-output one is checked here (ValueError when its
+        schema / pattern / grammar does not parse) and its grammar starts compiling."""
+        structured = request.sampling_params.structured_outputs
+        spec = validate_structured_outputs(structured) if structured is not None else None
         self.scheduler.add_request(request)
+        if spec is not None:
+            self.structured_output.add_request(request, spec)
 
     def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         """Finish requests from outside and free their blocks and slots. stopped: a stop
@@ -128,21 +157,30 @@ class EngineCore:
         prev, self._in_flight = self._in_flight, None
         if prev is not None and not self._can_overlap():
             return self._process(prev)
+        structured = self.structured_output.active
+        failed = self._fail_grammars() if structured else []
         so = self.scheduler.schedule()
+        if structured:
+            self.structured_output.grammar_bitmask(so, self.scheduler.requests)
         cur = _StepInFlight(so, self._decode_context(so), time.perf_counter(),
                             self.worker.launch(so))
-        outputs = self._process(prev) if prev is not None else []
+        outputs = failed + (self._process(prev) if prev is not None else [])
         if cur.launched.output is None and self._can_overlap():
             self._in_flight = cur
         else:
             outputs += self._process(cur)
+        if structured and so.is_empty and prev is None:
+            self.structured_output.wait_for_compile(_GRAMMAR_WAIT_S)
         return outputs
 
     def _can_overlap(self) -> bool:
-        """May the next step be scheduled before the last one's output is processed?"""
+        """May the next step be scheduled before the last one's output is processed? Not with
+        penalties or a grammar: their next logits depend on the token still in flight."""
         return (self.engine_config.scheduler_config.async_scheduling
                 and self.model_runner.spec is None
-                and not any(r.sampling_params.has_penalties for r in self.scheduler.running))
+                and not any(r.sampling_params.has_penalties
+                            or r.sampling_params.structured_outputs is not None
+                            for r in self.scheduler.running))
 
     def _process(self, step: _StepInFlight) -> list[EngineCoreOutput]:
         """Collect a launched step (waits for its sampled ids), then update the scheduler."""
@@ -155,8 +193,43 @@ class EngineCore:
         self._last_collect = now
         self._record_step_time(so, step.context, elapsed)
         outputs = self.scheduler.update_from_output(so, ro)
-        if ro.draft_token_ids:
-            self.scheduler.update_draft_token_ids(ro.draft_token_ids)
+        drafts = ro.draft_token_ids
+        if self.structured_output.active:
+            self._end_refused(outputs, self.structured_output.accept_tokens(outputs))
+            if drafts:
+                drafts = self.structured_output.validate_drafts(drafts)
+        if drafts:
+            self.scheduler.update_draft_token_ids(drafts)
+        return outputs
+
+    # ------------------------------------------------------------------- structured outputs
+
+    def _end_refused(self, outputs: list[EngineCoreOutput], refused: list[str]) -> None:
+        """Abort requests whose sampled tokens their grammar refused (an engine fault: the
+        masks allow only grammatical tokens); their outputs this step carry the abort."""
+        if not refused:
+            return
+        self.scheduler.finish_requests(refused, RequestStatus.FINISHED_ABORTED)
+        for out in outputs:
+            if out.req_id in refused and out.finish_reason is None:
+                out.finish_reason = "abort"
+
+    def _fail_grammars(self) -> list[EngineCoreOutput]:
+        """Abort the requests whose grammar failed to compile; one final output per sample."""
+        outputs = []
+        for front_id, reason in self.structured_output.take_failed():
+            logger.error("request %s: its grammar failed to compile (%s); aborting it",
+                         front_id, reason)
+            for r in list(self.scheduler.requests.values()):
+                if (r.parent_req_id or r.req_id) != front_id:
+                    continue
+                ids = ([(r.child_req_id(i), r.req_id, i) for i in range(r.num_samples)]
+                       if r.is_fork_parent else [(r.req_id, r.parent_req_id, r.sample_index)])
+                outputs += [EngineCoreOutput(rid, [], finish_reason="abort",
+                                             parent_req_id=parent, sample_index=i)
+                            for rid, parent, i in ids]
+            self.scheduler.finish_requests(front_id, RequestStatus.FINISHED_ABORTED)
+            self.structured_output.forget(front_id)
         return outputs
 
     # ------------------------------------------------------------------------ floor, stats
@@ -184,11 +257,13 @@ class EngineCore:
         if context is not None:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = elapsed / floor
-        if elapsed > SLOW_STEP_S:
-            logger.warning("slow step: %.2f s for %d tokens of %d requests (%d new)%s: "
-                           "JIT compilation or autotuning of a new shape?", elapsed,
-                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens),
-                           len(so.scheduled_new_reqs), " (decode only)" if context else "")
+        if elapsed > SLOW_STEP_S and logger.isEnabledFor(self._slow_step_level):
+            guess = (": JIT compilation or autotuning of a new shape?"
+                     if self._slow_step_level >= logging.WARNING else "")
+            logger.log(self._slow_step_level, "slow step: %.2f s for %d tokens of %d requests "
+                       "(%d new)%s%s", elapsed, so.total_num_scheduled_tokens,
+                       len(so.num_scheduled_tokens), len(so.scheduled_new_reqs),
+                       " (decode only)" if context else "", guess)
 
     def get_stats(self) -> SchedulerStats:
         """Everything but the token counters, which the front keeps."""
@@ -284,9 +359,12 @@ class EngineCoreProc:
 
 def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr: str,
                     parent_pid: int, log_level: str = "INFO") -> None:
-    """Entry point of the core process: build the core, report Ready, then loop."""
+    """Entry point of the core process: build the core, report Ready, then loop until the
+    front sends Shutdown, SIGTERM arrives or the parent is gone."""
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s [engine-core] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ctx = zmq.Context()
     input_sock = ctx.socket(zmq.PULL)
     input_sock.connect(input_addr)
@@ -310,6 +388,12 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
         input_sock.close(linger=0)
         output_sock.close(linger=1000)
         ctx.term()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM: leave the loop through SystemExit (its finally closes the sockets); no
+    traceback, exit status 0."""
+    raise SystemExit(0)
 
 
 def _engine_info(core: EngineCore) -> dict[str, Any]:

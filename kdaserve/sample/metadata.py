@@ -152,7 +152,9 @@ def min_tokens_banned_ids(
 ) -> list[tuple[int, int]]:
     """(row, token) pairs to ban: a row with fewer than min_tokens outputs may not emit a token
     that would end it: its stop_token_ids, and EOS unless ignore_eos (then EOS ends nothing and is
-    an ordinary token), as vLLM."""
+    an ordinary token), as vLLM. Not for a structured-output row: its grammar decides when stop
+    tokens may come (once complete it allows nothing else; a ban would leave no token at all),
+    and a stop token before min_tokens does not end the request."""
     if len(params) != len(num_output_tokens):
         raise ValueError(f"params has {len(params)} rows but num_output_tokens has "
                          f"{len(num_output_tokens)}")
@@ -164,7 +166,7 @@ def min_tokens_banned_ids(
         eos = set(eos_token_ids)
     pairs: list[tuple[int, int]] = []
     for row, (p, n_out) in enumerate(zip(params, num_output_tokens)):
-        if n_out < p.min_tokens:
+        if n_out < p.min_tokens and p.structured_outputs is None:
             stops = p.all_stop_token_ids if p.ignore_eos else eos | p.all_stop_token_ids
             pairs.extend((row, tok) for tok in sorted(stops))
     return pairs

@@ -220,7 +220,9 @@ class SpecDecoder:
                 if s.req_id in generators}
         stops = [p.all_stop_token_ids if p.ignore_eos else eos_ids | p.all_stop_token_ids
                  for p in params]
-        banned = spec_banned_ids([p.min_tokens for p in params],
+        # min_tokens bans: not for structured outputs (see min_tokens_banned_ids)
+        banned = spec_banned_ids([p.min_tokens if p.structured_outputs is None else 0
+                                  for p in params],
                                  [len(s.token_ids) - s.num_prompt_tokens for s in states],
                                  stops, [len(d) for d in drafts])
         spec_md = SpecDecodeMetadata.make(drafts, self.device, banned)

@@ -18,6 +18,7 @@ from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config import EngineConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kdaserve.outputs import Logprob
+from kdaserve.sample.grammar_mask import GrammarMask, apply_grammar_bitmask
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
 from kdaserve.sample.penalties import PenaltyCache, logits_processing
 from kdaserve.sample.sampler import Sampler, SamplerOutput, to_logprob_dicts
@@ -197,6 +198,8 @@ class ModelRunner:
         hidden_rows = self._forward(batch, states, internal, spec_exports)  # [logit rows, D]
         if not early:
             sampling = self._prepare_sampling(batch, sample_states)
+        grammar = (self._grammar_mask(so, batch, hidden_rows.shape[0])
+                   if so.grammar_bitmask is not None else None)
         checkpoints.apply_post_copies(self.caches, exports)
         step = LaunchedStep(batch=batch, states=states)
         if not batch.sample_rows:
@@ -204,10 +207,14 @@ class ModelRunner:
                                             sampled_token_ids=[[] for _ in batch.req_ids],
                                             logprobs=[None] * len(batch.req_ids))
         elif batch.has_spec:
-            emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states, sampling)
+            emitted, logprobs = self._sample_spec(hidden_rows, batch, sample_states, sampling,
+                                                  grammar)
             step.output = self._finish(batch, states, emitted, logprobs)
         else:
-            out = self.sampler(self.model.compute_logits(hidden_rows), sampling)
+            logits = self.model.compute_logits(hidden_rows)                   # [R, V]
+            if grammar is not None:
+                apply_grammar_bitmask(logits, grammar)
+            out = self.sampler(logits, sampling)
             self._last_sampled = out.sampled_token_ids                        # [R]
             self._last_rows = {s.req_id: j for j, s in enumerate(sample_states)}
             for s in sample_states:
@@ -267,13 +274,39 @@ class ModelRunner:
         return self.spec.sampling_metadata(states, drafts, self.generators, eos, self.penalties)
 
     def _sample_spec(self, hidden: torch.Tensor, batch: StepBatch,
-                     states: list[CachedRequestState], prepared):
-        """Rejection sampling over every sampling row, then the KDA state commit."""
+                     states: list[CachedRequestState], prepared,
+                     grammar: GrammarMask | None = None):
+        """Rejection sampling over every sampling row (under the grammar masks of structured
+        requests, one per position), then the KDA state commit."""
         drafts = [batch.drafts[i] for i in batch.sample_rows]
-        emitted, logprobs = self.spec.sample(self.model.compute_logits(hidden), states, drafts,
-                                             prepared)
+        logits = self.model.compute_logits(hidden)                            # [R, V]
+        if grammar is not None:
+            apply_grammar_bitmask(logits, grammar)
+        emitted, logprobs = self.spec.sample(logits, states, drafts, prepared)
         self.spec.commit(self.caches, [len(e) for e, d in zip(emitted, drafts) if d])
         return emitted, logprobs
+
+    def _grammar_mask(self, so: SchedulerOutput, batch: StepBatch,
+                      num_logit_rows: int) -> GrammarMask | None:
+        """The step's bitmask rows on the device, each aimed at its logits row (sampling rows
+        in batch order, 1 + drafts rows each; the bitmask is in the core's request order)."""
+        first_row: dict[str, int] = {}
+        row = 0
+        for i in batch.sample_rows:
+            first_row[batch.req_ids[i]] = row
+            row += 1 + len(batch.drafts[i])
+        src, dst = [], []
+        offset = 0
+        for rid in so.structured_output_request_ids:
+            n = 1 + len(so.scheduled_spec_decode_tokens.get(rid, ()))
+            start = first_row.get(rid)
+            if start is not None:
+                src.extend(range(offset, offset + n))
+                dst.extend(range(start, start + n))
+            offset += n
+        if not dst:
+            return None
+        return GrammarMask.build(so.grammar_bitmask, src, dst, num_logit_rows, self.device)
 
     def _plan(self, batch: StepBatch, kda_checkpoints, spec_exports) -> StepPlan:
         """How this step runs: decode-only steps and uniform verification steps (every request

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A step slower than SLOW_STEP_S is logged with its composition (mid-serving JIT stalls).
-Synchronous scheduling: each step() then processes the step it launched."""
+"""A step slower than SLOW_STEP_S is logged with its composition: a warning on CUDA, where
+mid-serving JIT or autotuning is its likely cause; a debug line on the CPU, whose reference
+path is slow by nature. Synchronous scheduling: each step() then processes the step it
+launched."""
 
 import logging
 
@@ -9,16 +11,38 @@ from kdaserve.engine import core, llm_engine
 from kdaserve.models.make_model import make_model
 
 
+def test_slow_step_level_by_device():
+    assert core.slow_step_log_level("cuda") == logging.WARNING
+    assert core.slow_step_log_level("cpu") == logging.DEBUG
+
+
+def _slow_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "slow step" in r.getMessage()]
+
+
 def test_slow_steps_are_logged(tmp_path, monkeypatch, caplog):
     model = make_model(str(tmp_path / "tiny"), "tiny")
     engine = llm_engine.LLMEngine.from_engine_args(model=model, device="cpu", max_model_len=256,
                                                    enable_prefix_caching=False,
                                                    async_scheduling=False)
-    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=2, ignore_eos=True))
-    with caplog.at_level(logging.WARNING, logger=core.__name__):
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    with caplog.at_level(logging.DEBUG, logger=core.__name__):
+        monkeypatch.setattr(core, "SLOW_STEP_S", 1e9)
         engine.step()                                 # the prefill: fast enough
-        assert not [r for r in caplog.records if "slow step" in r.message]
+        assert not _slow_records(caplog)
         monkeypatch.setattr(core, "SLOW_STEP_S", 0.0)
         engine.step()
-    slow = [r.getMessage() for r in caplog.records if "slow step" in r.getMessage()]
-    assert len(slow) == 1 and "1 tokens of 1 requests (0 new) (decode only)" in slow[0], slow
+        # the CPU: a debug line, no warning and no JIT guess
+        (record,) = _slow_records(caplog)
+        assert record.levelno == logging.DEBUG
+        assert "1 tokens of 1 requests (0 new) (decode only)" in record.getMessage()
+        assert "JIT" not in record.getMessage()
+        caplog.clear()
+        # where JIT is the likely cause (CUDA): a warning that says so
+        engine.engine_core._slow_step_level = core.slow_step_log_level("cuda")
+        engine.step()
+    (record,) = _slow_records(caplog)
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert "1 tokens of 1 requests (0 new) (decode only)" in message, message
+    assert "JIT compilation or autotuning" in message, message

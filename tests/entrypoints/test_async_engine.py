@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """AsyncEngine over the real engine-core process: streaming, abort and stop strings free
-everything, errors travel back, a dead core is detected."""
+everything, errors travel back, a dead core is detected, a consumer that stops taking its
+outputs is aborted (backpressure)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,49 @@ def test_dead_core_is_detected(tiny_model):
 def test_startup_error_names_the_problem(tiny_model):
     with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
         run(_start(tiny_model, tensor_parallel_size=2))
+
+
+def test_a_consumer_that_stops_taking_is_aborted(tiny_model):
+    """Backpressure: past stream_buffer_limit step outputs not taken, the request is aborted
+    in the core (everything freed); the consumer, resuming, gets what was buffered and then
+    the error. A consumer that keeps up is never aborted. After shutdown, a generator closed
+    late sends nothing (no ZMQError from a closed socket) and new requests are refused."""
+    async def main():
+        engine = await AsyncEngine.start(dict(model=tiny_model, max_model_len=256,
+                                              max_num_seqs=8), startup_timeout=120,
+                                         stream_buffer_limit=4)
+        try:
+            before = await engine.get_stats()
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            gen = engine.generate([3, 4, 5], params, "stalled", delta=True)
+            tokens = list((await anext(gen)).outputs[0].token_ids)
+            for _ in range(200):                         # stop taking its outputs
+                stats = await engine.get_stats()
+                if stats.num_running_reqs == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats.num_running_reqs == 0
+            assert stats.num_free_blocks == before.num_free_blocks
+            assert stats.num_free_state_slots == before.num_free_state_slots
+            with pytest.raises(RuntimeError, match="stopped reading"):
+                async for out in gen:
+                    tokens += out.outputs[0].token_ids
+            assert 5 <= len(tokens) < 20, tokens
+            assert engine.num_in_flight == 0
+
+            outs = [o async for o in engine.generate([3, 4, 5], SamplingParams(
+                max_tokens=30, ignore_eos=True), "keeps-up", delta=True)]
+            assert outs[-1].finished
+            assert sum(len(o.outputs[0].token_ids) for o in outs) == 30
+
+            left_open = engine.generate([3, 4, 5], params, "left-open", delta=True)
+            await anext(left_open)
+        finally:
+            await engine.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await anext(left_open)
+        await left_open.aclose()
+        with pytest.raises(EngineDeadError):
+            await anext(engine.generate([3], params, "late"))
+
+    run(main())

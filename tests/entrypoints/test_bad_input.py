@@ -80,9 +80,12 @@ CASES = [
     ("logit_bias_key_not_a_token", "POST", CHAT, chat(logit_bias={"abc": 1}), AUTH, 400),
     ("logit_bias_value_out_of_range", "POST", COMP, comp(logit_bias={"5": 101}), AUTH, 400),
     ("logit_bias_out_of_vocab", "POST", CHAT, chat(logit_bias={"100000000": 5}), AUTH, 400),
-    ("tool_choice_required_unsupported", "POST", CHAT, chat(
-        tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"),
+    ("tool_choice_names_unknown_function", "POST", CHAT, chat(
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}}), AUTH, 400),
+    ("tool_choice_required_without_tools", "POST", CHAT, chat(tool_choice="required"),
      AUTH, 400),
+    ("guided_regex_invalid", "POST", COMP, comp(guided_regex="([a-"), AUTH, 400),
     ("tools_malformed", "POST", CHAT, chat(tools=[{"type": "function"}]), AUTH, 400),
     ("response_format_json_schema", "POST", CHAT,
      chat(response_format={"type": "json_schema"}), AUTH, 400),

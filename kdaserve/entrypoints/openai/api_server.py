@@ -132,24 +132,47 @@ async def _cancel_on_disconnect(request: Request, work: Awaitable) -> Any:
 
 async def _stream_until_disconnect(request: Request,
                                    stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Forward SSE events; stop (and so abort) the moment the client disconnects."""
+    """Forward SSE events; stop (and so abort) the moment the client disconnects.
+
+    The next event is awaited in its own task, raced against the disconnect watcher. On the
+    way out that task is cancelled and awaited before the stream is closed (a generator
+    running in another task cannot be closed): however the stream ends early (our watcher,
+    Starlette's own disconnect listener cancelling us, the generator closed by its
+    finalizer), its request is aborted and the server logs one info line, no traceback."""
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    nxt: asyncio.Future | None = None
+    ended = False
     try:
         while True:
             nxt = asyncio.ensure_future(anext(stream))
             await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not nxt.done():
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
                 return
             try:
                 item = nxt.result()
             except StopAsyncIteration:
+                ended = True
                 return
+            except BaseException:
+                ended = True  # a failure of the stream itself, not a disconnect: raise it
+                raise
+            nxt = None
             yield item
     finally:
         watcher.cancel()
-        await stream.aclose()
+        if not ended:
+            client = request.client
+            logger.info("%s %s: the client%s disconnected mid-stream; its request was aborted",
+                        request.method, request.url.path,
+                        f" {client.host}:{client.port}" if client else "")
+        if nxt is not None and not nxt.done():
+            # The stream is running inside `nxt`: cancelling it unwinds the stream there
+            # (which aborts the request). Awaited when we can, shielded from a cancellation
+            # of our own task so that it is not left half-done.
+            nxt.cancel()
+            await asyncio.gather(asyncio.shield(nxt), return_exceptions=True)
+        else:
+            await stream.aclose()
 
 
 def _respond(request: Request, result: Any) -> Response:

@@ -14,6 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kdaserve.sampling_params import StructuredOutputsParams
+from kdaserve.structured_output.spec import validate_structured_outputs
+
 _MAX_SEED = 2**63 - 1
 
 
@@ -82,7 +85,181 @@ class ChatMessage(OpenAIBaseModel):
         return d
 
 
-class SamplingFields(OpenAIBaseModel):
+# ------------------------------------------------------------------------- structured outputs
+# OpenAI's response_format, vLLM's structured_outputs object and its legacy guided_* fields,
+# and (chat) tool_choice "required" / a named function: each becomes one StructuredOutputsParams.
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise ValueError('response_format type "json_schema" needs json_schema.schema')
+        return self
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` object: one constraint, or only options (then the constraint
+    comes from response_format, a guided_* field or tool_choice). Keys it cannot honour
+    (structural_tag, whitespace_pattern, ...) are refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    """Honoured as is: there is one backend and no fallback."""
+    disable_additional_properties: bool = False
+    """Honoured as is: xgrammar never adds properties a schema does not allow."""
+
+    def constraint(self) -> dict[str, Any]:
+        """The StructuredOutputsParams fields of its constraint ({} when it has none)."""
+        values = {"json": self.json_schema, "regex": self.regex, "choice": self.choice,
+                  "grammar": self.grammar, "json_object": self.json_object or None}
+        return {k: v for k, v in values.items() if v is not None}
+
+
+class StructuredOutputFields(OpenAIBaseModel):
+    """The structured-output fields of chat and completion requests."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _backend(cls, v):
+        if v is not None and v not in ("auto", "xgrammar"):
+            raise ValueError(f"only the xgrammar backend is available, got {v!r}")
+        return v
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _whitespace_pattern(cls, v):
+        if v is not None:
+            raise ValueError("guided_whitespace_pattern is not supported (xgrammar); "
+                             "structured_outputs.disable_any_whitespace turns whitespace off")
+        return v
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(request field, StructuredOutputsParams constraint) for every field that sets one."""
+        found = []
+        if self.structured_outputs is not None and self.structured_outputs.constraint():
+            found.append(("structured_outputs", self.structured_outputs.constraint()))
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            found.append(("response_format", {"json": rf.json_schema.json_schema}))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        return found
+
+    @property
+    def wants_structured_output(self) -> bool:
+        return bool(self._constraints())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint (None without one), its grammar checked: parsing a schema can
+        take a while, so servers call this off their event loop. Raises StructuredOutputError
+        (a ValueError naming the field) when several fields set a constraint or it is bad."""
+        found = self._constraints()
+        if not found:
+            return None
+        if len(found) > 1:
+            raise StructuredOutputError(
+                f"only one output constraint may be given, got "
+                f"{' and '.join(name for name, _ in found)}", found[1][0])
+        name, constraint = found[0]
+        param = _CONSTRAINT_PARAMS.get(name, name)
+        field = param
+        if name == "structured_outputs":
+            field = f"structured_outputs.{next(iter(constraint))}"
+        elif name == "response_format" and "json" in constraint:
+            field = "response_format.json_schema.schema"
+        if isinstance(constraint.get("json"), bool):
+            raise StructuredOutputError(f"{field}: a boolean JSON schema is not supported",
+                                        param)
+        options = self.structured_outputs
+        ws = options.disable_any_whitespace if options is not None else False
+        try:
+            params = StructuredOutputsParams(**constraint, disable_any_whitespace=ws)
+            validate_structured_outputs(params, field)
+        except ValueError as e:
+            raise StructuredOutputError(str(e), param) from None
+        return params
+
+
+class StructuredOutputError(ValueError):
+    """A bad output constraint; `param` is the request field to name in the 400."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+_CONSTRAINT_PARAMS = {"tool_choice": "tools"}
+"""The field to name when a constraint built from another one is bad (tool_choice's schema is
+made of the tools' parameters)."""
+
+
+def tool_call_schema(tools: list[ChatCompletionToolParam], tool_choice: Any,
+                     parallel_tool_calls: bool | None) -> dict[str, Any]:
+    """The JSON schema of the output under tool_choice (vLLM's semantics): "required" = a JSON
+    array of {"name", "parameters"} objects, each matching one of the tools (at most one item
+    without parallel tool calls); a named function = that function's parameters object.
+    `$defs` of the tools' parameters move to the top of the array schema (their `$ref`s point
+    there)."""
+    def params_of(tool: ChatCompletionToolParam) -> dict[str, Any]:
+        return tool.function.parameters or {"type": "object", "properties": {}}
+
+    if isinstance(tool_choice, NamedToolChoice):
+        return params_of(next(t for t in tools if t.function.name == tool_choice.function.name))
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        params = dict(params_of(tool))
+        for key, value in params.pop("$defs", {}).items():
+            if key in defs and defs[key] != value:
+                raise ValueError(f"tools: conflicting $defs entry {key!r}")
+            defs[key] = value
+        items.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+# --------------------------------------------------------------------- end structured outputs
+
+
+class SamplingFields(StructuredOutputFields):
     """Fields shared by chat and completion requests (OpenAI + vLLM extensions)."""
 
     model: str | None = None
@@ -161,7 +338,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
-    response_format: dict[str, Any] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -171,21 +347,40 @@ class ChatCompletionRequest(SamplingFields):
     def _chat_checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(
-                f"response_format type {self.response_format.get('type')!r} is not supported "
-                "(structured outputs are not implemented)")
         if self.tool_choice is None:
             self.tool_choice = "auto" if self.tools else "none"
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise ValueError(
-                "tool_choice 'required' or a named function needs structured outputs, which "
-                "are not supported; use 'auto' or 'none'")
+        self._check_forced_tool_choice()
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be true")
         return self
 
+    # ---------------------------------------------------------------- structured outputs
+    @property
+    def forced_tool_choice(self) -> bool:
+        """tool_choice "required" or a named function: the output is tool-call JSON."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def _check_forced_tool_choice(self) -> None:
+        if not self.forced_tool_choice:
+            return
+        if not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function "
+                                 f"{self.tool_choice.function.name!r}, which is not in tools "
+                                 f"({', '.join(names)})")
+
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        found = super()._constraints()
+        if self.forced_tool_choice:
+            found.append(("tool_choice", {"json": tool_call_schema(
+                self.tools, self.tool_choice, self.parallel_tool_calls)}))
+        return found
+
+    # ----------------------------------------------------------------------------------
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens

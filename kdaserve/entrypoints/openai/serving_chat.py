@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kdaserve.entrypoints.openai.chat_output import ChatOutputState
-from kdaserve.entrypoints.openai.protocol import (ChatCompletionRequest, now, random_id,
-                                                  usage_dict)
+from kdaserve.entrypoints.openai.protocol import (ChatCompletionRequest, NamedToolChoice, now,
+                                                  random_id, usage_dict)
 from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
-                                                        prepend, sse, sse_error)
+                                                        prepend, sse, sse_error,
+                                                        structured_outputs_of)
+from kdaserve.entrypoints.openai.tool_parser import NamedToolCallParser, RequiredToolCallParser
 from kdaserve.outputs import RequestOutput
 
 
@@ -49,36 +51,48 @@ class OpenAIServingChat(OpenAIServing):
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def _tools_active(self, req: ChatCompletionRequest) -> bool:
-        if not req.tools or req.tool_choice == "none":
+        """The model's own tool-call format is parsed (tool_choice "auto")."""
+        if not req.tools or req.tool_choice == "none" or req.forced_tool_choice:
             return False
         if not (self.enable_auto_tool_choice and self.tool_parser_cls is not None):
             raise OpenAIError('"auto" tool choice requires --enable-auto-tool-choice and '
                               "--tool-call-parser to be set", param="tool_choice")
         return True
 
+    def _tool_parser(self, req: ChatCompletionRequest, tools_active: bool):
+        if isinstance(req.tool_choice, NamedToolChoice):
+            return NamedToolCallParser(req.tool_choice.function.name)
+        if req.tool_choice == "required":
+            return RequiredToolCallParser()
+        return self.tool_parser_cls() if tools_active else None
+
     # ---------------------------------------------------------------------------- the call
 
     async def create_chat_completion(self, req: ChatCompletionRequest):
         model_name = self.check_model(req.model)
-        tools_active = self._tools_active(req)
+        structured = await structured_outputs_of(req)
+        tools_active = self._tools_active(req) and structured is None
         messages = [m.to_template_dict() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt_text, prompt_ids = await asyncio.to_thread(
             self.render_prompt, messages, tools, req.add_generation_prompt,
             req.continue_final_message, req.chat_template, req.chat_template_kwargs)
-        parsing = self.reasoning_parser_cls is not None or tools_active
+        # A constrained output is all content (or tool-call JSON): no reasoning to split off.
+        reasoning_cls = self.reasoning_parser_cls if structured is None else None
+        parsing = reasoning_cls is not None or tools_active
         params = self.sampling_params(req, len(prompt_ids), req.requested_max_tokens,
                                       req.num_top_logprobs,
                                       skip_special_tokens=req.skip_special_tokens and not parsing)
+        params.structured_outputs = structured
         request_id = random_id("chatcmpl")
         gen = self.engine.generate(prompt_ids, params, request_id, prompt=prompt_text,
                                    delta=req.stream, cache_salt=req.cache_salt)
         first = await self.first_output(gen)
 
-        states = [ChatOutputState(
-            self.reasoning_parser_cls(prompt_text) if self.reasoning_parser_cls else None,
-            self.tool_parser_cls() if tools_active else None, self.mirror_reasoning_content)
-            for _ in range(params.n)]
+        states = [ChatOutputState(reasoning_cls(prompt_text) if reasoning_cls else None,
+                                  self._tool_parser(req, tools_active),
+                                  self.mirror_reasoning_content)
+                  for _ in range(params.n)]
         ctx = _ChatCall(request_id, model_name, now(), prompt_ids, req, states)
         if req.stream:
             return self._stream(ctx, first, gen)
@@ -97,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
                       "logprobs": self.chat_logprobs(comp.token_ids, comp.logprobs,
                                                      ctx.req.top_logprobs or 0)
                       if ctx.req.logprobs else None,
-                      "finish_reason": _finish_reason(comp.finish_reason, "tool_calls" in message),
+                      "finish_reason": _finish_reason(comp.finish_reason,
+                                                      "tool_calls" in message, ctx.req),
                       "stop_reason": comp.stop_reason}
             if ctx.req.return_token_ids:
                 choice["token_ids"] = list(comp.token_ids)
@@ -143,8 +158,8 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # text held back by a parser: nothing to show yet
                     if delta is None:
                         delta = {"content": ""} if final else {}
-                    reason = (_finish_reason(comp.finish_reason, ctx.states[i].has_tool_calls)
-                              if final else None)
+                    reason = (_finish_reason(comp.finish_reason, ctx.states[i].has_tool_calls,
+                                             ctx.req) if final else None)
                     chunk = ctx.chunk(i, delta, reason, logprobs)
                     if final:
                         chunk["choices"][0]["stop_reason"] = comp.stop_reason
@@ -184,7 +199,11 @@ class _ChatCall:
                              "finish_reason": finish_reason}]}
 
 
-def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str | None:
-    if engine_reason == "stop" and has_tool_calls:
+def _finish_reason(engine_reason: str | None, has_tool_calls: bool,
+                   req: ChatCompletionRequest) -> str | None:
+    """"tool_calls" when a stopped output called tools, except for a named tool_choice (OpenAI
+    and vLLM answer "stop" there)."""
+    if (engine_reason == "stop" and has_tool_calls
+            and not isinstance(req.tool_choice, NamedToolChoice)):
         return "tool_calls"
     return engine_reason

@@ -10,7 +10,7 @@ from typing import Any
 from kdaserve.entrypoints.openai.protocol import CompletionRequest, now, random_id, usage_dict
 from kdaserve.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIError, OpenAIServing,
                                                         merge_async_iterators, prepend, sse,
-                                                        sse_error)
+                                                        sse_error, structured_outputs_of)
 from kdaserve.outputs import RequestOutput
 
 
@@ -38,10 +38,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, req: CompletionRequest):
         model_name = self.check_model(req.model)
+        structured = await structured_outputs_of(req)
         prompts = await asyncio.to_thread(self._tokenize, split_prompts(req.prompt))
         base_id = random_id("cmpl")
         params = [self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
                                        req.skip_special_tokens) for _, ids in prompts]
+        for p in params:
+            p.structured_outputs = structured
         gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream,
                                      cache_salt=req.cache_salt)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]

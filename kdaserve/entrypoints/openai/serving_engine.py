@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kdaserve.engine.async_engine import AsyncEngine, EngineDeadError
-from kdaserve.entrypoints.openai.protocol import SamplingFields
+from kdaserve.entrypoints.openai.protocol import SamplingFields, StructuredOutputError
 from kdaserve.outputs import Logprob, RequestOutput
-from kdaserve.sampling_params import SamplingParams
+from kdaserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "internal_error",
                  503: "service_unavailable"}
@@ -183,6 +183,18 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from e
         except EngineDeadError as e:
             raise OpenAIError(str(e), 503) from e
+
+
+async def structured_outputs_of(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, checked off the event loop (parsing a schema takes a
+    while, the first one also the grammar library's import); a bad one is a 400 naming its
+    field. Requests without one cost nothing here."""
+    if not req.wants_structured_output:
+        return None
+    try:
+        return await asyncio.to_thread(req.structured_outputs_params)
+    except StructuredOutputError as e:
+        raise OpenAIError(str(e), param=e.param) from None
 
 
 async def prepend(first: RequestOutput, gen: AsyncIterator[RequestOutput]):

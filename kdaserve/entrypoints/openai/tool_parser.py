@@ -3,7 +3,9 @@
 
 Like the reasoning parsers, `parse(text, final)` is a pure function of the cumulative text and
 returns only what is safe to show: content and argument strings grow monotonically while the
-text grows, so the streaming layer can send their new suffixes as indexed deltas.
+text grows, so the streaming layer can send their new suffixes as indexed deltas. Besides the
+models' own formats (kimi_k2, kimi_k3), two parsers read the JSON that tool_choice "required"
+or a named function constrains the output to.
 """
 
 from __future__ import annotations
@@ -172,6 +174,56 @@ def _arguments(body: str, complete: bool) -> str:
     if not complete:
         return out
     return out + "}" if kind == "args" else (out or "{}")
+
+
+class NamedToolCallParser:
+    """tool_choice naming a function: the whole (grammar-constrained) output is that function's
+    arguments object, streamed as it grows."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        if not text and not final:
+            return ToolSplit("")
+        return ToolSplit("", [ParsedToolCall(f"functions.{self.name}:0", self.name, text,
+                                             final)])
+
+
+class RequiredToolCallParser:
+    """tool_choice "required": the (grammar-constrained) output is a JSON array of
+    {"name", "parameters"} objects. Each call is shown once its object is complete; output that
+    is no such array by the end (cut by max_tokens) stays content."""
+
+    _decoder = json.JSONDecoder()
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        calls = []
+        pos = _skip_ws(text, 0)
+        if text.startswith("[", pos):
+            pos += 1
+            while True:
+                pos = _skip_ws(text, pos)
+                try:
+                    item, pos = self._decoder.raw_decode(text, pos)
+                except json.JSONDecodeError:
+                    break
+                if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                    break
+                args = json.dumps(item.get("parameters") or {}, ensure_ascii=False)
+                calls.append(ParsedToolCall(f"functions.{item['name']}:{len(calls)}",
+                                            item["name"], args, True))
+                pos = _skip_ws(text, pos)
+                if not text.startswith(",", pos):
+                    break
+                pos += 1
+        return ToolSplit(text if final and not calls else "", calls)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
 
 
 _TOOL_PARSERS = {"kimi_k3": KimiK3ToolParser, "kimi_k2": KimiK2ToolParser}
