@@ -67,7 +67,8 @@ def check_tail(device="cpu", dtype=torch.float32, N=5, k=3, E=8, L=64, H=48, nor
     up = (torch.randn(H, L, generator=gen) * 0.1).to(device, dtype)
     g = (1 + 0.1 * torch.randn(L, generator=gen)).to(device, dtype) if norm else None
     res = torch.randn(N, H, generator=gen).to(device, dtype) if residual else None
-    out = latent_moe_tail(partials, w, ids, up, g, 1e-5, res, num_experts=E)
+    out = torch.full((N, H), float("nan"), device=device, dtype=dtype)   # poisoned
+    latent_moe_tail(partials, w, ids, up, g, 1e-5, res, num_experts=E, out=out)
     want = ref.latent_moe_tail(partials, w, ids, up, g, 1e-5, res, num_experts=E)
     kc.assert_close(f"latent tail N={N} norm={norm} residual={residual}", out.float(),
                     want.float(), dtype)
