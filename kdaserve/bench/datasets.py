@@ -6,7 +6,8 @@ the tokenizer counts exactly the requested number of tokens. Every prompt draws 
 tokens (seeded), so prompts share no prefix unless a shared prefix is asked for.
 
 The tokenizer is loaded with `tokenizers` from a `tokenizer.json` when there is one (no torch
-import), else with `transformers.AutoTokenizer`; a folder holding only a `config.json` still
+import), else with `kdaserve.models.tokenizer.get_tokenizer` (a Kimi tiktoken folder natively,
+else transformers' AutoTokenizer); a folder holding only a `config.json` still
 supports token-id prompts (ids drawn below its `vocab_size`).
 """
 
@@ -108,9 +109,9 @@ def _from_tokenizers_file(path: str, name: str) -> PromptTokenizer:
 
 
 def _from_transformers(path_or_id: str, trust_remote_code: bool) -> PromptTokenizer:
-    from transformers import AutoTokenizer
+    from kdaserve.models.tokenizer import get_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=trust_remote_code)
+    tok = get_tokenizer(path_or_id, trust_remote_code)
     special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}).keys())
     return PromptTokenizer(
         path_or_id, len(tok), special,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,9 @@ class ModelConfig:
     seed: int = 0
     served_model_name: str | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None
+    """vLLM's --quantization. None: as the checkpoint says (its quantization_config); "mxfp4":
+    routed experts in MXFP4 (a checkpoint's model-dtype experts are quantised at load)."""
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -33,6 +37,12 @@ class ModelConfig:
         with open(cfg_path) as f:
             self.hf_config: dict[str, Any] = json.load(f)
         self.arch = KimiLinearArgs.from_hf_config(self.hf_config)
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or "
+                                 f"None, got {self.quantization!r}")
+            self.arch = dataclasses.replace(self.arch, expert_quantization=self.quantization)
+            self.arch.validate()
         limit = self.arch.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -203,10 +213,16 @@ class SpeculativeConfig:
         return self.method is not None and self.num_speculative_tokens > 0
 
 
+LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "dummy")
+QUANTIZATIONS = ("mxfp4",)
+
+
 @dataclass
 class LoadConfig:
     load_format: str = "auto"
-    """auto | safetensors | dummy."""
+    """auto | safetensors | fastsafetensors | dummy. fastsafetensors reads the safetensors
+    files through the fastsafetensors library (the safetensors walk, after one log line, where
+    it is not installed)."""
     dummy_routing: str = "vllm"
     """Dummy weights only. vllm: every float weight uniform in [-1e-3, 1e-3] (vLLM's convention,
     routing collapses onto the same experts); spread: router weights drawn so that tokens pick
@@ -214,9 +230,9 @@ class LoadConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(
-                f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+                             f"{self.load_format!r}")
         if self.dummy_routing not in ("vllm", "spread"):
             raise ValueError(f"dummy_routing must be vllm or spread, got {self.dummy_routing!r}")
 
@@ -251,6 +267,11 @@ class KernelConfig:
     """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
     launches, gate|up then the down projection reading silu(gate) * up in its K loop
     (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
+    latent_moe_fused_tail: bool = True
+    """Latent MoE (Kimi K3): the routed experts (MXFP4 or bf16) as the Triton latent-MoE
+    kernels, whose tail launch sums the top-k expert outputs while it runs the latent norm and
+    up projection (kernels/moe/mxfp4_moe.py), instead of experts, top-k sum, norm and up
+    projection as separate ops."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

@@ -38,6 +38,7 @@ from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, 
                                          OutputMessage, Outputs, Ready, RequestFailed, Shutdown,
                                          StartupFailed, Stats, core_sampling_params)
 from kdaserve.engine.output_processor import OutputProcessor, eos_token_ids
+from kdaserve.models.tokenizer import get_tokenizer
 from kdaserve.outputs import CompletionOutput, RequestOutput
 from kdaserve.sampling_params import SamplingParams
 
@@ -188,9 +189,7 @@ class AsyncEngine:
             if isinstance(msg, StartupFailed):
                 raise EngineStartupError(msg.message)
             assert isinstance(msg, Ready), msg
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(msg.info["tokenizer"])
+            tokenizer = get_tokenizer(msg.info["tokenizer"])
         except BaseException:
             _close(proc, ctx, (input_sock, output_sock), ipc_dir)
             raise

@@ -42,22 +42,31 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_packed",
+                   "experts.gate_up_proj_scale", "experts.down_proj_packed",
+                   "experts.down_proj_scale")
+"""The routed experts' tensors: model dtype, or MXFP4 values + E8M0 scales (uint8 buffers:
+4.25 bits per weight, what the MXFP4 MoE reads)."""
+
+
 def weight_bytes(model) -> tuple[int, int, int]:
     """(non-expert weight bytes read per step, routed-expert bytes per expert per MoE layer,
-    number of MoE layers). The embedding is excluded (one row per token is read)."""
+    number of MoE layers). The embedding is excluded (one row per token is read); MXFP4
+    experts count their packed values and scales."""
     dense, experts, moe_layers, num_experts = 0, 0, 0, 0
     seen = set()
-    for name, p in model.named_parameters():
+    tensors = list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_SUFFIXES)]
+    for name, p in tensors:
         key = (p.data_ptr(), p.numel())
         if "embed_tokens" in name or key in seen:
             continue
         seen.add(key)
         size = p.numel() * p.element_size()
-        if name.endswith("experts.gate_up_proj"):
-            moe_layers += 1
-            num_experts = p.shape[0]
-            experts += size
-        elif name.endswith("experts.down_proj"):
+        if name.endswith(EXPERT_SUFFIXES):
+            if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_packed")):
+                moe_layers += 1
+                num_experts = p.shape[0]
             experts += size
         else:
             dense += size

@@ -8,6 +8,7 @@ from kdaserve.core.engine_output import SchedulerStats
 from kdaserve.engine.arg_utils import config_from_kwargs
 from kdaserve.engine.core import EngineCore, config_eos_token_ids
 from kdaserve.engine.output_processor import OutputProcessor, eos_token_ids
+from kdaserve.models.tokenizer import get_tokenizer
 from kdaserve.outputs import RequestOutput
 from kdaserve.request import Request
 from kdaserve.sampling_params import SamplingParams
@@ -15,11 +16,9 @@ from kdaserve.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.engine_config = config
         mc = config.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        self.tokenizer = get_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.eos_token_ids = eos_token_ids(config_eos_token_ids(config), self.tokenizer)
         self.vocab_size = mc.arch.vocab_size
         self.engine_core = EngineCore(config)

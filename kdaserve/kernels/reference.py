@@ -221,19 +221,145 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor,
     return w * scaling, ids
 
 
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gated activation: silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float,
+                 linear_beta: float | None) -> torch.Tensor:
+    """Kimi K3's SiTU, a soft-clipped SwiGLU: [beta * tanh(gate / beta) * sigmoid(gate)] *
+    [linear_beta * tanh(up / linear_beta)] (the up branch unclipped when linear_beta is None).
+    Computed in fp32, returned in gate.dtype."""
+    g, u = gate.float(), up.float()
+    act = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (act * u).to(gate.dtype)
+
+
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-    """Routed SwiGLU experts. x: [N, D]; w13: [E, 2I, D] (gate rows then up rows);
-    w2: [E, D, I]; topk_*: [N, k]. Returns [N, D] in x.dtype."""
+                topk_ids: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
+    """Routed gated experts. x: [N, D]; w13: [E, 2I, D] (gate rows then up rows);
+    w2: [E, D, I]; topk_*: [N, k]; act(gate, up) -> [.., I] (default silu * up).
+    Returns [N, D] in x.dtype."""
+    return _moe_loop(x, lambda e: (w13[e], w2[e]), w2.shape[-1], topk_weights, topk_ids, act)
+
+
+def moe_experts_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                      w2_packed: torch.Tensor, w2_scale: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      act=silu_and_mul) -> torch.Tensor:
+    """`moe_experts` over MXFP4 weights (kernels/mxfp4/format.py layout): w13_packed [E, 2I,
+    D/2], w13_scale [E, 2I, D/32], w2_packed [E, D, I/2], w2_scale [E, D, I/32]. Each used
+    expert is dequantised exactly to x.dtype (fp32 on the CPU), then the same math; the
+    twin of the MXFP4 MoE kernel, which reads the 4-bit weights directly."""
+    from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
+
+    def weights(e: int):
+        return (dequantize_mxfp4(w13_packed[e], w13_scale[e], x.dtype),
+                dequantize_mxfp4(w2_packed[e], w2_scale[e], x.dtype))
+    return _moe_loop(x, weights, w2_packed.shape[-1] * 2, topk_weights, topk_ids, act)
+
+
+def moe_partials_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor,
+                       w2_packed: torch.Tensor, w2_scale: torch.Tensor, topk_ids: torch.Tensor,
+                       act=silu_and_mul) -> torch.Tensor:
+    """Twin of kernels/moe/mxfp4_moe.py moe_partials with MXFP4 weights: each routing entry's
+    unweighted expert output, [N * k, D] in x.dtype (row n * k + j: expert topk_ids[n, j] on
+    x[n]; rows of ids outside [0, E) are zero)."""
+    from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
+
+    return moe_partials(x, lambda e: (dequantize_mxfp4(w13_packed[e], w13_scale[e]),
+                                      dequantize_mxfp4(w2_packed[e], w2_scale[e])),
+                        w13_packed.shape[0], topk_ids, act)
+
+
+def moe_partials(x: torch.Tensor, weights, num_experts: int, topk_ids: torch.Tensor,
+                 act=silu_and_mul) -> torch.Tensor:
+    """Twin of kernels/moe/mxfp4_moe.py moe_partials: weights(e) -> (w13 [2I, D],
+    w2 [D, I]) (dense: lambda e: (w13[e], w2[e])); fp32 math, [N * k, D] in x.dtype."""
+    N, k = topk_ids.shape
+    out = torch.zeros(N * k, x.shape[1], dtype=x.dtype, device=x.device)
+    ids = topk_ids.reshape(-1)
+    for e in torch.unique(ids).tolist():
+        if not 0 <= e < num_experts:
+            continue
+        rows = torch.where(ids == e)[0]
+        w13, w2 = (w.float() for w in weights(e))
+        inter = w2.shape[-1]
+        h = x[rows // k].float() @ w13.t()
+        out[rows] = (act(h[:, :inter], h[:, inter:]) @ w2.t()).to(x.dtype)
+    return out
+
+
+def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    up_weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                    residual: torch.Tensor | None = None,
+                    num_experts: int | None = None) -> torch.Tensor:
+    """Twin of kernels/moe/mxfp4_moe.py latent_moe_tail: lat[n] = sum_j w[n, j] *
+    partials[n * k + j] (fp32; ids outside [0, num_experts) skipped), RMSNorm(lat; norm_weight)
+    when given, @ up_weight^T (+ residual). Returns [N, H] in up_weight.dtype."""
+    N, k = topk_ids.shape
+    ok = topk_ids >= 0
+    if num_experts is not None:
+        ok &= topk_ids < num_experts
+    w = torch.where(ok, topk_weights.float(), 0.0)                            # [N, k]
+    lat = (w[..., None] * partials.float().view(N, k, -1).nan_to_num()).sum(1)  # [N, L]
+    if norm_weight is not None:
+        lat = lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    out = lat @ up_weight.float().t()
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(up_weight.dtype)
+
+
+def _moe_loop(x, weights, inter: int, topk_weights, topk_ids, act) -> torch.Tensor:
+    """out[n] = sum_j topk_weights[n, j] * W2_e @ act(W1_e x_n, W3_e x_n), e = topk_ids[n, j];
+    weights(e) -> (w13 [2I, D], w2 [D, I]). The top-k sum accumulates in fp32."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    inter = w2.shape[-1]
     for e in torch.unique(topk_ids).tolist():
         tok, pos = torch.where(topk_ids == e)
-        h = x[tok] @ w13[e].t()
-        h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = h @ w2[e].t()
+        w13, w2 = weights(e)
+        h = x[tok] @ w13.t()
+        h = act(h[:, :inter], h[:, inter:])
+        y = h @ w2.t()
         out.index_add_(0, tok, y.float() * topk_weights[tok, pos, None].float())
     return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# AttnRes (attention over depth, Kimi K3)
+# ---------------------------------------------------------------------------------------------
+
+
+def attn_res(prefix: torch.Tensor, delta: torch.Tensor | None, blocks: torch.Tensor,
+             norm_weight: torch.Tensor, query: torch.Tensor,
+             out_norm_weight: torch.Tensor | None, num_blocks: int, write_idx: int,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One AttnRes read, per token (rows are independent).
+
+    prefix: [T, D] running sum of the current block's sublayer outputs; delta: [T, D] added to
+    it first (None: nothing); blocks: [T, NB, D] finished blocks (block 0 = the embedding),
+    written in place at write_idx (>= 0) with the updated prefix. The sources are
+    blocks[:, :num_blocks] and the prefix; logit_s = query . RMSNorm(s; norm_weight) (query:
+    [D], the sublayer's res_proj row), mixed = sum_s softmax(logit)_s * s over the raw sources
+    (fp32), then RMSNorm(mixed; out_norm_weight) when given.
+    Returns (prefix [T, D], output [T, D]) in prefix.dtype."""
+    if delta is not None:
+        prefix = prefix + delta
+    if write_idx >= 0:
+        blocks[:, write_idx] = prefix
+    src = torch.cat([blocks[:, :num_blocks], prefix[:, None]], dim=1).float()  # [T, S, D]
+    if src.shape[1] == 1:
+        mixed = src[:, 0]
+    else:
+        keys = src * torch.rsqrt(src.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        p = torch.softmax((keys * query.float()).sum(-1), dim=-1)           # [T, S]
+        mixed = (p[..., None] * src).sum(dim=1)                              # [T, D]
+    mixed = mixed.to(prefix.dtype)
+    out = mixed if out_norm_weight is None else rms_norm(mixed, out_norm_weight, eps)
+    return prefix, out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,15 @@ MOE_BACKENDS = {
     "triton": "the fused Triton MoE (shared expert folded in as one more expert), the Triton "
               "sigmoid top-k",
 }
+LATENT_MOE_BACKENDS = {
+    "reference": "the plain-PyTorch twins (CPU): experts, top-k sum, latent norm, up projection",
+    "unfused": "the routed experts (the fused Triton MoE for model-dtype SwiGLU experts, else "
+               "the twins), then the top-k sum, the latent norm and the up projection as "
+               "separate ops (the baseline of fused_tail)",
+    "fused_tail": "the Triton latent-MoE kernels (kernels/moe/mxfp4_moe.py): MXFP4 or bf16 "
+                  "expert weights read directly, per-entry expert outputs, the top-k weighted "
+                  "sum fused into the latent norm + up projection (one tail launch)",
+}
 SAMPLER_BACKENDS = {
     "sort": "top-k / top-p by a full sort of each row",
     "threshold": "top-k / top-p by the sort-free threshold search (CUDA)",
@@ -58,12 +67,14 @@ class LayerBackends:
     """fla_fused_decode under PDL: the kernel reads its states before its PDL wait."""
     mla: str = "reference"
     moe: str = "reference"
+    latent_moe: str = "reference"
     sampler: str = "sort"
 
     def __post_init__(self) -> None:
         for kind, registry in (("linear", LINEAR_BACKENDS), ("dense_mlp", DENSE_MLP_BACKENDS),
                                ("kda", KDA_BACKENDS), ("mla", MLA_BACKENDS),
-                               ("moe", MOE_BACKENDS), ("sampler", SAMPLER_BACKENDS)):
+                               ("moe", MOE_BACKENDS), ("latent_moe", LATENT_MOE_BACKENDS),
+                               ("sampler", SAMPLER_BACKENDS)):
             if getattr(self, kind) not in registry:
                 raise ValueError(f"unknown {kind} backend {getattr(self, kind)!r}; known: "
                                  f"{sorted(registry)}")
@@ -88,4 +99,5 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
         kda_state_prefetch=kc.fused_kda_decode and kc.kda_state_prefetch,
         mla="triton_absorb_gemv" if kc.mla_absorb_gemv else "triton",
         moe="triton",
+        latent_moe="fused_tail" if kc.latent_moe_fused_tail else "unfused",
         sampler="threshold" if kc.sampling_threshold_kernel else "sort")

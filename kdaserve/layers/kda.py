@@ -1,4 +1,9 @@
-"""Kimi Delta Attention layer. Parameter names follow transformers' KimiLinearDeltaAttention."""
+"""Kimi Delta Attention layer. Parameter names follow transformers' KimiLinearDeltaAttention.
+
+Kimi K3's variant (kda_full_rank_gate) replaces the low-rank output gate g_b_proj(g_a_proj(x))
+by one full-rank g_proj [P, D], fused into the input projection with q, k, v, f_a and b; with
+gate_lower_bound the decay is lb * sigmoid(A * (raw + dt_bias)) (kernels/reference.py kda_gate).
+"""
 
 from __future__ import annotations
 
@@ -57,17 +62,28 @@ class KimiDeltaAttention(nn.Module):
         self.conv1d.weight = nn.Parameter(torch.empty(3 * p, 1, w))
         self.forget_gate = ForgetGate(args)
         self.b_proj = nn.Linear(args.hidden_size, h, bias=False)
-        self.g_a_proj = nn.Linear(args.hidden_size, d, bias=False)
-        self.g_b_proj = nn.Linear(d, p, bias=False)
+        self.full_rank_gate = args.kda_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(args.hidden_size, p, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(args.hidden_size, d, bias=False)
+            self.g_b_proj = nn.Linear(d, p, bias=False)
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
-        fusable = self.forget_gate.lower_bound is None and 8 <= d <= 128 and not d & (d - 1)
+        fusable = (self.forget_gate.lower_bound is None and not self.full_rank_gate
+                   and 8 <= d <= 128 and not d & (d - 1))
         self.fused_decode = backends.kda == "fla_fused_decode" and fusable
-        """Decode-only steps run the one-launch decode kernel (it takes the unbounded gate and a
-        power-of-two head_dim <= 128)."""
+        """Decode-only steps run the one-launch decode kernel (it takes the unbounded low-rank
+        gate and a power-of-two head_dim <= 128)."""
         self.state_prefetch = backends.kda_state_prefetch
 
     def process_weights_after_loading(self) -> None:
+        if self.full_rank_gate:
+            # q|k|v|g and the low-rank / scalar heads all read x: one GEMM instead of six.
+            self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight,
+                                        self.v_proj.weight, self.g_proj.weight,
+                                        self.forget_gate.f_a_proj.weight, self.b_proj.weight)
+            return
         # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
         self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
                                     self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
@@ -90,6 +106,8 @@ class KimiDeltaAttention(nn.Module):
             o = self._fused_decode(proj, md, caches, pdl)                     # [T, P]
             return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
         p = 3 * h * d
+        if self.full_rank_gate:
+            return self._forward_full_rank_gate(x, proj, ctx)
         qkv, small = proj[:, :p], proj[:, p:]                        # [T, 3P], [T, 2d + H]
         b = small[:, 2 * d:]                                         # [T, H] beta logits
         q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
@@ -101,6 +119,23 @@ class KimiDeltaAttention(nn.Module):
         o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         gate = f_g[1]                                                # [T, P]
+        o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d), pdl=pdl).view(T, h * d)
+        return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
+
+    def _forward_full_rank_gate(self, x: torch.Tensor, proj: torch.Tensor,
+                                ctx: ForwardContext) -> torch.Tensor:
+        """proj: [T, 4P + d + H] = q | k | v | g | f_a | b (the merged input projection)."""
+        md, caches, pdl = ctx.attn, ctx.caches, ctx.plan.pdl
+        T, h, d = x.shape[0], self.num_heads, self.head_dim
+        p = h * d
+        qkv, gate = proj[:, :3 * p], proj[:, 3 * p:4 * p]            # [T, 3P], [T, P]
+        f_a, b = proj[:, 4 * p:4 * p + d], proj[:, 4 * p + d:]       # [T, d], [T, H]
+        q, k, v = kda_backend.short_conv(qkv, self.conv1d.weight[:, 0], md,
+                                         caches.kda_conv[self.kda_index], h, d,
+                                         pdl=pdl)                       # [T, H, K]
+        g_raw = linear(f_a, self.forget_gate.f_b_proj.weight).view(T, h, d)
+        o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
+                                   caches.kda_recurrent[self.kda_index])  # [T, H, V]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d), pdl=pdl).view(T, h * d)
         return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
 

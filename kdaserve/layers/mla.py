@@ -1,4 +1,9 @@
-"""Multi-head latent attention (NoPE). Parameter names follow transformers' KimiLinearAttention."""
+"""Multi-head latent attention (NoPE). Parameter names follow transformers' KimiLinearAttention.
+
+Kimi K3's pieces: q-LoRA (q_lora_rank: q = q_b_proj(RMSNorm(q_a_proj(x))) instead of a full-rank
+q_proj) and the output gate (mla_use_output_gate: the attention output [T, H, v] times
+sigmoid(g_proj(x)) before o_proj). Every projection that reads x is one merged GEMM.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,16 @@ class MLAttention(nn.Module):
         self.qk_dim = self.nope_dim + self.rope_dim
         self.scale = self.qk_dim ** -0.5
         h = self.num_heads
-        self.q_proj = nn.Linear(args.hidden_size, h * self.qk_dim, bias=False)
+        self.q_lora_rank = args.q_lora_rank
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(args.hidden_size, h * self.qk_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(args.hidden_size, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=args.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_dim, bias=False)
+        self.output_gate = args.mla_use_output_gate
+        if self.output_gate:
+            self.g_proj = nn.Linear(args.hidden_size, h * self.v_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, self.kv_lora_rank + self.rope_dim,
                                             bias=False)
         # HF builds this norm without passing rms_norm_eps: its default 1e-6 is what runs.
@@ -79,7 +93,10 @@ class MLAttention(nn.Module):
             out.copy_(torch.einsum("bhr,hvr->bhv", o_lat, w_uv))
 
     def process_weights_after_loading(self) -> None:
-        self.q_kva_weight = merge_rows(self.q_proj.weight, self.kv_a_proj_with_mqa.weight)
+        q = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        gate = (self.g_proj.weight,) if self.output_gate else ()
+        # [q (or q_a) | kv_a | g]: every projection of x in one GEMM
+        self.q_kva_weight = merge_rows(q.weight, self.kv_a_proj_with_mqa.weight, *gate)
         if self.kv_b_proj.weight.is_cuda:   # W_UK as [H, rank, nope] rows for the GEMV
             self.w_uk_t = self._w_uk_uv()[0].transpose(1, 2).contiguous()
 
@@ -88,11 +105,17 @@ class MLAttention(nn.Module):
         md, pdl = ctx.attn, ctx.plan.pdl
         kv_cache = ctx.caches.mla_kv[self.mla_index]
         T, h = x.shape[0], self.num_heads
-        q_ckv = linear(x, self.q_kva_weight, self.gemv, pdl=pdl)  # [T, H*qk + rank + rope]
-        q = q_ckv[:, :h * self.qk_dim].view(T, h, self.qk_dim)
-        ckv = q_ckv[:, h * self.qk_dim:]                                  # [T, rank + rope]
-        out = self._attend(q, ckv, kv_cache, md, pdl)                     # [T, H, v_dim]
-        return linear(out.view(T, h * self.v_dim), self.o_proj.weight, self.gemv, pdl=pdl)
+        q_ckv = linear(x, self.q_kva_weight, self.gemv, pdl=pdl)  # [T, nq + rank + rope (+ H*v)]
+        nq = h * self.qk_dim if self.q_lora_rank is None else self.q_lora_rank
+        nc = self.kv_lora_rank + self.rope_dim
+        q, ckv = q_ckv[:, :nq], q_ckv[:, nq:nq + nc]                      # ckv: [T, rank + rope]
+        if self.q_lora_rank is not None:
+            q_a = self.q_a_layernorm(q.contiguous())                      # [T, q_lora_rank]
+            q = linear(q_a, self.q_b_proj.weight, self.gemv, pdl=pdl)     # [T, H*qk]
+        out = self._attend(q.reshape(T, h, self.qk_dim), ckv, kv_cache, md, pdl)  # [T, H, v]
+        if self.output_gate:
+            out = out * torch.sigmoid(q_ckv[:, nq + nc:]).view(T, h, self.v_dim)
+        return linear(out.reshape(T, h * self.v_dim), self.o_proj.weight, self.gemv, pdl=pdl)
 
     def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,
                 md, pdl: bool) -> torch.Tensor:

@@ -1,12 +1,12 @@
-"""Dense SwiGLU MLP (layer 0 and the MoE's shared experts)."""
+"""Dense gated MLP (layer 0 and the MoE's shared experts): SwiGLU, or SiTU for Kimi K3."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.kernels.linear.gemv import gemv
+from kdaserve.layers.activation import SILU, GatedAct
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import use_gemv
@@ -14,9 +14,10 @@ from kdaserve.layers.linear import use_gemv
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int,
-                 backends: LayerBackends = LayerBackends()) -> None:
+                 backends: LayerBackends = LayerBackends(), act: GatedAct = SILU) -> None:
         super().__init__()
-        self.swiglu_gemv = backends.dense_mlp == "gemv_swiglu"
+        self.act = act
+        self.swiglu_gemv = backends.dense_mlp == "gemv_swiglu" and act.is_silu
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -36,4 +37,4 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None and use_gemv(x, self.swiglu_gemv):
             gate_up = gemv(x, self.gate_up_weight, pdl=pdl)                    # [T, 2I]
             return gemv(gate_up, self.down_proj.weight, pdl=pdl, swiglu=True)  # [T, D]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -1,5 +1,7 @@
-"""Sparse MoE block: sigmoid router with selection-only correction bias, routed SwiGLU experts,
-shared expert. Parameter names follow transformers' KimiLinearMoE."""
+"""Sparse MoE block: sigmoid router with selection-only correction bias, routed gated experts
+(SwiGLU, or SiTU; model dtype or MXFP4), shared expert. Parameter names follow transformers'
+KimiLinearMoE. The router and the experts are also the parts of the latent MoE
+(layers/latent_moe.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
 from kdaserve.kernels import reference as ref
+from kdaserve.layers.activation import SILU, GatedAct, gated_act
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.linear import linear
 from kdaserve.layers.mlp import MLP
@@ -49,19 +52,51 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, args: KimiLinearArgs) -> None:
+    """Routed gated experts over inputs of width `in_size` (the hidden size, or a latent MoE's
+    latent). Model dtype: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj
+    [E, D, I]. MXFP4 (quant="mxfp4", kernels/mxfp4/format.py): uint8 buffers
+    gate_up_proj_packed [E, 2I, D/2] + gate_up_proj_scale [E, 2I, D/32] and down_proj_packed
+    [E, D, I/2] + down_proj_scale [E, D, I/32], never dequantised in memory."""
+
+    def __init__(self, num_experts: int, in_size: int, inter_size: int,
+                 quant: str | None = None, act: GatedAct = SILU) -> None:
         super().__init__()
-        e, d, i = args.num_experts, args.hidden_size, args.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))   # [E, 2I, D]: gate | up
-        self.down_proj = nn.Parameter(torch.empty(e, d, i))          # [E, D, I]
+        e, d, i = num_experts, in_size, inter_size
+        self.quant, self.act = quant, act
+        if quant == "mxfp4":
+            for name, shape in (("gate_up_proj_packed", (e, 2 * i, d // 2)),
+                                ("gate_up_proj_scale", (e, 2 * i, d // MXFP4_BLOCK)),
+                                ("down_proj_packed", (e, d, i // 2)),
+                                ("down_proj_scale", (e, d, i // MXFP4_BLOCK))):
+                self.register_buffer(name, torch.empty(shape, dtype=torch.uint8))
+        elif quant is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))   # [E, 2I, D]
+            self.down_proj = nn.Parameter(torch.empty(e, d, i))          # [E, D, I]
+        else:
+            raise ValueError(f"unknown expert quantization {quant!r}; known: None, mxfp4")
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        """x: [N, D]; topk_*: [N, k] -> sum_j w[n, j] * expert_j(x[n]), [N, D]."""
+        if self.quant == "mxfp4" and x.is_cuda and x.shape[1] % 32 == 0:
+            from kdaserve.kernels.moe.mxfp4_moe import moe_partials
+
+            N, k = topk_ids.shape
+            partials = moe_partials(x, self.gate_up_proj_packed, self.down_proj_packed, topk_ids,
+                                    self.gate_up_proj_scale, self.down_proj_scale,
+                                    self.act.name, self.act.beta, self.act.linear_beta)
+            return (partials.view(N, k, -1).float()
+                    * topk_weights[..., None].float()).sum(1).to(x.dtype)   # [N, D]
+        if self.quant == "mxfp4":
+            return ref.moe_experts_mxfp4(x, self.gate_up_proj_packed, self.gate_up_proj_scale,
+                                         self.down_proj_packed, self.down_proj_scale,
+                                         topk_weights, topk_ids, self.act)
+        if x.is_cuda and self.act.is_silu:
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return ref.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return ref.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                               self.act)
 
 
 class SparseMoE(nn.Module):
@@ -71,12 +106,16 @@ class SparseMoE(nn.Module):
     def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         self.num_experts = args.num_experts
-        self.fold_shared = backends.moe == "triton"
+        act = gated_act(args)
+        self.fold_shared = (backends.moe == "triton" and act.is_silu
+                            and args.expert_quantization is None)
         """Fold the shared expert into the fused MoE as expert E (when its width matches)."""
         self.gate = TopkRouter(args, backends)
-        self.experts = Experts(args)
+        self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
+                               args.expert_quantization, act)
         self.shared_experts = MLP(args.hidden_size,
-                                  args.moe_intermediate_size * args.num_shared_experts, backends)
+                                  args.moe_intermediate_size * args.num_shared_experts, backends,
+                                  act)
         self.w13_all: torch.Tensor | None = None
         self.w2_all: torch.Tensor | None = None
 

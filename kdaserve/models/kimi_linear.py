@@ -1,7 +1,11 @@
-"""KimiLinearForCausalLM over a flattened batch.
+"""KimiLinearForCausalLM over a flattened batch: Kimi Linear and the text model of Kimi K3.
 
 Parameter and buffer names match transformers' KimiLinearForCausalLM state_dict (>= 5.17 naming),
-so checkpoints saved by transformers load by name; the loader maps the original Moonshot names.
+so checkpoints saved by transformers load by name; the loader maps the original Moonshot names
+and Kimi K3's (models/loader.py). The K3 pieces switch on from the config (config/model_args.py):
+AttnRes in place of the residual stream (layers/attn_res.py), the latent MoE
+(layers/latent_moe.py), SiTU, MXFP4 experts, the KDA full-rank gate, MLA q-LoRA and output
+gate. MTP layers of a checkpoint are not part of this model (no MTP drafter yet).
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ from torch import nn
 
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.layers.activation import gated_act
+from kdaserve.layers.attn_res import DepthState, attn_res_read
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.kda import KimiDeltaAttention
+from kdaserve.layers.latent_moe import LatentMoE
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
@@ -29,11 +36,42 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = MLAttention(args, args.mla_layer_ids.index(layer_idx), backends)
         if args.mlp_layer_types[layer_idx] == "sparse":
-            self.mlp = SparseMoE(args, backends)
+            self.mlp = LatentMoE(args, backends) if args.is_latent_moe else SparseMoE(args,
+                                                                                      backends)
         else:
-            self.mlp = MLP(args.hidden_size, args.intermediate_size, backends)
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, backends, gated_act(args))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layer_idx = layer_idx
+        self.block_size = args.attn_res_block_size
+        if self.block_size:
+            d, eps = args.hidden_size, args.rms_norm_eps
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+
+    def forward_attn_res(self, mlp_out: torch.Tensor | None, state: DepthState,
+                         ctx: ForwardContext) -> torch.Tensor:
+        """AttnRes form (layers/attn_res.py): mlp_out is the previous layer's MLP output (None
+        at layer 0); returns this layer's MLP output; state is updated in place."""
+        i, b = self.layer_idx, self.block_size
+        starts_block = i % b == 0
+        done = -(-i // b)                                  # finished blocks before this layer
+        h = attn_res_read(state, mlp_out, self.self_attention_res_norm,
+                          self.self_attention_res_proj, self.input_layernorm, done,
+                          i // b if starts_block else -1)
+        a = self.self_attn(h, ctx)
+        if starts_block:   # the block restarts from this attention output
+            state.prefix, a, done = a, None, done + 1
+        h = attn_res_read(state, a, self.mlp_res_norm, self.mlp_res_proj,
+                          self.post_attention_layernorm, done)
+        return self._mlp(h, ctx.plan.pdl)
+
+    def _mlp(self, h: torch.Tensor, pdl: bool) -> torch.Tensor:
+        if isinstance(self.mlp, MLP):
+            return self.mlp(h, pdl)
+        return self.mlp(h, pdl=pdl)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +86,7 @@ class DecoderLayer(nn.Module):
                                                                          pdl=pdl)
             return self.mlp(h, router_x, pdl=pdl), residual
         h, residual = self.post_attention_layernorm.forward_residual(h, residual, pdl=pdl)
-        return self.mlp(h, pdl), residual
+        return self._mlp(h, pdl), residual
 
 
 class KimiLinearModel(nn.Module):
@@ -58,13 +96,30 @@ class KimiLinearModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, i, backends)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.num_attn_res_blocks = args.num_attn_res_blocks
+        if self.num_attn_res_blocks:
+            self.output_attn_res_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(args.hidden_size, 1, bias=False)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                             # [T, D]
+        if self.num_attn_res_blocks:
+            return self._forward_attn_res(x, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm.forward_residual(x, residual, pdl=ctx.plan.pdl)[0]
+
+    def _forward_attn_res(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x: [T, D] embeddings -> normed hidden [T, D]; the final read mixes every block and
+        the last block's running sum (no input norm), then model.norm."""
+        state = DepthState.start(x, self.num_attn_res_blocks)
+        out = None
+        for layer in self.layers:
+            out = layer.forward_attn_res(out, state, ctx)
+        h = attn_res_read(state, out, self.output_attn_res_norm, self.output_attn_res_proj,
+                          None, self.num_attn_res_blocks)
+        return self.norm(h)
 
 
 class KimiLinearForCausalLM(nn.Module):

@@ -9,6 +9,15 @@ Checkpoints come in two naming schemes and both load:
   `self_attn.{f_a_proj,f_b_proj,dt_bias,A_log}` live under `self_attn.forget_gate.`,
   `block_sparse_moe.` is `mlp.`, and per-expert `experts.{e}.w1/w3/w2.weight` are rows
   [0:I] / [I:2I] of `experts.gate_up_proj[e]` and `experts.down_proj[e]`.
+- Kimi K3 (`KimiK3ForConditionalGeneration`): Moonshot's names under `language_model.`, with
+  compressed-tensors MXFP4 routed experts `experts.{e}.w1/w3/w2.weight_packed` (uint8 [N, K/2])
+  and `.weight_scale` (uint8 E8M0 [N, K/32]), rows of `experts.gate_up_proj_packed[e]` /
+  `_scale[e]` and `experts.down_proj_packed[e]` / `_scale[e]`. The vision tower and projector
+  (`vision_tower.`, `mm_projector.`) and the MTP layers (`model.layers.{n >= num_hidden_layers}`)
+  are skipped: only the text model is served and no MTP drafter exists yet.
+
+Model-dtype expert tensors (either scheme) loading into MXFP4 experts (`--quantization mxfp4`
+on a bf16 checkpoint) are quantised on the way in (kernels/mxfp4/format.py quantize_mxfp4).
 
 Every checkpoint tensor is copied straight into its slice of the destination parameter, on the
 parameter's device and in its dtype; no stacked temporaries are built.
@@ -17,6 +26,7 @@ parameter's device and in its dtype; no stacked temporaries are built.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import zlib
@@ -27,7 +37,10 @@ import torch
 from torch import nn
 
 from kdaserve.config import LoadConfig
-from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
+from kdaserve.kernels.mxfp4.format import quantize_mxfp4
+
+logger = logging.getLogger(__name__)
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -43,62 +56,109 @@ SPREAD_ROUTER_STD = 0.02
 # The expected tensors of a config
 # ----------------------------------------------------------------------------------------------
 
-def expected_tensors(args: KimiLinearArgs, dtype: torch.dtype = torch.bfloat16
+def expected_tensors(args: KimiLinearArgs, dtype: torch.dtype = torch.bfloat16,
+                     include_mtp: bool = False
                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every parameter and persistent buffer of KimiLinearForCausalLM
-    for `args`, in transformers >= 5.17 naming (= the checkpoint layout make-model writes)."""
+    for `args`, in transformers >= 5.17 naming (= the checkpoint layout make-model writes for
+    Kimi Linear). MXFP4 experts are uint8 (`*_packed`, `*_scale`). include_mtp adds the MTP
+    layers of a checkpoint (model.layers.{num_hidden_layers + i}; not model tensors)."""
     d = args.hidden_size
     out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
-    def add(name: str, *shape: int) -> None:
+    def add(name: str, *shape: int, dt: torch.dtype | None = None) -> None:
         fp32 = name.endswith(FP32_SUFFIXES)
-        out[name] = (tuple(shape), torch.float32 if fp32 else dtype)
+        out[name] = (tuple(shape), dt or (torch.float32 if fp32 else dtype))
 
     add("model.embed_tokens.weight", args.vocab_size, d)
     for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        if args.layer_types[i] == "linear_attention":
-            hk, k, h = args.kda_proj_dim, args.linear_head_dim, args.linear_num_heads
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                add(p + f"self_attn.{proj}.weight", hk, d)
-            add(p + "self_attn.conv1d.weight", 3 * hk, 1, args.linear_conv_kernel_dim)
-            add(p + "self_attn.forget_gate.f_a_proj.weight", k, d)
-            add(p + "self_attn.forget_gate.f_b_proj.weight", hk, k)
-            add(p + "self_attn.forget_gate.dt_bias", hk)
-            add(p + "self_attn.forget_gate.A_log", 1, 1, h, 1)
-            add(p + "self_attn.b_proj.weight", h, d)
-            add(p + "self_attn.g_a_proj.weight", k, d)
-            add(p + "self_attn.g_b_proj.weight", hk, k)
-            add(p + "self_attn.o_norm.weight", k)
-            add(p + "self_attn.o_proj.weight", d, hk)
-        else:
-            h = args.num_attention_heads
-            add(p + "self_attn.q_proj.weight", h * args.qk_head_dim, d)
-            add(p + "self_attn.kv_a_proj_with_mqa.weight", args.kv_cache_dim, d)
-            add(p + "self_attn.kv_a_layernorm.weight", args.kv_lora_rank)
-            add(p + "self_attn.kv_b_proj.weight",
-                h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank)
-            add(p + "self_attn.o_proj.weight", d, h * args.v_head_dim)
-        if args.mlp_layer_types[i] == "sparse":
-            e, inter = args.num_experts, args.moe_intermediate_size
-            add(p + "mlp.experts.gate_up_proj", e, 2 * inter, d)
-            add(p + "mlp.experts.down_proj", e, d, inter)
-            add(p + "mlp.gate.weight", e, d)
-            add(p + "mlp.gate.e_score_correction_bias", e)
-            shared = inter * args.num_shared_experts
-            add(p + "mlp.shared_experts.gate_proj.weight", shared, d)
-            add(p + "mlp.shared_experts.up_proj.weight", shared, d)
-            add(p + "mlp.shared_experts.down_proj.weight", d, shared)
-        else:
-            add(p + "mlp.gate_proj.weight", args.intermediate_size, d)
-            add(p + "mlp.up_proj.weight", args.intermediate_size, d)
-            add(p + "mlp.down_proj.weight", d, args.intermediate_size)
-        add(p + "input_layernorm.weight", d)
-        add(p + "post_attention_layernorm.weight", d)
+        _layer_tensors(add, args, f"model.layers.{i}.",
+                       args.layer_types[i] == "linear_attention",
+                       args.mlp_layer_types[i] == "sparse", bool(args.attn_res_block_size))
+    if args.attn_res_block_size:
+        add("model.output_attn_res_norm.weight", d)
+        add("model.output_attn_res_proj.weight", 1, d)
     add("model.norm.weight", d)
     if not args.tie_word_embeddings:
         add("lm_head.weight", args.vocab_size, d)
+    for j in range(args.num_nextn_predict_layers if include_mtp else 0):
+        p = f"model.layers.{args.num_hidden_layers + j}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            add(p + norm + ".weight", d)
+        add(p + "eh_proj.weight", d, 2 * d)
+        add(p + "shared_head.head.weight", args.vocab_size, d)
+        _layer_tensors(add, args, p, False, True, False)   # MLA + MoE, plain residual
     return out
+
+
+def _layer_tensors(add, args: KimiLinearArgs, p: str, is_kda: bool, is_moe: bool,
+                   attn_res: bool) -> None:
+    """The tensors of one decoder layer under prefix p."""
+    d = args.hidden_size
+    if is_kda:
+        hk, k, h = args.kda_proj_dim, args.linear_head_dim, args.linear_num_heads
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            add(p + f"self_attn.{proj}.weight", hk, d)
+        add(p + "self_attn.conv1d.weight", 3 * hk, 1, args.linear_conv_kernel_dim)
+        add(p + "self_attn.forget_gate.f_a_proj.weight", k, d)
+        add(p + "self_attn.forget_gate.f_b_proj.weight", hk, k)
+        add(p + "self_attn.forget_gate.dt_bias", hk)
+        add(p + "self_attn.forget_gate.A_log", 1, 1, h, 1)
+        add(p + "self_attn.b_proj.weight", h, d)
+        if args.kda_full_rank_gate:
+            add(p + "self_attn.g_proj.weight", hk, d)
+        else:
+            add(p + "self_attn.g_a_proj.weight", k, d)
+            add(p + "self_attn.g_b_proj.weight", hk, k)
+        add(p + "self_attn.o_norm.weight", k)
+        add(p + "self_attn.o_proj.weight", d, hk)
+    else:
+        h = args.num_attention_heads
+        if args.q_lora_rank is None:
+            add(p + "self_attn.q_proj.weight", h * args.qk_head_dim, d)
+        else:
+            add(p + "self_attn.q_a_proj.weight", args.q_lora_rank, d)
+            add(p + "self_attn.q_a_layernorm.weight", args.q_lora_rank)
+            add(p + "self_attn.q_b_proj.weight", h * args.qk_head_dim, args.q_lora_rank)
+        add(p + "self_attn.kv_a_proj_with_mqa.weight", args.kv_cache_dim, d)
+        add(p + "self_attn.kv_a_layernorm.weight", args.kv_lora_rank)
+        add(p + "self_attn.kv_b_proj.weight",
+            h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank)
+        if args.mla_use_output_gate:
+            add(p + "self_attn.g_proj.weight", h * args.v_head_dim, d)
+        add(p + "self_attn.o_proj.weight", d, h * args.v_head_dim)
+    if is_moe:
+        e, inter, x = args.num_experts, args.moe_intermediate_size, args.expert_input_size
+        if args.expert_quantization == "mxfp4":
+            u8 = torch.uint8
+            add(p + "mlp.experts.gate_up_proj_packed", e, 2 * inter, x // 2, dt=u8)
+            add(p + "mlp.experts.gate_up_proj_scale", e, 2 * inter, x // MXFP4_BLOCK, dt=u8)
+            add(p + "mlp.experts.down_proj_packed", e, x, inter // 2, dt=u8)
+            add(p + "mlp.experts.down_proj_scale", e, x, inter // MXFP4_BLOCK, dt=u8)
+        else:
+            add(p + "mlp.experts.gate_up_proj", e, 2 * inter, x)
+            add(p + "mlp.experts.down_proj", e, x, inter)
+        add(p + "mlp.gate.weight", e, d)
+        add(p + "mlp.gate.e_score_correction_bias", e)
+        if args.is_latent_moe:
+            add(p + "mlp.routed_expert_down_proj.weight", x, d)
+            if args.latent_moe_use_norm:
+                add(p + "mlp.routed_expert_norm.weight", x)
+            add(p + "mlp.routed_expert_up_proj.weight", d, x)
+        shared = inter * args.num_shared_experts
+        add(p + "mlp.shared_experts.gate_proj.weight", shared, d)
+        add(p + "mlp.shared_experts.up_proj.weight", shared, d)
+        add(p + "mlp.shared_experts.down_proj.weight", d, shared)
+    else:
+        add(p + "mlp.gate_proj.weight", args.intermediate_size, d)
+        add(p + "mlp.up_proj.weight", args.intermediate_size, d)
+        add(p + "mlp.down_proj.weight", d, args.intermediate_size)
+    add(p + "input_layernorm.weight", d)
+    add(p + "post_attention_layernorm.weight", d)
+    if attn_res:
+        for read in ("self_attention_res", "mlp_res"):
+            add(p + f"{read}_norm.weight", d)
+            add(p + f"{read}_proj.weight", 1, d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,21 +192,37 @@ class WeightTarget:
 
 _CONV_RE = re.compile(r"^(.*\.self_attn\.)([qkv])_conv1d\.weight$")
 _GATE_RE = re.compile(r"^(.*\.self_attn\.)(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(w[123])\.weight$")
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(w[123])\.weight(_packed|_scale)?$")
+_LAYER_RE = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+"""Kimi K3's vision tower and projector: not served."""
+TEXT_PREFIX = "language_model."
+
+
+def skip_reason(name: str, args: KimiLinearArgs | None) -> str | None:
+    """Why a checkpoint tensor is not loaded (None: it is)."""
+    bare = name.removeprefix(TEXT_PREFIX)
+    if bare.startswith(SKIPPED_PREFIXES):
+        return "vision"
+    m = _LAYER_RE.match(name)
+    if args is not None and m and int(m[1]) >= args.num_hidden_layers:
+        return "mtp"
+    return None
 
 
 def map_checkpoint_name(name: str) -> WeightTarget:
-    """Checkpoint tensor name (either scheme) -> the model parameter (piece) it fills."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+    """Checkpoint tensor name (any scheme) -> the model parameter (piece) it fills."""
+    name = name.removeprefix(TEXT_PREFIX).replace(".block_sparse_moe.", ".mlp.")
     if m := _CONV_RE.match(name):
         return WeightTarget(m[1] + "conv1d.weight", ("rows", "qkv".index(m[2]), 3))
     if m := _GATE_RE.match(name):
         return WeightTarget(m[1] + "forget_gate." + m[2])
     if m := _EXPERT_RE.match(name):
-        e = int(m[2])
+        e, suffix = int(m[2]), m[4] or ""
         if m[3] == "w2":
-            return WeightTarget(m[1] + "down_proj", ("expert", e))
-        return WeightTarget(m[1] + "gate_up_proj", ("expert_rows", e, 0 if m[3] == "w1" else 1, 2))
+            return WeightTarget(m[1] + "down_proj" + suffix, ("expert", e))
+        return WeightTarget(m[1] + "gate_up_proj" + suffix,
+                            ("expert_rows", e, 0 if m[3] == "w1" else 1, 2))
     return WeightTarget(name)
 
 
@@ -195,6 +271,23 @@ def iterate_checkpoint(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def fastsafetensors_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) through the fastsafetensors library (the reference's launch line uses
+    it); where the library is not installed, one log line and the safetensors walk."""
+    try:
+        from fastsafetensors import fastsafe_open
+    except ImportError:
+        logger.info("load_format fastsafetensors: the fastsafetensors library is not "
+                    "installed; loading with safetensors")
+        yield from iterate_checkpoint(files)
+        return
+    # nogds: reads through host memory (GPU Direct Storage needs its own set-up); the tensors
+    # are copied into the model's on their way (load_safetensors_weights).
+    with fastsafe_open(filenames=list(files), framework="pt", device="cpu", nogds=True) as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
 def _loadable_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters + persistent buffers by name (tied aliases included)."""
     return dict(model.state_dict(keep_vars=True))
@@ -209,41 +302,72 @@ def _resolve_param_name(name: str, tensors: dict[str, torch.Tensor]) -> str | No
     return None
 
 
-def load_safetensors_weights(model: nn.Module, model_path: str) -> None:
+def load_safetensors_weights(model: nn.Module, model_path: str,
+                             tensors_iter: Iterator[tuple[str, torch.Tensor]] | None = None
+                             ) -> None:
+    """Copy every checkpoint tensor into its model tensor (or piece); every model tensor must
+    be filled. tensors_iter: (name, CPU tensor) pairs (default: iterate_checkpoint)."""
     files = checkpoint_files(model_path)
+    args = getattr(model, "args", None)
     tensors = _loadable_tensors(model)
     # Aliases (tied weights) share one storage: loading any name covers all of them.
     alias_key = {n: (t.data_ptr(), t.dtype, tuple(t.shape)) if t.device.type != "meta" else n
                  for n, t in tensors.items()}
     filled: dict[object, int] = {}  # alias key -> elements loaded
     pieces_seen: set[tuple[str, tuple]] = set()
+    skipped: dict[str, int] = {}
+
+    def fill(ckpt_name: str, param_name: str, target: WeightTarget,
+             loaded: torch.Tensor) -> None:
+        key = (param_name, target.piece)
+        if key in pieces_seen:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} fills {param_name!r} "
+                             f"{target.piece or ''} a second time")
+        pieces_seen.add(key)
+        dest = target.view(tensors[param_name].data)
+        if tuple(loaded.shape) != tuple(dest.shape):
+            if (loaded.numel() == dest.numel()
+                    and _squeeze_shape(loaded.shape) == _squeeze_shape(dest.shape)):
+                loaded = loaded.reshape(dest.shape)
+            else:
+                raise ValueError(
+                    f"shape mismatch for checkpoint tensor {ckpt_name!r}: checkpoint "
+                    f"{tuple(loaded.shape)}, model {param_name!r} expects {tuple(dest.shape)}")
+        if dest.dtype == torch.uint8 and loaded.is_floating_point():
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} is {loaded.dtype}, model "
+                             f"{param_name!r} holds MXFP4 bytes")
+        dest.copy_(loaded)
+        filled[alias_key[param_name]] = filled.get(alias_key[param_name], 0) + dest.numel()
 
     with torch.no_grad():
-        for ckpt_name, loaded in iterate_checkpoint(files):
+        for ckpt_name, loaded in (tensors_iter or iterate_checkpoint(files)):
+            reason = skip_reason(ckpt_name, args)
+            if reason is not None:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                continue
             target = map_checkpoint_name(ckpt_name)
             param_name = _resolve_param_name(target.param_name, tensors)
+            packed_name = _resolve_param_name(target.param_name + "_packed", tensors)
+            if param_name is None and packed_name is not None and loaded.is_floating_point():
+                # a model-dtype expert weight into MXFP4 experts: quantise it on the way in
+                packed, scale = quantize_mxfp4(loaded)
+                scale_name = packed_name.removesuffix("_packed") + "_scale"
+                fill(ckpt_name, packed_name, target, packed)
+                fill(ckpt_name, scale_name, target, scale)
+                continue
             if param_name is None:
+                hint = (" (MXFP4 experts in the checkpoint: the model's experts are not "
+                        "MXFP4)" if ckpt_name.endswith(("_packed", "_scale")) else "")
                 raise ValueError(
                     f"checkpoint tensor {ckpt_name!r} (-> {target.param_name!r}) matches no "
-                    "parameter of the model")
-            key = (param_name, target.piece)
-            if key in pieces_seen:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} fills {param_name!r} "
-                                 f"{target.piece or ''} a second time")
-            pieces_seen.add(key)
-            param = tensors[param_name]
-            dest = target.view(param.data)
-            if tuple(loaded.shape) != tuple(dest.shape):
-                if (loaded.numel() == dest.numel()
-                        and _squeeze_shape(loaded.shape) == _squeeze_shape(dest.shape)):
-                    loaded = loaded.reshape(dest.shape)
-                else:
-                    raise ValueError(
-                        f"shape mismatch for checkpoint tensor {ckpt_name!r}: checkpoint "
-                        f"{tuple(loaded.shape)}, model {param_name!r} expects {tuple(dest.shape)}")
-            dest.copy_(loaded)
-            filled[alias_key[param_name]] = filled.get(alias_key[param_name], 0) + dest.numel()
+                    f"parameter of the model{hint}")
+            fill(ckpt_name, param_name, target, loaded)
 
+    for reason, count in sorted(skipped.items()):
+        logger.info("skipped %d checkpoint tensor(s) of the %s %s", count,
+                    {"vision": "vision tower /", "mtp": "MTP"}[reason],
+                    {"vision": "projector (text model only)",
+                     "mtp": "layers (no MTP drafter)"}[reason])
     missing = [n for n, t in tensors.items() if filled.get(alias_key[n], 0) < t.numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -278,13 +402,24 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
     selection bias then decides, so every token picks the same experts).
     spread: the same, except router weights `mlp.gate.weight` ~ N(0, 0.02) and
     `e_score_correction_bias` = 0, so the choice depends on the token.
+    MXFP4 experts (`*_packed` + `*_scale`) hold the MXFP4 packing of exactly the values the
+    same model with model-dtype experts gets (same seed, same draw), so `--quantization mxfp4`
+    on dummy weights is the quantised twin of the dummy bf16 model.
     """
     if dummy_routing not in ("vllm", "spread"):
         raise ValueError(f"dummy_routing must be vllm or spread, got {dummy_routing!r}")
     seen: set[int] = set()
     with torch.no_grad():
-        for name, t in _loadable_tensors(model).items():
+        tensors = _loadable_tensors(model)
+        float_dtype = next((t.dtype for n, t in tensors.items() if t.is_floating_point()
+                            and not n.endswith(FP32_SUFFIXES)), torch.float32)
+        for name, t in tensors.items():
             data = t.data
+            if name.endswith("_packed") and data.device.type != "meta":
+                base = name.removesuffix("_packed")
+                _fill_mxfp4_dummy(data, tensors[base + "_scale"].data, tensor_seed(seed, base),
+                                  float_dtype)
+                continue
             if not data.is_floating_point() or data.device.type == "meta":
                 continue
             if data.data_ptr() in seen and data.numel() > 0:  # tied alias: filled once
@@ -299,6 +434,20 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
                 _fill(data, s, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
 
 
+def _fill_mxfp4_dummy(packed: torch.Tensor, scale: torch.Tensor, seed: int,
+                      dtype: torch.dtype) -> None:
+    """packed [E, N, K/2], scale [E, N, K/32] <- quantize_mxfp4 of the [E, N, K] tensor in
+    dtype that the model-dtype experts' dummy fill draws with this seed (quantised one expert
+    at a time)."""
+    n, k = packed.shape[-2], packed.shape[-1] * 2
+    w = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
+    _fill(w, seed, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
+    for e in range(packed.shape[0]):
+        p, s = quantize_mxfp4(w[e])
+        packed[e].copy_(p)
+        scale[e].copy_(s)
+
+
 # ----------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------
@@ -311,6 +460,9 @@ def load_weights(model: nn.Module, model_path: str, load_config: LoadConfig) -> 
         init_dummy_weights(model, load_config.seed, load_config.dummy_routing)
     elif fmt in ("auto", "safetensors"):
         load_safetensors_weights(model, model_path)
+    elif fmt == "fastsafetensors":
+        load_safetensors_weights(model, model_path,
+                                 fastsafetensors_iterator(checkpoint_files(model_path)))
     else:
         raise ValueError(f"unsupported load_format {fmt!r}")
     post = getattr(model, "process_weights_after_loading", None)

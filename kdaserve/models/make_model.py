@@ -1,11 +1,12 @@
-"""`kdaserve make-model OUT --preset {tiny,small,kimi-linear-48b-a3b}`: write a synthetic HF-style
-Kimi Linear model folder offline.
+"""`kdaserve make-model OUT --preset {tiny,small,kimi-linear-48b-a3b,kimi-k3-tiny,kimi-k3-mini,
+kimi-k3}`: write a synthetic HF-style Kimi Linear or Kimi K3 model folder offline
+(`--count` prints a preset's parameter and byte count instead).
 
 The folder holds config.json, generation_config.json, a byte-level BPE tokenizer trained on the
 text shipped in kdaserve/data/ (tokenizer.json + tokenizer_config.json with a Kimi-style chat
 template, also chat_template.jinja) and, for tiny / small, random weights in transformers >= 5.17
 naming (model.safetensors). The 48B preset writes the real architecture's config and the tokenizer
-only: serve it with `--load-format dummy`.
+only: serve it with `--load-format dummy`. The Kimi K3 presets are models/make_k3.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import torch
 
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.models import make_k3
 from kdaserve.models.loader import tensor_seed, expected_tensors
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
@@ -41,7 +43,7 @@ TOKENIZER_VOCAB_SIZE = 4096
 PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-PRESETS = ("tiny", "small", "kimi-linear-48b-a3b")
+PRESETS = ("tiny", "small", "kimi-linear-48b-a3b") + make_k3.K3_PRESETS
 
 # Architecture overrides on top of the 48B config (which supplies every other field).
 _PRESET_ARCH = {
@@ -80,8 +82,9 @@ def chat_template() -> str:
         return f.read()
 
 
-def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
-    """Byte-level BPE trained on the shipped corpus; added tokens get the last ids."""
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, with_added_tokens: bool = True):
+    """Byte-level BPE trained on the shipped corpus; added tokens get the last ids
+    (with_added_tokens=False: the BPE alone, vocab_size of it)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -90,11 +93,13 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    num_added = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS)
+    num_added = len(SPECIAL_TOKENS) + len(MARKUP_TOKENS) if with_added_tokens else 0
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - num_added, min_frequency=2, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train(corpus_files(), trainer)
+    if not with_added_tokens:
+        return tok
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
@@ -175,8 +180,14 @@ def random_weights(args: KimiLinearArgs, seed: int = 0, dtype: torch.dtype = tor
                    ) -> dict[str, torch.Tensor]:
     """A full random state dict for `args` in transformers >= 5.17 naming (fp32 where the model
     keeps fp32). Each tensor is seeded by (seed, name): the same name gives the same values."""
+    return random_tensors(expected_tensors(args, dtype), seed)
+
+
+def random_tensors(expected: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0
+                   ) -> dict[str, torch.Tensor]:
+    """name -> (shape, dtype) to random tensors, each seeded by (seed, name)."""
     out = {}
-    for name, (shape, dt) in expected_tensors(args, dtype).items():
+    for name, (shape, dt) in expected.items():
         gen = torch.Generator().manual_seed(tensor_seed(seed, name))
         out[name] = _random_tensor(name, shape, gen).to(dt).contiguous()
     return out
@@ -193,6 +204,8 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"output path {out_dir!r} exists and is not a directory")
     os.makedirs(out_dir, exist_ok=True)
+    if preset in make_k3.K3_PRESETS:
+        return _make_k3_model(out_dir, preset, seed)
 
     max_len = int(_PRESET_ARCH.get(preset, base_config())["model_max_length"])
     tokenizer = build_hf_tokenizer(max_len)
@@ -214,6 +227,38 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
         save_file(random_weights(args, seed), os.path.join(out_dir, "model.safetensors"),
                   metadata={"format": "pt"})
     return out_dir
+
+
+def _make_k3_model(out_dir: str, preset: str, seed: int) -> str:
+    max_len = int(make_k3.text_arch(preset)["model_max_length"])
+    ids = make_k3.write_k3_tokenizer(out_dir, max_len)
+    cfg = make_k3.k3_config(preset, ids, ids["vocab_size"])
+    args = KimiLinearArgs.from_hf_config(cfg)  # validates the config we are about to write
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    gen_cfg = {"bos_token_id": ids["bos"], "eos_token_id": [ids["eos"], ids["tokenizer_eos"]],
+               "pad_token_id": ids["pad"]}
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump(gen_cfg, f, indent=2)
+    if preset == "kimi-k3-tiny":
+        from safetensors.torch import save_file
+
+        save_file(make_k3.k3_checkpoint(args, seed), os.path.join(out_dir, "model.safetensors"),
+                  metadata={"format": "pt"})
+    return out_dir
+
+
+def preset_args(preset: str) -> KimiLinearArgs:
+    """The architecture of `preset` (the tokenizer's vocabulary for the synthetic ones)."""
+    if preset in make_k3.K3_PRESETS:
+        ids = dict(bos=0, eos=1, pad=2, media_pad=3)
+        vocab = 64 * -(-TOKENIZER_VOCAB_SIZE // 64)
+        return KimiLinearArgs.from_hf_config(make_k3.k3_config(preset, ids, vocab))
+    cfg = base_config()
+    if preset in _PRESET_ARCH:
+        cfg.update(copy.deepcopy(_PRESET_ARCH[preset]))
+        cfg["vocab_size"] = 64 * math.ceil(TOKENIZER_VOCAB_SIZE / 64)
+    return KimiLinearArgs.from_hf_config(cfg)
 
 
 def make_draft_model(target: str, out_dir: str, seed: int = 0) -> str:
@@ -246,22 +291,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "make-model", help="write a synthetic Kimi Linear model folder (config, tokenizer, "
                            "random weights)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="output folder (created if missing)")
+    p.add_argument("out", nargs="?", help="output folder (created if missing)")
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--draft-for", default=None, metavar="TARGET",
                    help="write a draft model for speculative decoding against the TARGET "
                         "folder instead (small architecture, TARGET's vocabulary)")
+    p.add_argument("--count", action="store_true",
+                   help="print the preset's parameter and byte count (bf16, MXFP4 experts "
+                        "where the preset has them) and write nothing")
     p.set_defaults(func=_run)
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.count:
+        print(make_k3.format_count(args.preset, make_k3.count(preset_args(args.preset))))
+        return 0
+    if not args.out:
+        raise SystemExit("error: make-model needs OUT (the folder to write) unless --count")
     if args.draft_for:
         path = make_draft_model(args.draft_for, args.out, seed=args.seed)
         print(f"wrote a draft model for {args.draft_for} to {path}")
         return 0
     path = make_model(args.out, preset=args.preset, seed=args.seed)
-    what = "config + tokenizer" if args.preset not in _PRESET_ARCH else "config, tokenizer, weights"
+    with_weights = args.preset in _PRESET_ARCH or args.preset == "kimi-k3-tiny"
+    what = "config, tokenizer, weights" if with_weights else "config + tokenizer"
     print(f"wrote {args.preset} model ({what}) to {path}")
     return 0

@@ -12,6 +12,9 @@ from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 _ARCHITECTURES = {
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    # Kimi K3: its text model is a KimiLinearForCausalLM with the K3 fields set (the vision
+    # tower is not served; the loader skips its tensors).
+    "KimiK3ForConditionalGeneration": KimiLinearForCausalLM,
 }
 
 

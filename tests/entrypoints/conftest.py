@@ -100,7 +100,7 @@ def tiny_model(tmp_path_factory) -> str:
 def server(tiny_model):
     srv = RemoteServer([tiny_model, "--api-key", API_KEY, "--max-model-len",
                         str(MAX_MODEL_LEN), "--max-num-seqs", "64",
-                        "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
+                        "--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2",
                         "--enable-auto-tool-choice", "--served-model-name", tiny_model, "tiny",
                         "--additional-config", json.dumps({"max_request_body_bytes": BODY_LIMIT}),
                         "--seed", "0"])

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Reasoning / tool-call parsers, whole-text and streamed token by token through the real
-tiny tokenizer (so markers arrive exactly as the engine's detokenizer would produce them)."""
+"""Reasoning / tool-call parsers of the Kimi K2 format (`kimi_k2`: `<think>`, the tool-call
+section; what the Kimi Linear presets' template writes), whole-text and streamed token by token
+through the real tiny tokenizer (so markers arrive exactly as the engine's detokenizer would produce them)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import json
 import pytest
 
 from kdaserve.entrypoints.openai.chat_output import ChatOutputState
-from kdaserve.entrypoints.openai.reasoning_parser import (KimiK3ReasoningParser,
+from kdaserve.entrypoints.openai.reasoning_parser import (KimiK2ReasoningParser,
                                                          get_reasoning_parser, held_back_len)
-from kdaserve.entrypoints.openai.tool_parser import KimiK3ToolParser, get_tool_parser
+from kdaserve.entrypoints.openai.tool_parser import KimiK2ToolParser, get_tool_parser
 
 TOOL_TEXT = ("I will check.<|tool_calls_section_begin|>"
              "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
@@ -21,8 +22,8 @@ TOOL_TEXT = ("I will check.<|tool_calls_section_begin|>"
 
 
 def test_registry_names():
-    assert get_reasoning_parser("kimi_k2") is get_reasoning_parser("kimi_k3")
-    assert get_tool_parser("kimi_k2") is KimiK3ToolParser
+    assert get_reasoning_parser("kimi_k2") is KimiK2ReasoningParser
+    assert get_tool_parser("kimi_k2") is KimiK2ToolParser
     with pytest.raises(ValueError, match="unknown reasoning parser 'qwen9'"):
         get_reasoning_parser("qwen9")
     with pytest.raises(ValueError, match="unknown tool-call parser"):
@@ -36,7 +37,7 @@ def test_held_back_len():
 
 
 def test_reasoning_split_whole_text():
-    p = KimiK3ReasoningParser()
+    p = KimiK2ReasoningParser()
     s = p.parse("<think>step one</think>\nThe answer", final=True)
     assert (s.reasoning, s.content) == ("step one", "The answer")
     # no <think>: everything is content
@@ -46,22 +47,22 @@ def test_reasoning_split_whole_text():
     s = p.parse("<think>still thinking", final=True)
     assert (s.reasoning, s.content, s.reasoning_ended) == ("still thinking", "", False)
     # the prompt opened the section
-    s = KimiK3ReasoningParser("<|im_middle|><think>").parse("hmm</think>ok", final=True)
+    s = KimiK2ReasoningParser("<|im_middle|><think>").parse("hmm</think>ok", final=True)
     assert (s.reasoning, s.content) == ("hmm", "ok")
     # thinking disabled by the template: prompt ends with <think></think>
-    s = KimiK3ReasoningParser("<think></think>").parse("ok", final=True)
+    s = KimiK2ReasoningParser("<think></think>").parse("ok", final=True)
     assert (s.reasoning, s.content) == ("", "ok")
 
 
 def test_reasoning_holds_back_partial_markers():
-    p = KimiK3ReasoningParser()
+    p = KimiK2ReasoningParser()
     assert p.parse("<thi", final=False).content == ""
     assert p.parse("<think>abc</th", final=False).reasoning == "abc"
     assert p.parse("<think>abc</th", final=True).reasoning == "abc</th"
 
 
 def test_tool_calls_whole_text():
-    split = KimiK3ToolParser().parse(TOOL_TEXT, final=True)
+    split = KimiK2ToolParser().parse(TOOL_TEXT, final=True)
     assert split.content == "I will check."
     assert [(c.id, c.name, json.loads(c.arguments)) for c in split.tool_calls] == [
         ("functions.get_weather:0", "get_weather", {"city": "Paris", "unit": "c"}),
@@ -70,7 +71,7 @@ def test_tool_calls_whole_text():
 
 
 def test_tool_call_section_implicitly_ends_reasoning():
-    state = ChatOutputState(KimiK3ReasoningParser(), KimiK3ToolParser())
+    state = ChatOutputState(KimiK2ReasoningParser(), KimiK2ToolParser())
     state.text = "<think>need weather" + TOOL_TEXT[len("I will check."):]
     msg = state.message()
     assert msg["reasoning"] == "need weather" and msg["reasoning_content"] == "need weather"
@@ -119,10 +120,10 @@ def test_marker_tokens_are_single_ids(tokenizer):
 @pytest.mark.parametrize("with_reasoning", [False, True])
 def test_streamed_tool_calls_match_whole_text(tokenizer, with_reasoning):
     text = ("<think>The user wants weather.</think>" if with_reasoning else "") + TOOL_TEXT
-    streamed = ChatOutputState(KimiK3ReasoningParser(), KimiK3ToolParser())
+    streamed = ChatOutputState(KimiK2ReasoningParser(), KimiK2ToolParser())
     deltas = _stream_by_tokens(tokenizer, text, streamed)
     got = _accumulate(deltas)
-    whole = ChatOutputState(KimiK3ReasoningParser(), KimiK3ToolParser())
+    whole = ChatOutputState(KimiK2ReasoningParser(), KimiK2ToolParser())
     whole.text = text
     msg = whole.message()
     assert got["content"] == msg["content"] == "I will check."
@@ -149,7 +150,7 @@ def test_streamed_plain_content_without_parsers(tokenizer):
 def test_streamed_reasoning_then_content(tokenizer):
     text = "<think>Let me think about it.</think>\n\nThe answer is 42."
     deltas = _stream_by_tokens(tokenizer, text,
-                               ChatOutputState(KimiK3ReasoningParser(), None,
+                               ChatOutputState(KimiK2ReasoningParser(), None,
                                                mirror_reasoning_content=False))
     got = _accumulate([{**d, "reasoning_content": d["reasoning"]} if "reasoning" in d else d
                        for d in deltas])

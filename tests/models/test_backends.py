@@ -81,3 +81,66 @@ def test_the_eager_plan_follows_the_batch():
     assert StepPlan.eager_for(2, 0, 0, exports=True).decode_only is False
     assert StepPlan.eager_for(0, 3, 0, exports=False).mode is ExecMode.EAGER
     assert StepPlan.eager_for(1, 3, 0, exports=False).mode is ExecMode.MIXED
+
+
+def test_latent_moe_switch_picks_the_fused_tail():
+    from kdaserve.layers.latent_moe import LatentMoE
+    from kdaserve.models.make_model import preset_args
+
+    assert select_backends(KernelConfig(), "cuda").latent_moe == "fused_tail"
+    assert select_backends(KernelConfig.baseline(), "cuda").latent_moe == "unfused"
+    args = preset_args("kimi-k3-tiny")
+    with torch.device("meta"):
+        on = LatentMoE(args, select_backends(KernelConfig(), "cuda"))
+        off = LatentMoE(args, select_backends(KernelConfig.baseline(), "cuda"))
+    assert on.fused_tail and not off.fused_tail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts", ["mxfp4", "bf16"])
+@pytest.mark.parametrize("fused_tail", [True, False])
+def test_latent_moe_backends_on_gpu(experts, fused_tail):
+    """The latent MoE layer on CUDA in bf16 (fused_tail: the Triton expert GEMMs + tail launch;
+    unfused: the experts, then the top-k sum, norm and up projection as separate ops), MXFP4
+    or bf16 experts, against the CPU reference layer in fp32 on the same weights."""
+    from kdaserve.kernels.mxfp4.format import quantize_mxfp4
+    from kdaserve.layers.latent_moe import LatentMoE
+    from kdaserve.models.make_model import preset_args
+
+    args = dataclasses.replace(preset_args("kimi-k3-tiny"), hidden_size=256,
+                               routed_expert_hidden_size=128, moe_intermediate_size=64,
+                               num_experts=16, num_experts_per_token=4,
+                               expert_quantization=None if experts == "bf16" else "mxfp4")
+    gen = torch.Generator().manual_seed(0)
+    ref = LatentMoE(args)
+    for name, t in ref.named_parameters():
+        t.data.copy_(torch.randn(t.shape, generator=gen) / t.shape[-1] ** 0.5 if t.dim() > 1
+                     else 1 + 0.1 * torch.randn(t.shape, generator=gen))
+    for name, t in ref.named_buffers():
+        t.copy_(0.1 * torch.randn(t.shape, generator=gen) if t.is_floating_point() else t)
+    if experts == "mxfp4":
+        for w in ("gate_up_proj", "down_proj"):
+            dense = torch.randn(getattr(ref.experts, w + "_packed").shape[:-1]
+                                + (getattr(ref.experts, w + "_packed").shape[-1] * 2,),
+                                generator=gen)
+            p, s = quantize_mxfp4(dense / dense.shape[-1] ** 0.5)
+            getattr(ref.experts, w + "_packed").copy_(p)
+            getattr(ref.experts, w + "_scale").copy_(s)
+    kc = dataclasses.replace(KernelConfig(), latent_moe_fused_tail=fused_tail)
+    gpu = LatentMoE(args, select_backends(kc, "cuda"))
+    gpu.load_state_dict(ref.state_dict())
+    gpu = gpu.to("cuda")
+    for n, t in gpu.named_parameters():          # bf16 like the model; the router stays fp32
+        if n != "gate.weight":
+            t.data = t.data.to(torch.bfloat16)
+    for layer in (ref, gpu):
+        for mod in layer.modules():
+            if mod is not layer and hasattr(mod, "process_weights_after_loading"):
+                mod.process_weights_after_loading()
+    for N in (1, 5, 33):
+        x = torch.randn(N, args.hidden_size, generator=gen)
+        want = ref(x)
+        got = gpu(x.to("cuda", torch.bfloat16)).float().cpu()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err <= 1e-2, (N, err)

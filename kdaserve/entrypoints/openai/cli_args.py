@@ -116,6 +116,7 @@ OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "mla_absorb_gemv": BOOL,
     "dense_mlp_gemv": BOOL,
     "sampling_threshold_kernel": BOOL,
+    "latent_moe_fused_tail": BOOL,
     "kda_checkpoint_mode": one_of("internal", "split"),
     "kda_checkpoint_interval": POSITIVE_INT,
     "num_kda_checkpoint_slots": NON_NEGATIVE_INT,
@@ -220,8 +221,13 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                    help="Fraction of GPU memory the engine may use (0, 1].")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="Never capture CUDA graphs.")
-    g.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
-                   help="dummy = random weights (no checkpoint read).")
+    g.add_argument("--load-format", default=None,
+                   choices=["auto", "safetensors", "fastsafetensors", "dummy"],
+                   help="dummy = random weights (no checkpoint read); fastsafetensors = read "
+                        "through that library (safetensors where it is not installed).")
+    g.add_argument("--quantization", "-q", default=None, choices=["mxfp4"],
+                   help="mxfp4 = routed experts in MXFP4 (bf16 experts quantised at load); "
+                        "default: as the checkpoint's quantization_config says.")
     g.add_argument("--model-loader-extra-config", type=model_loader_extra_config, default=None,
                    metavar="JSON",
                    help="JSON object of loader options, e.g. '{\"dummy_routing\": \"spread\"}'. "
@@ -262,7 +268,8 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
 
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
-                 "enforce_eager", "load_format", "tensor_parallel_size", "enable_prefix_caching",
+                 "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
+                 "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",
                  "async_scheduling", "long_prefill_token_threshold")
 """Flag dests passed on as the engine kwarg of the same name (or its _RENAMED one). The keys of

@@ -30,8 +30,8 @@ class ReasoningSplit:
     reasoning_ended: bool
 
 
-class KimiK3ReasoningParser:
-    """Kimi thinking format: `<think>reasoning</think>content`.
+class KimiK2ReasoningParser:
+    """Kimi K2 / Kimi Linear thinking format: `<think>reasoning</think>content`.
 
     Reasoning is on when the output starts with `<think>` or the prompt already opened the
     section (the chat template ended it with `<think>`). It ends at `</think>`, or implicitly
@@ -76,14 +76,59 @@ class KimiK3ReasoningParser:
         return min(hits) if hits else (-1, 0)
 
 
-_REASONING_PARSERS = {"kimi_k3": KimiK3ReasoningParser, "kimi_k2": KimiK3ReasoningParser}
+class KimiK3ReasoningParser:
+    """Kimi K3's XTML channels (kimi_k3.md §1.12): the assistant message holds
+    `<|open|>think<|sep|>REASONING<|close|>think<|sep|>`, then
+    `<|open|>response<|sep|>CONTENT<|close|>response<|sep|>`, then optionally the tools channel
+    and `<|close|>message<|sep|>` (`<|end_of_msg|>` ends the turn).
+
+    Reasoning is on when the prompt opened the think channel (the K3 template's generation
+    prompt with thinking on) or the output starts with it. It ends at the think channel's
+    close, or implicitly where the response or tools channel opens. The content is the rest
+    without the channel markers; a tools channel stays in it for the tool parser."""
+
+    think_open = "<|open|>think<|sep|>"
+    think_close = "<|close|>think<|sep|>"
+    implicit_end_markers = ("<|open|>response<|sep|>", "<|open|>tools<|sep|>")
+    dropped_markers = ("<|open|>response<|sep|>", "<|close|>response<|sep|>",
+                       "<|close|>message<|sep|>", "<|end_of_msg|>")
+
+    def __init__(self, prompt_text: str = ""):
+        self.starts_in_reasoning = prompt_text.endswith(self.think_open)
+
+    def parse(self, text: str, final: bool) -> ReasoningSplit:
+        body = text
+        if not self.starts_in_reasoning:
+            if text.startswith(self.think_open):
+                body = text[len(self.think_open):]
+            elif not final and self.think_open.startswith(text):
+                return ReasoningSplit("", "", False)   # may still become the think channel
+            else:
+                return ReasoningSplit("", self._content(text, final), True)
+        hits = [(body.find(self.think_close), len(self.think_close))]
+        hits += [(body.find(m), 0) for m in self.implicit_end_markers]
+        hits = [h for h in hits if h[0] >= 0]
+        if not hits:
+            keep = len(body) if final else len(body) - held_back_len(
+                body, (self.think_close, *self.implicit_end_markers))
+            return ReasoningSplit(body[:keep], "", False)
+        end, end_len = min(hits)
+        return ReasoningSplit(body[:end], self._content(body[end + end_len:], final), True)
+
+    def _content(self, text: str, final: bool) -> str:
+        for marker in self.dropped_markers:
+            text = text.replace(marker, "")
+        return text if final else text[:len(text) - held_back_len(text, self.dropped_markers)]
+
+
+_REASONING_PARSERS = {"kimi_k3": KimiK3ReasoningParser, "kimi_k2": KimiK2ReasoningParser}
 
 
 def reasoning_parser_names() -> list[str]:
     return sorted(_REASONING_PARSERS)
 
 
-def get_reasoning_parser(name: str) -> type[KimiK3ReasoningParser]:
+def get_reasoning_parser(name: str) -> type:
     if name not in _REASONING_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {name!r}; available: {', '.join(reasoning_parser_names())}")

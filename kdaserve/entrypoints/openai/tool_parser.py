@@ -4,13 +4,15 @@
 Like the reasoning parsers, `parse(text, final)` is a pure function of the cumulative text and
 returns only what is safe to show: content and argument strings grow monotonically while the
 text grows, so the streaming layer can send their new suffixes as indexed deltas. Besides the
-model's own format (Kimi), two parsers read the JSON that tool_choice "required" or a named
-function constrains the output to.
+models' own formats (kimi_k2, kimi_k3), two parsers read the JSON that tool_choice "required"
+or a named function constrains the output to.
 """
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from dataclasses import dataclass, field
 
 from kdaserve.entrypoints.openai.reasoning_parser import held_back_len
@@ -31,8 +33,8 @@ class ToolSplit:
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
 
 
-class KimiK3ToolParser:
-    """Kimi K2/K3 tool-call format (all markers are special tokens of the Kimi tokenizer):
+class KimiK2ToolParser:
+    """Kimi K2 / Kimi Linear tool-call format (all markers are special tokens of the Kimi tokenizer):
 
     <|tool_calls_section_begin|>
       <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>
@@ -91,6 +93,89 @@ def _function_name(call_id: str) -> str:
     return name.split(".", 1)[1] if name.startswith("functions.") else name
 
 
+_TAG_RE = re.compile(r'<\|open\|>(call|argument|json)((?: [\w-]+="[^"]*")*)<\|sep\|>')
+_ATTR_RE = re.compile(r'([\w-]+)="([^"]*)"')
+
+
+class KimiK3ToolParser:
+    """Kimi K3's XTML tools channel (kimi_k3.md §1.12):
+
+    <|open|>tools<|sep|>
+      <|open|>call tool="NAME" index="1"<|sep|>
+        <|open|>argument key="K" type="string"<|sep|>RAW<|close|>argument<|sep|> ...
+      <|close|>call<|sep|> ...
+    <|close|>tools<|sep|>
+
+    A string argument is its raw text; other types (number, boolean, null, object, array) are
+    JSON. A call may instead hold one `<|open|>json type="object"<|sep|>{...}<|close|>json
+    <|sep|>`. Attribute values are XML-escaped. The arguments come out as a JSON object
+    string that only grows while the call streams; ids are `functions.NAME:I` (I counts the
+    calls of the section from 0).
+    """
+
+    section_begin = "<|open|>tools<|sep|>"
+    section_end = "<|close|>tools<|sep|>"
+    call_end = "<|close|>call<|sep|>"
+
+    def parse(self, text: str, final: bool) -> ToolSplit:
+        start = text.find(self.section_begin)
+        if start < 0:
+            keep = len(text) if final else len(text) - held_back_len(text, (self.section_begin,))
+            return ToolSplit(text[:keep])
+        content = text[:start]
+        section = text[start + len(self.section_begin):]
+        end = section.find(self.section_end)
+        if end >= 0:
+            content += section[end + len(self.section_end):]
+            section, final = section[:end], True
+        return ToolSplit(content, self._parse_calls(section, final))
+
+    def _parse_calls(self, section: str, final: bool) -> list[ParsedToolCall]:
+        calls, pos = [], 0
+        while (m := _TAG_RE.search(section, pos)) is not None:
+            if m[1] != "call":
+                pos = m.end()
+                continue
+            name = html.unescape(dict(_ATTR_RE.findall(m[2])).get("tool", ""))
+            stop = section.find(self.call_end, m.end())
+            body = section[m.end():] if stop < 0 else section[m.end():stop]
+            complete = stop >= 0 or final
+            calls.append(ParsedToolCall(f"functions.{name}:{len(calls)}", name,
+                                        _arguments(body, complete), complete))
+            if stop < 0:
+                break
+            pos = stop + len(self.call_end)
+        return calls
+
+
+def _arguments(body: str, complete: bool) -> str:
+    """The JSON arguments of one call body so far (a prefix of the final string)."""
+    out, pos, kind = "", 0, None
+    while (m := _TAG_RE.search(body, pos)) is not None and m[1] != "call":
+        attrs = {k: html.unescape(v) for k, v in _ATTR_RE.findall(m[2])}
+        close = f"<|close|>{m[1]}<|sep|>"
+        stop = body.find(close, m.end())
+        value = body[m.end():] if stop < 0 else body[m.end():stop]
+        if stop < 0 and not complete:
+            value = value[:len(value) - held_back_len(value, (close,))]
+        done = stop >= 0 or complete
+        if m[1] == "json":
+            out, kind = value, "json"
+        else:
+            out += ("{" if kind is None else ", ") + json.dumps(attrs.get("key", "")) + ": "
+            kind = "args"
+            if attrs.get("type", "string") == "string":
+                out += json.dumps(value) if done else json.dumps(value)[:-1]
+            else:
+                out += value
+        if stop < 0:
+            return out + ("}" if complete and kind == "args" else "")
+        pos = stop + len(close)
+    if not complete:
+        return out
+    return out + "}" if kind == "args" else (out or "{}")
+
+
 class NamedToolCallParser:
     """tool_choice naming a function: the whole (grammar-constrained) output is that function's
     arguments object, streamed as it grows."""
@@ -141,14 +226,14 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos
 
 
-_TOOL_PARSERS = {"kimi_k3": KimiK3ToolParser, "kimi_k2": KimiK3ToolParser}
+_TOOL_PARSERS = {"kimi_k3": KimiK3ToolParser, "kimi_k2": KimiK2ToolParser}
 
 
 def tool_parser_names() -> list[str]:
     return sorted(_TOOL_PARSERS)
 
 
-def get_tool_parser(name: str) -> type[KimiK3ToolParser]:
+def get_tool_parser(name: str) -> type:
     if name not in _TOOL_PARSERS:
         raise ValueError(
             f"unknown tool-call parser {name!r}; available: {', '.join(tool_parser_names())}")

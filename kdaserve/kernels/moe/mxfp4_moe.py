@@ -1,0 +1,179 @@
+"""MXFP4 routed experts for a latent MoE, with the top-k weighted sum fused into the latent tail.
+
+    partials = moe_partials(latent, w13, w2, topk_ids, w13_scale, w2_scale)   [N * k, L]
+    out      = latent_moe_tail(partials, topk_weights, topk_ids, up_weight,
+                               norm_weight, eps, residual)                     [N, H]
+
+The expert weights stay in the MXFP4 layout of kernels/mxfp4/format.py in memory (values
+uint8 [E, N, K / 2], E8M0 scales uint8 [E, N, K / 32]); the GEMMs read FP4 + scales and decode
+in registers. The experts return their unweighted outputs per routing entry (vLLM's
+"unfinalized" MoE output); the tail kernel forms the weighted top-k sum chunk by chunk while it
+runs the up projection, so there is no finalize launch and the finalized [N, L] latent is never
+written or re-read. Without scales the same kernels read dense (bf16) expert weights: the
+baseline of the same layer. Twins: kernels/reference.py moe_partials_mxfp4 (moe_partials for
+dense weights) and latent_moe_tail.
+
+No host sync and buffers sized from shapes only: capturable in a CUDA graph. pdl: every launch
+with programmatic dependent launch (inputs are all produced by the previous kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
+                                    require_triton)
+
+
+@dataclass(frozen=True)
+class Mxfp4MoEConfig:
+    """Tiles of the two grouped GEMMs (block_k counts unpacked K values, a multiple of 32: the
+    two half-K products need block_k / 2 >= 16) and of the tail."""
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    tail_block_m: int = 16
+    tail_block_n: int = 64
+    tail_block_k: int = 64
+
+
+def _fit(cfg: Mxfp4MoEConfig, latent: int, inter: int, hidden: int) -> Mxfp4MoEConfig:
+    """Tiles no larger than the problem (small test models); never below the tl.dot minimum."""
+    def cap(v, n, low):
+        return max(low, min(v, next_power_of_2(n)))
+
+    return Mxfp4MoEConfig(
+        cfg.block_m, cap(cfg.block_n, min(latent, inter), 16),
+        cap(cfg.block_k, min(latent, inter), 32), cfg.group_m, cfg.num_warps, cfg.num_stages,
+        cfg.tail_block_m, cap(cfg.tail_block_n, hidden, 16), cap(cfg.tail_block_k, latent, 16))
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype | None, ndim: int) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dim")
+    check_kernel_device(t)
+
+
+def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                 act: str = "silu", beta: float | None = None, linear_beta: float | None = None,
+                 config: Mxfp4MoEConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """Each routing entry's expert output, unweighted: out[n * k + j] = W2_e @ act(W1_e x_n,
+    W3_e x_n), e = topk_ids[n, j] (rows of ids outside [0, E) are left unwritten).
+
+    x: [N, D] (bf16, or fp32 under the interpreter); topk_ids [N, k]. MXFP4 (scales given):
+    w13 uint8 [E, 2I, D/2] + w13_scale [E, 2I, D/32] (rows [0, I) gate, [I, 2I) up), w2 uint8
+    [E, D, I/2] + w2_scale [E, D, I/32]. Dense (scales None, the bf16 baseline): w13
+    [E, 2I, D], w2 [E, D, I] in x.dtype. act: silu, or situ with beta (and linear_beta, the up
+    branch's clip; None = unclipped). Returns [N * k, D] in x.dtype."""
+    require_triton()
+    from kdaserve.kernels.moe.fused_moe import moe_align_block_size
+    from kdaserve.kernels.moe.triton_mxfp4_moe import (mxfp4_moe_gemm1_kernel,
+                                                       mxfp4_moe_gemm2_kernel)
+
+    mxfp4 = w13_scale is not None
+    if mxfp4 != (w2_scale is not None):
+        raise ValueError("give both scales (MXFP4 experts) or neither (dense experts)")
+    _check("x", x, None, 2)
+    wdt = torch.uint8 if mxfp4 else x.dtype
+    for name, t in (("w13", w13), ("w2", w2)) + ((("w13_scale", w13_scale),
+                                                  ("w2_scale", w2_scale)) if mxfp4 else ()):
+        _check(name, t, torch.uint8 if "scale" in name else wdt, 3)
+    N, D = x.shape
+    E, two_i, k1 = w13.shape
+    inter = two_i // 2
+    pack = 2 if mxfp4 else 1
+    bad = (k1 * pack != D or w2.shape != (E, D, inter // pack)
+           or (mxfp4 and (w13_scale.shape != (E, two_i, D // 32)
+                          or w2_scale.shape != (E, D, inter // 32))))
+    if bad or D % 32 or inter % 32:
+        raise ValueError(f"expert shapes do not match x [N, {D}] (D and I multiples of 32): "
+                         f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+                         + (f", scales {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)}"
+                            if mxfp4 else ""))
+    if act not in ("silu", "situ") or (act == "situ" and beta is None):
+        raise ValueError(f"act must be silu or situ (with beta), got {act!r}")
+    top_k = topk_ids.shape[1]
+    out = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    cfg = _fit(config or Mxfp4MoEConfig(), D, inter, D)
+    topk_ids = topk_ids.contiguous()
+    direct = N == 1
+    if direct:
+        blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
+            top_k, topk_ids, topk_ids, topk_ids, topk_ids, topk_ids
+    else:
+        align = moe_align_block_size(topk_ids, E, cfg.block_m, pdl=pdl)
+        blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
+            align.max_blocks, align.sorted_ids, align.expert_ids, align.expert_start, \
+            align.counts, align.num_rows
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, DOT_PRECISION=precision, MXFP4=mxfp4, DIRECT=direct,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
+    s13 = w13_scale if mxfp4 else w13
+    s2 = w2_scale if mxfp4 else w2
+    h = torch.empty(N * top_k, inter, dtype=x.dtype, device=x.device)           # [N*k, I]
+    mxfp4_moe_gemm1_kernel[(blocks * cdiv(inter, cfg.block_n),)](
+        x, w13, s13, h, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        inter, D, top_k, blocks, E, float(beta or 1.0), float(linear_beta or 1.0),
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        ACT=0 if act == "silu" else 1, CLIP_UP=linear_beta is not None, **opts)
+    mxfp4_moe_gemm2_kernel[(blocks * cdiv(D, cfg.block_n),)](
+        h, w2, s2, out, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        D, inter, blocks, E,
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        **opts)
+    return out
+
+
+def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    up_weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
+                    eps: float = 1e-6, residual: torch.Tensor | None = None,
+                    num_experts: int | None = None, out: torch.Tensor | None = None,
+                    config: Mxfp4MoEConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """out[n] = RMSNorm(sum_j topk_weights[n, j] * partials[n * k + j]; norm_weight) @
+    up_weight^T (+ residual[n]) in one launch; without norm_weight the sum goes straight into
+    the up projection. partials: [N * k, L]; topk_*: [N, k] (ids outside [0, num_experts)
+    skipped; num_experts None = no upper bound); up_weight: [H, L]; residual: [N, H].
+    Returns [N, H] in up_weight.dtype."""
+    require_triton()
+    from kdaserve.kernels.moe.triton_mxfp4_moe import latent_moe_tail_kernel
+
+    _check("partials", partials, None, 2)
+    _check("up_weight", up_weight, None, 2)
+    N, top_k = topk_ids.shape
+    H, L = up_weight.shape
+    if partials.shape != (N * top_k, L) or topk_weights.shape != (N, top_k):
+        raise ValueError(f"partials {tuple(partials.shape)} / topk_weights "
+                         f"{tuple(topk_weights.shape)} do not match topk_ids [N={N}, k={top_k}]"
+                         f" and up_weight [H={H}, L={L}]")
+    if residual is not None and (residual.shape != (N, H) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [N, H]={N, H} contiguous in H")
+    if out is None:
+        out = torch.empty(N, H, dtype=up_weight.dtype, device=up_weight.device)
+    if N == 0:
+        return out
+    cfg = _fit(config or Mxfp4MoEConfig(), L, L, H)
+    precision = "ieee" if up_weight.dtype == torch.float32 else "tf32"
+    latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m), cdiv(H, cfg.tail_block_n))](
+        partials, topk_weights.contiguous(), topk_ids.contiguous(),
+        norm_weight if norm_weight is not None else up_weight, up_weight,
+        residual if residual is not None else out, out,
+        N, L, H, top_k, num_experts if num_experts is not None else 2 ** 31 - 1, float(eps),
+        partials.stride(0), up_weight.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        BLOCK_M=cfg.tail_block_m, BLOCK_N=cfg.tail_block_n, BLOCK_K=cfg.tail_block_k,
+        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, **pdl_options(pdl, up_weight))
+    return out

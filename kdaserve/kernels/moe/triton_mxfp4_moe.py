@@ -1,0 +1,221 @@
+"""Triton kernels of the MXFP4 latent MoE (imported lazily by mxfp4_moe.py).
+
+Weights stay 4-bit in memory (kernels/mxfp4/format.py layout): every weight tile is loaded as
+packed bytes [BLOCK_K / 2, BLOCK_N] plus its E8M0 scales, decoded to the activation dtype in
+registers (exact: an E2M1 value times a power of two), and multiplied as two half-K products,
+the even K columns (low nibbles) and the odd ones (high nibbles), so no interleave is needed.
+MXFP4=False reads dense [E, N, K] weights the same way: the bf16 baseline of the same layer.
+Routing entries are the flattened top-k pairs r = n * top_k + j, grouped by expert with
+fused_moe's alignment (or one entry per row block for one token, DIRECT).
+
+  1. mxfp4_moe_gemm1_kernel  inter[r] = act(x[n] @ W1_e^T, x[n] @ W3_e^T)   (silu * up, or SiTU)
+  2. mxfp4_moe_gemm2_kernel  partial[r] = inter[r] @ W2_e^T                  (unweighted)
+  3. latent_moe_tail_kernel  out[n] = r_n * ((sum_j w[n, j] partial[n k + j]) * g) @ W_up^T
+                                      + residual[n],  r_n = rsqrt(mean(lat_n^2) + eps)
+     The top-k weighted sum is computed inside the tail, per K chunk of the latent, and never
+     stored: no finalize launch, no [N, L] round trip. The RMSNorm scale is a per-row scalar,
+     so it applies after the up-projection's K loop (one pass over the latent).
+"""
+
+import triton
+import triton.language as tl
+
+from kdaserve.kernels.moe.triton_moe import _block_rows, _grouped_pid
+from kdaserve.kernels.triton_pdl import pdl_wait
+
+
+@triton.jit
+def _e2m1(code):
+    """int32 E2M1 codes (0..15) -> fp32 values: sign bit 3, exponent bits 2..1 (bias 1),
+    mantissa bit 0, exponent 0 subnormal (0.5 * M)."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    mag = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _e8m0(s):
+    """uint8 exponent bytes -> 2^(s - 127) in fp32; 255 -> NaN."""
+    v = tl.exp2(s.to(tl.float32) - 127.0)
+    return tl.where(s == 255, float("nan"), v)
+
+
+@triton.jit
+def _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we, stride_wn,
+                stride_se, stride_sn, DTYPE: tl.constexpr):
+    """Decoded weight tile of rows offs_n, packed bytes j0 + offs_j: (low [BKH, BN], high
+    [BKH, BN]) in DTYPE, i.e. the K columns 2j and 2j + 1."""
+    j = j0 + offs_j
+    mask = (j < half_k)[:, None] & mask_n[None, :]
+    rows = offs_n[None, :].to(tl.int64)
+    codes = tl.load(w_ptr + e * stride_we + rows * stride_wn + j[:, None], mask=mask,
+                    other=0).to(tl.int32)                                    # [BKH, BN]
+    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows * stride_sn + (j // 16)[:, None],
+                          mask=mask, other=127))
+    return (_e2m1(codes & 15) * scale).to(DTYPE), (_e2m1(codes >> 4) * scale).to(DTYPE)
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we, stride_wn,
+                 stride_se, stride_sn, DTYPE: tl.constexpr, MXFP4: tl.constexpr):
+    """(even-K columns, odd-K columns) [BKH, BN] of the weight rows offs_n: decoded from MXFP4,
+    or read from a dense [E, N, K] weight (the bf16 baseline; s_ptr unused)."""
+    if MXFP4:
+        lo, hi = _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we,
+                             stride_wn, stride_se, stride_sn, DTYPE)
+    else:
+        j = j0 + offs_j
+        mask = (j < half_k)[:, None] & mask_n[None, :]
+        ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + 2 * j[:, None]
+        lo = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
+        hi = tl.load(ptrs + 1, mask=mask, other=0.0).to(DTYPE)
+    return lo, hi
+
+
+@triton.jit
+def _tanh(z):
+    return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
+
+
+@triton.jit(do_not_specialize=["max_blocks"])
+def mxfp4_moe_gemm1_kernel(
+    x_ptr, w_ptr, s_ptr, inter_ptr,
+    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
+    inter_size, hidden, top_k, max_blocks, num_experts, beta, linear_beta,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, ACT: tl.constexpr,
+    CLIP_UP: tl.constexpr, MXFP4: tl.constexpr = True, DIRECT: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
+    """ACT 0: silu(g) * u; ACT 1: SiTU, beta * tanh(g / beta) * sigmoid(g) * u', with
+    u' = linear_beta * tanh(u / linear_beta) when CLIP_UP, else u."""
+    pdl_wait(USE_PDL)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
+                                GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, valid = _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr,
+                                 counts_ptr, num_experts, BLOCK_M, DIRECT)
+    tok = rows // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter_size
+    BKH: tl.constexpr = BLOCK_K // 2
+    offs_j = tl.arange(0, BKH)
+    half_k = hidden // 2
+    dtype = x_ptr.dtype.element_ty
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_base = x_ptr + tok[:, None] * stride_xm
+    for j0 in range(0, half_k, BKH):
+        mask_a = valid[:, None] & (j0 + offs_j < half_k)[None, :]
+        a_even = tl.load(a_base + 2 * (j0 + offs_j)[None, :], mask=mask_a, other=0.0)
+        a_odd = tl.load(a_base + 2 * (j0 + offs_j)[None, :] + 1, mask=mask_a, other=0.0)
+        g_lo, g_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k,
+                                  stride_we, stride_wn, stride_se, stride_sn, dtype, MXFP4)
+        u_lo, u_hi = _weight_tile(w_ptr, s_ptr, e, offs_n + inter_size, mask_n, j0, offs_j,
+                                  half_k, stride_we, stride_wn, stride_se, stride_sn, dtype,
+                                  MXFP4)
+        acc_g = tl.dot(a_even, g_lo, acc_g, input_precision=DOT_PRECISION)
+        acc_g = tl.dot(a_odd, g_hi, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a_even, u_lo, acc_u, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a_odd, u_hi, acc_u, input_precision=DOT_PRECISION)
+    sig = 1.0 / (1.0 + tl.exp(-acc_g))
+    if ACT == 0:
+        h = acc_g * sig * acc_u
+    else:
+        up = acc_u
+        if CLIP_UP:
+            up = linear_beta * _tanh(acc_u / linear_beta)
+        h = beta * _tanh(acc_g / beta) * sig * up
+    o_ptrs = inter_ptr + rows[:, None] * stride_im + offs_n[None, :]
+    tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["max_blocks"])
+def mxfp4_moe_gemm2_kernel(
+    inter_ptr, w_ptr, s_ptr, out_ptr,
+    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
+    hidden, inter_size, max_blocks, num_experts,
+    stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, MXFP4: tl.constexpr = True,
+    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+):
+    """partial[r] = inter[r] @ W2_e^T, unweighted (the tail applies the routing weights)."""
+    pdl_wait(USE_PDL)
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if not DIRECT:
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+    e, rows, valid = _block_rows(pid_m, sorted_ids_ptr, expert_ids_ptr, expert_start_ptr,
+                                 counts_ptr, num_experts, BLOCK_M, DIRECT)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    BKH: tl.constexpr = BLOCK_K // 2
+    offs_j = tl.arange(0, BKH)
+    half_k = inter_size // 2
+    dtype = inter_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_base = inter_ptr + rows[:, None] * stride_im
+    for j0 in range(0, half_k, BKH):
+        mask_a = valid[:, None] & (j0 + offs_j < half_k)[None, :]
+        a_even = tl.load(a_base + 2 * (j0 + offs_j)[None, :], mask=mask_a, other=0.0)
+        a_odd = tl.load(a_base + 2 * (j0 + offs_j)[None, :] + 1, mask=mask_a, other=0.0)
+        w_lo, w_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k,
+                                  stride_we, stride_wn, stride_se, stride_sn, dtype, MXFP4)
+        acc = tl.dot(a_even, w_lo, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_odd, w_hi, acc, input_precision=DOT_PRECISION)
+    o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def latent_moe_tail_kernel(
+    partial_ptr, topk_weights_ptr, topk_ids_ptr, norm_ptr, up_ptr, residual_ptr, out_ptr,
+    num_tokens, latent, hidden, top_k, num_experts, eps,
+    stride_pm, stride_un, stride_rm, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """out[n, cols] = r_n * ((sum_j w[n, j] * partial[n * top_k + j]) * g) @ W_up[cols]^T
+    (+ residual[n, cols]); r_n = rsqrt(mean over the latent of the weighted sum^2 + eps), or 1
+    without HAS_NORM (g = 1 then). Entries with ids outside [0, E) are skipped (never read)."""
+    pdl_wait(USE_PDL)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < num_tokens
+    mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = up_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, latent, BLOCK_K):
+        cols = k0 + offs_k
+        mask_k = cols < latent
+        lat = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for j in range(0, top_k):
+            r = offs_m.to(tl.int64) * top_k + j
+            eid = tl.load(topk_ids_ptr + r, mask=mask_m, other=-1)
+            ok = mask_m & (eid >= 0) & (eid < num_experts)
+            w = tl.load(topk_weights_ptr + r, mask=ok, other=0.0).to(tl.float32)
+            p = tl.load(partial_ptr + r[:, None] * stride_pm + cols[None, :],
+                        mask=ok[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+            lat += w[:, None] * p
+        sq += tl.sum(lat * lat, axis=1)
+        if HAS_NORM:
+            lat = lat * tl.load(norm_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+        up = tl.load(up_ptr + offs_n[None, :].to(tl.int64) * stride_un + cols[:, None],
+                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)       # [BK, BN]
+        acc = tl.dot(lat.to(dtype), up, acc, input_precision=DOT_PRECISION)
+    if HAS_NORM:
+        acc = acc * tl.rsqrt(sq / latent + eps)[:, None]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :],
+                       mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
