@@ -22,6 +22,7 @@ graceful shutdown still has an engine; SIGTERM ends it quietly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, 
                                          GetStats, InputMessage, OutputMessage, Outputs, Ready,
                                          RequestFailed, Shutdown, StartupFailed, Stats)
 from kdaserve.engine.floor import StepFloor, measure_copy_bandwidth
+from kdaserve.models.tokenizer import get_tokenizer
 from kdaserve.request import Request, RequestStatus
 from kdaserve.sampling_params import SamplingParams
 from kdaserve.structured_output.manager import StructuredOutputManager
@@ -110,8 +112,9 @@ class EngineCore:
         self._last_collect: float | None = None
         self._slow_step_level = slow_step_log_level(self.model_runner.device.type)
         mc = config.model_config
-        self.structured_output = StructuredOutputManager(mc.tokenizer, mc.arch.vocab_size,
-                                                         mc.trust_remote_code)
+        self.structured_output = StructuredOutputManager(
+            functools.partial(get_tokenizer, mc.tokenizer, mc.trust_remote_code),
+            mc.arch.vocab_size)
         self.scheduler.grammar_ready = self.structured_output.grammar_ready
 
     # ------------------------------------------------------------------------------ requests

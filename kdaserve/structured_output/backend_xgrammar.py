@@ -30,30 +30,42 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def tokenizer_info(tokenizer, vocab_size: int):
+    """xgrammar's view of `tokenizer`'s vocabulary.
+
+    A Hugging Face tokenizer goes through xgrammar's own detection. Any other is kdaserve's
+    tiktoken tokenizer (the Kimi folders ship no tokenizer.json): its convert_ids_to_tokens gives
+    byte-level strings (GPT-2's byte map) and `special_tokens` names its added tokens. Those
+    enter as empty strings, which xgrammar treats as special: a grammar never emits a control
+    token as text; the end-of-sequence token is allowed where the grammar may end."""
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerBase
+
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    added = set(tokenizer.special_tokens.values())
+    tokens = tokenizer.convert_ids_to_tokens(range(len(tokenizer)))
+    vocab = ["" if i in added else t for i, t in enumerate(tokens)]
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else None
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size,
+                             stop_token_ids=stop)
+
+
 class XgrammarBackend:
-    """tokenizer: a Hugging Face tokenizer; vocab_size: the model's (the logits' width, which
-    may exceed the tokenizer's: the extra ids are never allowed)."""
+    """tokenizer: the model folder's tokenizer (a Hugging Face one, or kdaserve's own tiktoken
+    one for the Kimi folders, see `tokenizer_info`); vocab_size: the model's (the logits' width,
+    which may exceed the tokenizer's: the extra ids are never allowed)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: int | None = None) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size)
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=max_threads or min(8, os.cpu_count() or 1),
             cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
         self._batch = None
         """xgrammar BatchGrammarMatcher (made on first use)."""
-
-    @classmethod
-    def from_tokenizer_dir(cls, path: str, vocab_size: int,
-                           trust_remote_code: bool = False) -> XgrammarBackend:
-        """Load the tokenizer of the model folder `path` (the engine core has none of its own:
-        the front detokenizes) and build the backend on it."""
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        return cls(tokenizer, vocab_size)
 
     def compile(self, spec: GrammarSpec):
         """The xgrammar CompiledGrammar of `spec` (cached by the compiler)."""

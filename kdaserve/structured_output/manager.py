@@ -22,7 +22,8 @@ from __future__ import annotations
 import collections
 import logging
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,15 +47,15 @@ def _front_id(request: Request) -> str:
 
 
 class StructuredOutputManager:
-    """tokenizer: the model folder whose tokenizer the grammars compile against; vocab_size:
-    the model's (bitmask width); backend: an already built XgrammarBackend (tests), else it is
-    loaded from `tokenizer` on first use."""
+    """load_tokenizer: loads the tokenizer the grammars compile against (the engine core has
+    none of its own: the front detokenizes; called once, on a compile thread, when the first
+    structured request arrives); vocab_size: the model's (bitmask width); backend: an already
+    built XgrammarBackend (tests), else it is built on first use."""
 
-    def __init__(self, tokenizer: str, vocab_size: int, trust_remote_code: bool = False,
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
                  backend: XgrammarBackend | None = None) -> None:
-        self.tokenizer = tokenizer
+        self.load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        self.trust_remote_code = trust_remote_code
         self._executor: ThreadPoolExecutor | None = None
         self._backend: Future | None = None
         if backend is not None:
@@ -91,8 +92,7 @@ class StructuredOutputManager:
                                                 thread_name_prefix="grammar-compile")
         if self._backend is None:
             self._backend = self._executor.submit(
-                XgrammarBackend.from_tokenizer_dir, self.tokenizer, self.vocab_size,
-                self.trust_remote_code)
+                lambda: XgrammarBackend(self.load_tokenizer(), self.vocab_size))
         return self._executor
 
     def _compile(self, spec: GrammarSpec):

@@ -53,8 +53,9 @@ def backend(tiny_preset):
     import json
     import os
 
+    from kdaserve.models.tokenizer import get_tokenizer
     from kdaserve.structured_output.backend_xgrammar import XgrammarBackend
 
     with open(os.path.join(tiny_preset, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
-    return XgrammarBackend.from_tokenizer_dir(tiny_preset, vocab_size)
+    return XgrammarBackend(get_tokenizer(tiny_preset), vocab_size)

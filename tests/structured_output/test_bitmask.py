@@ -189,7 +189,7 @@ def test_constraint_shape_is_checked():
 
 
 def _manager_with(backend, request: Request) -> StructuredOutputManager:
-    manager = StructuredOutputManager("unused", backend.vocab_size, backend=backend)
+    manager = StructuredOutputManager(lambda: None, backend.vocab_size, backend=backend)
     manager.add_request(request, validate_structured_outputs(
         request.sampling_params.structured_outputs))
     deadline = time.monotonic() + 30
@@ -228,7 +228,7 @@ def test_manager_fills_validates_and_accepts(backend, tok):
 
 def test_failed_compilation_is_reported(backend):
     req = Request("bad", [1], SamplingParams(structured_outputs=SO(regex="a")))
-    manager = StructuredOutputManager("unused", backend.vocab_size, backend=backend)
+    manager = StructuredOutputManager(lambda: None, backend.vocab_size, backend=backend)
     from kdaserve.structured_output.spec import GrammarSpec
     manager.add_request(req, GrammarSpec("ebnf", "root ::= nothing_here"))
     manager.wait_for_compile(30)
