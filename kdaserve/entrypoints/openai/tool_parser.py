@@ -33,20 +33,13 @@ class ToolSplit:
     tool_calls: list[ParsedToolCall] = field(default_factory=list)
 
 
-class KimiK2ToolParser:
-    """Kimi K2 / Kimi Linear tool-call format (all markers are special tokens of the Kimi tokenizer):
+class _SectionToolParser:
+    """A parser for formats that put the calls in one delimited section: the text before it
+    (and after its end) is content; a partial section marker at the end of streamed text is
+    held back. Subclasses give the markers and `_parse_calls` (the section's calls so far)."""
 
-    <|tool_calls_section_begin|>
-      <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>
-      ...
-    <|tool_calls_section_end|>
-    """
-
-    section_begin = "<|tool_calls_section_begin|>"
-    section_end = "<|tool_calls_section_end|>"
-    call_begin = "<|tool_call_begin|>"
-    argument_begin = "<|tool_call_argument_begin|>"
-    call_end = "<|tool_call_end|>"
+    section_begin: str
+    section_end: str
 
     def parse(self, text: str, final: bool) -> ToolSplit:
         start = text.find(self.section_begin)
@@ -60,6 +53,25 @@ class KimiK2ToolParser:
             content += section[end + len(self.section_end):]
             section, final = section[:end], True
         return ToolSplit(content, self._parse_calls(section, final))
+
+    def _parse_calls(self, section: str, final: bool) -> list[ParsedToolCall]:
+        raise NotImplementedError
+
+
+class KimiK2ToolParser(_SectionToolParser):
+    """Kimi K2 / Kimi Linear tool-call format (all markers are special tokens of the Kimi tokenizer):
+
+    <|tool_calls_section_begin|>
+      <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>
+      ...
+    <|tool_calls_section_end|>
+    """
+
+    section_begin = "<|tool_calls_section_begin|>"
+    section_end = "<|tool_calls_section_end|>"
+    call_begin = "<|tool_call_begin|>"
+    argument_begin = "<|tool_call_argument_begin|>"
+    call_end = "<|tool_call_end|>"
 
     def _parse_calls(self, section: str, final: bool) -> list[ParsedToolCall]:
         calls = []
@@ -97,7 +109,7 @@ _TAG_RE = re.compile(r'<\|open\|>(call|argument|json)((?: [\w-]+="[^"]*")*)<\|se
 _ATTR_RE = re.compile(r'([\w-]+)="([^"]*)"')
 
 
-class KimiK3ToolParser:
+class KimiK3ToolParser(_SectionToolParser):
     """Kimi K3's XTML tools channel (kimi_k3.md §1.12):
 
     <|open|>tools<|sep|>
@@ -116,19 +128,6 @@ class KimiK3ToolParser:
     section_begin = "<|open|>tools<|sep|>"
     section_end = "<|close|>tools<|sep|>"
     call_end = "<|close|>call<|sep|>"
-
-    def parse(self, text: str, final: bool) -> ToolSplit:
-        start = text.find(self.section_begin)
-        if start < 0:
-            keep = len(text) if final else len(text) - held_back_len(text, (self.section_begin,))
-            return ToolSplit(text[:keep])
-        content = text[:start]
-        section = text[start + len(self.section_begin):]
-        end = section.find(self.section_end)
-        if end >= 0:
-            content += section[end + len(self.section_end):]
-            section, final = section[:end], True
-        return ToolSplit(content, self._parse_calls(section, final))
 
     def _parse_calls(self, section: str, final: bool) -> list[ParsedToolCall]:
         calls, pos = [], 0
