@@ -146,7 +146,7 @@ class ParallelConfig:
                 "(only 1)")
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
 
 
 @dataclass
@@ -157,6 +157,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_sample_method: str = "greedy"
+    """draft_model and mtp: greedy (argmax drafts) or probabilistic (drafts sampled at the
+    request's temperature, their distributions go to the rejection sampler)."""
     rejection_sample_method: str = "standard"
     synthetic_acceptance_length: float | None = None
     synthetic_acceptance_rates: list[float] | None = None
@@ -302,3 +304,12 @@ class EngineConfig:
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        spec = self.speculative_config
+        if spec.method == "mtp":   # the target's own MTP layers draft
+            n = self.model_config.arch.num_nextn_predict_layers
+            if n < 1:
+                raise ValueError("speculative method 'mtp' needs a target with MTP layers "
+                                 f"(num_nextn_predict_layers >= 1); {self.model_config.model!r}"
+                                 f" has num_nextn_predict_layers={n}")
+            if spec.model is None:
+                spec.model = self.model_config.model

@@ -5,7 +5,8 @@ so checkpoints saved by transformers load by name; the loader maps the original 
 and Kimi K3's (models/loader.py). The K3 pieces switch on from the config (config/model_args.py):
 AttnRes in place of the residual stream (layers/attn_res.py), the latent MoE
 (layers/latent_moe.py), SiTU, MXFP4 experts, the KDA full-rank gate, MLA q-LoRA and output
-gate. MTP layers of a checkpoint are not part of this model (no MTP drafter yet).
+gate. The MTP layers of a checkpoint are a separate module (models/mtp.py: the "mtp" drafter),
+which reads this model's pre-final-norm hidden states (forward with return_prenorm).
 """
 
 from __future__ import annotations
@@ -101,25 +102,28 @@ class KimiLinearModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(args.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed hidden [T, D], the pre-final-norm hidden [T, D])."""
         x = self.embed_tokens(input_ids)                             # [T, D]
         if self.num_attn_res_blocks:
             return self._forward_attn_res(x, ctx)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
-        return self.norm.forward_residual(x, residual, pdl=ctx.plan.pdl)[0]
+        return self.norm.forward_residual(x, residual, pdl=ctx.plan.pdl)
 
-    def _forward_attn_res(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x: [T, D] embeddings -> normed hidden [T, D]; the final read mixes every block and
-        the last block's running sum (no input norm), then model.norm."""
+    def _forward_attn_res(self, x: torch.Tensor, ctx: ForwardContext
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D] embeddings -> (normed hidden, pre-norm hidden) [T, D]; the final read
+        mixes every block and the last block's running sum (no input norm), then model.norm."""
         state = DepthState.start(x, self.num_attn_res_blocks)
         out = None
         for layer in self.layers:
             out = layer.forward_attn_res(out, state, ctx)
         h = attn_res_read(state, out, self.output_attn_res_norm, self.output_attn_res_proj,
                           None, self.num_attn_res_blocks)
-        return self.norm(h)
+        return self.norm(h), h
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -134,10 +138,14 @@ class KimiLinearForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids: [T]. Returns hidden states [T, D]; caches in ctx are read and updated.
-        No positions: every layer is position-free (KDA is recurrent, MLA is NoPE)."""
-        return self.model(input_ids, ctx)
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                return_prenorm: bool = False):
+        """input_ids: [T]. Returns hidden states [T, D] (after the final norm); caches in ctx
+        are read and updated. return_prenorm: returns (hidden, pre-final-norm hidden [T, D])
+        instead (what the MTP drafter reads). No positions: every layer is position-free (KDA
+        is recurrent, MLA is NoPE)."""
+        hidden, prenorm = self.model(input_ids, ctx)
+        return (hidden, prenorm) if return_prenorm else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] -> fp32 logits [N, vocab]."""

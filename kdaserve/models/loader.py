@@ -13,8 +13,9 @@ Checkpoints come in two naming schemes and both load:
   compressed-tensors MXFP4 routed experts `experts.{e}.w1/w3/w2.weight_packed` (uint8 [N, K/2])
   and `.weight_scale` (uint8 E8M0 [N, K/32]), rows of `experts.gate_up_proj_packed[e]` /
   `_scale[e]` and `experts.down_proj_packed[e]` / `_scale[e]`. The vision tower and projector
-  (`vision_tower.`, `mm_projector.`) and the MTP layers (`model.layers.{n >= num_hidden_layers}`)
-  are skipped: only the text model is served and no MTP drafter exists yet.
+  (`vision_tower.`, `mm_projector.`) are skipped (only the text model is served), and so are
+  the MTP layers (`model.layers.{n >= num_hidden_layers}`): they are not part of the target;
+  the MTP drafter (models/mtp.py, speculative method "mtp") loads them itself.
 
 Model-dtype expert tensors (either scheme) loading into MXFP4 experts (`--quantization mxfp4`
 on a bf16 checkpoint) are quantised on the way in (kernels/mxfp4/format.py quantize_mxfp4).
@@ -367,7 +368,8 @@ def load_safetensors_weights(model: nn.Module, model_path: str,
         logger.info("skipped %d checkpoint tensor(s) of the %s %s", count,
                     {"vision": "vision tower /", "mtp": "MTP"}[reason],
                     {"vision": "projector (text model only)",
-                     "mtp": "layers (no MTP drafter)"}[reason])
+                     "mtp": "layers (not part of the target; the mtp drafter loads "
+                            "them)"}[reason])
     missing = [n for n, t in tensors.items() if filled.get(alias_key[n], 0) < t.numel()]
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")

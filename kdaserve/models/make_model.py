@@ -1,11 +1,13 @@
-"""`kdaserve make-model OUT --preset {tiny,small,kimi-linear-48b-a3b,kimi-k3-tiny,kimi-k3-mini,
-kimi-k3}`: write a synthetic HF-style Kimi Linear or Kimi K3 model folder offline
+"""`kdaserve make-model OUT --preset {tiny,tiny-mtp,small,kimi-linear-48b-a3b,kimi-k3-tiny,
+kimi-k3-mini,kimi-k3}`: write a synthetic HF-style Kimi Linear or Kimi K3 model folder offline
 (`--count` prints a preset's parameter and byte count instead).
 
 The folder holds config.json, generation_config.json, a byte-level BPE tokenizer trained on the
 text shipped in kdaserve/data/ (tokenizer.json + tokenizer_config.json with a Kimi-style chat
-template, also chat_template.jinja) and, for tiny / small, random weights in transformers >= 5.17
-naming (model.safetensors). The 48B preset writes the real architecture's config and the tokenizer
+template, also chat_template.jinja) and, for tiny / tiny-mtp / small, random weights in
+transformers >= 5.17 naming (model.safetensors). tiny-mtp is tiny plus one MTP layer
+(num_nextn_predict_layers=1, its tensors at model.layers.4: the "mtp" drafter's test model; the
+other tensors equal tiny's). The 48B preset writes the real architecture's config and the tokenizer
 only: serve it with `--load-format dummy`. The Kimi K3 presets are models/make_k3.py.
 """
 
@@ -43,7 +45,7 @@ TOKENIZER_VOCAB_SIZE = 4096
 PRETOKENIZE_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-PRESETS = ("tiny", "small", "kimi-linear-48b-a3b") + make_k3.K3_PRESETS
+PRESETS = ("tiny", "tiny-mtp", "small", "kimi-linear-48b-a3b") + make_k3.K3_PRESETS
 
 # Architecture overrides on top of the 48B config (which supplies every other field).
 _PRESET_ARCH = {
@@ -64,6 +66,7 @@ _PRESET_ARCH = {
         num_experts=32, num_experts_per_token=4, num_shared_experts=1, first_k_dense_replace=1,
         model_max_length=32768),
 }
+_PRESET_ARCH["tiny-mtp"] = dict(copy.deepcopy(_PRESET_ARCH["tiny"]), num_nextn_predict_layers=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,7 +227,8 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     if preset in _PRESET_ARCH:
         from safetensors.torch import save_file
 
-        save_file(random_weights(args, seed), os.path.join(out_dir, "model.safetensors"),
+        weights = random_tensors(expected_tensors(args, torch.bfloat16, include_mtp=True), seed)
+        save_file(weights, os.path.join(out_dir, "model.safetensors"),
                   metadata={"format": "pt"})
     return out_dir
 

@@ -1,6 +1,6 @@
 """Speculative decoding behind one interface the model runner calls: spec metadata,
 verification (eager, or a CUDA-graph replay), rejection sampling, the KDA state commit, and the
-next step's drafts from the proposer (ngram or a draft model).
+next step's drafts from the proposer (ngram, a draft model, or the target's MTP layer).
 
 One step with spec rows (requests the scheduler gave drafts, query = [last token] + drafts):
   1. `build_step`: AttentionMetadata.spec (kda_spec runs the spec rows through the verify
@@ -71,9 +71,11 @@ class _PendingCommit:
 
 class SpecDecoder:
     def __init__(self, config: EngineConfig, target_args, device: torch.device,
-                 dtype: torch.dtype, threshold_kernel: bool = False) -> None:
+                 dtype: torch.dtype, threshold_kernel: bool = False,
+                 target_model: torch.nn.Module | None = None) -> None:
         """threshold_kernel: the rejection sampler's top-k / top-p through the sort-free
-        threshold search (the sampler backend)."""
+        threshold search (the sampler backend). target_model: the loaded target (method mtp:
+        the drafter shares its embedding and LM head)."""
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         self.method = sc.method
@@ -87,10 +89,12 @@ class SpecDecoder:
         self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates,
                                         threshold_kernel)
         self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
-        self.probabilistic = sc.method == "draft_model" and \
+        self.probabilistic = sc.method in ("draft_model", "mtp") and \
             sc.draft_sample_method == "probabilistic"
         if sc.method == "ngram":
             self.proposer = NgramProposer(self.k, sc.prompt_lookup_min, sc.prompt_lookup_max)
+        elif sc.method == "mtp":
+            self.proposer = self._mtp_proposer(config, target_args, target_model, device, dtype)
         else:
             from kdaserve.spec_decode.draft_model import DraftModelProposer
 
@@ -106,6 +110,40 @@ class SpecDecoder:
         self._pending: _PendingCommit | None = None
         self.verify_graphs: SpecVerifyGraphs | None = None
         """Graphs of uniform verification steps (CUDA, recover + contiguous), once captured."""
+
+    @staticmethod
+    def _mtp_proposer(config: EngineConfig, target_args, target_model, device, dtype):
+        from kdaserve.models.mtp import build_mtp, load_mtp_weights
+        from kdaserve.spec_decode.mtp import MTPProposer
+
+        if target_model is None:
+            raise ValueError("speculative method 'mtp' needs the target model (its MTP layers "
+                             "share its embedding and LM head)")
+        sc = config.speculative_config
+        model = build_mtp(target_model, target_args, dtype, device)
+        load_mtp_weights(model, sc.model, target_args, config.load_config)
+        return MTPProposer(model, sc.num_speculative_tokens,
+                           config.scheduler_config.max_num_seqs,
+                           config.scheduler_config.max_model_len,
+                           config.cache_config.block_size, device, dtype,
+                           sc.draft_sample_method)
+
+    @property
+    def needs_hidden(self) -> bool:
+        """The proposer reads the target's pre-final-norm hidden states (method mtp): the
+        runner runs the target eagerly and hands them over (add_hidden)."""
+        return self.method == "mtp"
+
+    def add_hidden(self, states, num_computed: list[int], query_start_loc: list[int],
+                   prenorm: torch.Tensor) -> None:
+        """A forward's pre-final-norm hidden [T, D] (batch order; request i's rows
+        query_start_loc[i]..[i+1] at positions num_computed[i]...) for the proposer. Requests
+        with penalties / logit_bias are never drafted for: nothing is kept for them."""
+        for i, s in enumerate(states):
+            if s.sampling_params.processes_logits:
+                continue
+            self.proposer.add_hidden(s.req_id, num_computed[i],
+                                     prenorm[query_start_loc[i]:query_start_loc[i + 1]])
 
     def warmup(self) -> None:
         """Compile the draft model's kernels at start-up (draft_model method only)."""

@@ -41,6 +41,22 @@ if TYPE_CHECKING:
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
+def sample_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [n, V] fp32, temps [n] -> (draft ids [n], q [n, V] or None). greedy: argmax, no
+    q; probabilistic: sampled from softmax(logits / T), T = 0 rows argmax with a one-hot q."""
+    greedy = logits.argmax(dim=-1)
+    if method == "greedy":
+        return greedy, None
+    is_greedy = temps < 1e-5
+    t = torch.where(is_greedy, 1.0, temps)
+    q = torch.softmax(logits / t[:, None], dim=-1)
+    q = torch.where(is_greedy[:, None],
+                    torch.nn.functional.one_hot(greedy, q.shape[-1]).to(q.dtype), q)
+    sampled = torch.multinomial(q, 1).squeeze(1)
+    return torch.where(is_greedy, greedy, sampled), q
+
+
 @dataclass
 class _DraftRequest:
     block_ids: list[int]
@@ -299,16 +315,7 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[last])
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor):
-        greedy = logits.argmax(dim=-1)
-        if self.sample_method == "greedy":
-            return greedy, None
-        is_greedy = temps < 1e-5
-        t = torch.where(is_greedy, 1.0, temps)
-        q = torch.softmax(logits / t[:, None], dim=-1)
-        q = torch.where(is_greedy[:, None],
-                        torch.nn.functional.one_hot(greedy, q.shape[-1]).to(q.dtype), q)
-        sampled = torch.multinomial(q, 1).squeeze(1)
-        return torch.where(is_greedy, greedy, sampled), q
+        return sample_drafts(logits, temps, self.sample_method)
 
     def _copy_slots(self, src: list[int], dst: list[int]) -> None:
         s = torch.tensor(src, dtype=torch.long, device=self.device)

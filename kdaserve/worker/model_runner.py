@@ -313,7 +313,9 @@ class ModelRunner:
         verifying K drafts) without checkpoint exports replay a captured graph; the others run
         eager (without PDL)."""
         n = len(batch.req_ids)
-        if kda_checkpoints is None and self.graphs is not None:
+        # the MTP drafter reads every position's pre-norm hidden: the target runs eager
+        needs_hidden = self.spec is not None and self.spec.needs_hidden
+        if kda_checkpoints is None and self.graphs is not None and not needs_hidden:
             if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
                 return self.graphs.plan(DecodeGraphs.descriptor(self.graphs.padded_size(n)))
             if not spec_exports and self.spec is not None and self.spec.can_replay_verify(batch):
@@ -345,8 +347,13 @@ class ModelRunner:
                                  [s.state_slot for s in states], list(spec_exports))
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         self.patch_pending_inputs(ids, batch)
-        hidden = self.model(ids, ForwardContext(md, self.caches, plan))
+        ctx = ForwardContext(md, self.caches, plan)
         qsl = md.query_start_loc_cpu.tolist()
+        if self.spec is not None and self.spec.needs_hidden:
+            hidden, prenorm = self.model(ids, ctx, return_prenorm=True)       # [T, D] each
+            self.spec.add_hidden(states, batch.num_computed, qsl, prenorm)
+        else:
+            hidden = self.model(ids, ctx)
         rows = [t for i in batch.sample_rows
                 for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]
         return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]

@@ -80,7 +80,8 @@ class Worker:
         spec = None
         if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
             spec = SpecDecoder(config, self.args, self.device, self.dtype,
-                               threshold_kernel=self.backends.sampler == "threshold")
+                               threshold_kernel=self.backends.sampler == "threshold",
+                               target_model=self.model)
         self.model_runner = ModelRunner(config, self.model,
                                         Sampler(self.backends.sampler == "threshold"), spec,
                                         self.device, self.dtype)
