@@ -111,12 +111,31 @@ def test_mtp_abort_mid_draft_frees_drafter(make_mtp_llm):
         assert drafter.num_free_blocks == drafter.num_blocks
 
 
-def test_mtp_with_prefix_cache_hits_equals_plain(make_mtp_llm, plain):
-    """The same prompts twice: the second round starts from cached prefixes the target does not
-    recompute (the drafter sees zero hidden there); the output is still the plain one."""
+def _two_turns(llm) -> list[list[int]]:
+    """A prompt, then a second turn continuing it (prompt + answer + 3 tokens)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    first = [(7 * j) % 120 + 3 for j in range(40)]
+    a = llm.generate([{"prompt_token_ids": first}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    second = first + list(a) + [9, 10, 11]
+    b = llm.generate([{"prompt_token_ids": second}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    return [list(a), list(b)]
+
+
+def test_mtp_with_prefix_cache_hit_equals_plain(make_mtp_llm):
+    """The second turn starts from the first turn's cached prefix, which the target does not
+    recompute (the drafter gets no hidden state there: zeros); the output is the plain one."""
+    want = _two_turns(make_mtp_llm())
     llm = make_mtp_llm(speculative_config=_mtp())
-    assert _run(llm)[0] == plain
-    assert _run(llm)[0] == plain
+    drafter = llm.llm_engine.model_runner.spec.proposer
+    add, late_starts = drafter.add_hidden, []
+
+    def spy(req_id, start, hidden):
+        if req_id not in drafter.requests and start > 0:
+            late_starts.append(start)
+        add(req_id, start, hidden)
+    drafter.add_hidden = spy
+    assert _two_turns(llm) == want
+    assert late_starts, "no prefix-cache hit"
 
 
 def test_mtp_weights_loaded_and_shared(make_mtp_llm, tiny_mtp_dir):
@@ -148,6 +167,26 @@ def test_mtp_dummy_load_format(make_mtp_llm):
     got = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in base]
     assert llm.llm_engine.spec_decoding_stats.num_draft_tokens > 0
+
+
+def test_tiny_mtp_preset(tiny_mtp_dir, tmp_path):
+    """tiny plus one MTP layer at model.layers.4; every other tensor equals tiny's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from kdaserve.config.model_args import KimiLinearArgs
+    from kdaserve.models.loader import expected_tensors
+    from kdaserve.models.make_model import make_model
+
+    with open(f"{tiny_mtp_dir}/config.json") as f:
+        args = KimiLinearArgs.from_hf_config(json.load(f))
+    assert args.num_nextn_predict_layers == 1 and args.num_hidden_layers == 4
+    w = load_file(f"{tiny_mtp_dir}/model.safetensors")
+    assert set(w) == set(expected_tensors(args, include_mtp=True))
+    tiny = load_file(f"{make_model(str(tmp_path / 'tiny'), preset='tiny')}/model.safetensors")
+    assert set(w) - set(tiny) == {n for n in w if n.startswith("model.layers.4.")}
+    assert all(torch.equal(tiny[n], w[n]) for n in tiny)
 
 
 def test_target_without_mtp_layers_refused(tiny_model_dir):
