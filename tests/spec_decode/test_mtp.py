@@ -1,12 +1,13 @@
 """The MTP drafter (speculative method "mtp") on the tiny-mtp preset, CPU fp32.
 
 Greedy output with MTP drafts equals greedy output without speculation in both KDA state modes
-and both batch layouts, with spec rows, plain decodes and prefills in the same steps, under
-preemption and with aborts mid-draft (the drafter's blocks come back); the MTP weights are
-loaded from the checkpoint (shared embedding and LM head); a target without MTP layers is
-refused; the proposer's drafts depend only on the committed tokens and the target's hidden
-states of the accepted positions. (The acceptance rate of a random MTP layer is whatever it is:
-not asserted.)"""
+and both batch layouts, with spec rows, plain decodes and prefills in the same steps, with
+probabilistic drafts, under preemption, across a prefix-cache hit, with dummy weights, and with
+aborts mid-draft (the drafter's blocks come back); the MTP weights are loaded from the
+checkpoint (shared embedding and LM head); a target without MTP layers is refused; the
+proposer's drafts depend only on the committed tokens and the target's hidden states of the
+accepted positions, alone and as the engine hands them over (drafts forced to be partly
+accepted). (The acceptance rate of a random MTP layer is whatever it is: not asserted.)"""
 
 from __future__ import annotations
 
