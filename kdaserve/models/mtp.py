@@ -107,23 +107,12 @@ class KimiMTPModel(nn.Module):
 def build_mtp(target: nn.Module, target_args: KimiLinearArgs, dtype: torch.dtype,
               device: torch.device | str, backends: LayerBackends | None = None
               ) -> KimiMTPModel:
-    """The MTP drafter built on the meta device, then given storage on `device` (parameters
-    declared fp32 stay fp32, as models/registry.build_model), sharing the target's embedding
-    and LM head. Not loaded yet (load_mtp_weights)."""
-    from kdaserve.config import KernelConfig
-    from kdaserve.layers.backends import select_backends
+    """The MTP drafter built as models/registry.build_model builds a model (meta device, then
+    storage on `device`), sharing the target's embedding and LM head. Not loaded yet
+    (load_mtp_weights)."""
+    from kdaserve.models.registry import build_model
 
-    args = mtp_args(target_args)
-    if backends is None:
-        backends = select_backends(KernelConfig.baseline(), device)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = KimiMTPModel(args, backends)
-    finally:
-        torch.set_default_dtype(old)
-    model = model.to_empty(device=device).eval().requires_grad_(False)
+    model = build_model(mtp_args(target_args), dtype, device, KimiMTPModel, backends)
     model.share(target)
     return model
 
