@@ -146,7 +146,7 @@ class ParallelConfig:
                 "(only 1)")
 
 
-SPEC_METHODS = ("ngram", "draft_model", "mtp")
+SPEC_METHODS = ("ngram", "draft_model", "mtp", "dspark")
 
 
 @dataclass
@@ -157,7 +157,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     draft_sample_method: str = "greedy"
-    """draft_model and mtp: greedy (argmax drafts) or probabilistic (drafts sampled at the
+    """draft_model, mtp and dspark: greedy (argmax drafts) or probabilistic (drafts sampled at the
     request's temperature, their distributions go to the rejection sampler)."""
     rejection_sample_method: str = "standard"
     synthetic_acceptance_length: float | None = None
@@ -191,6 +191,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs model (the draft model "
                              "folder)")
+        if self.method == "dspark" and not self.model:
+            raise ValueError("speculative method 'dspark' needs model (the speculators-format "
+                             "DSpark folder)")
         for name, allowed in (("draft_sample_method", ("greedy", "probabilistic")),
                               ("rejection_sample_method", ("standard", "synthetic")),
                               ("kda_state_mode", ("recover", "per_position")),

@@ -6,7 +6,8 @@ and Kimi K3's (models/loader.py). The K3 pieces switch on from the config (confi
 AttnRes in place of the residual stream (layers/attn_res.py), the latent MoE
 (layers/latent_moe.py), SiTU, MXFP4 experts, the KDA full-rank gate, MLA q-LoRA and output
 gate. The MTP layers of a checkpoint are a separate module (models/mtp.py: the "mtp" drafter),
-which reads this model's pre-final-norm hidden states (forward with return_prenorm).
+which reads this model's pre-final-norm hidden states (forward with return_prenorm); the
+"dspark" drafter (models/dspark.py) reads the outputs of chosen layers (forward with aux_layers).
 """
 
 from __future__ import annotations
@@ -102,16 +103,27 @@ class KimiLinearModel(nn.Module):
             self.output_attn_res_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(args.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                aux_layers: tuple[int, ...] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (normed hidden [T, D], the pre-final-norm hidden [T, D])."""
+        """Returns (normed hidden [T, D], the pre-final-norm hidden [T, D]); with aux_layers
+        (residual-stream models only) the second is instead the outputs of those decoder layers
+        (the residual stream after each), concatenated [T, len(aux_layers) * D]."""
         x = self.embed_tokens(input_ids)                             # [T, D]
         if self.num_attn_res_blocks:
+            if aux_layers is not None:
+                raise ValueError("aux_layers needs a residual-stream model (not AttnRes)")
             return self._forward_attn_res(x, ctx)
-        residual = None
-        for layer in self.layers:
+        residual, aux = None, []
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, ctx)
-        return self.norm.forward_residual(x, residual, pdl=ctx.plan.pdl)
+            if aux_layers is not None and i in aux_layers:
+                aux.append(x if residual is None else x + residual)
+        hidden, prenorm = self.norm.forward_residual(x, residual, pdl=ctx.plan.pdl)
+        if aux_layers is not None:
+            order = sorted(aux_layers)
+            return hidden, torch.cat([aux[order.index(i)] for i in aux_layers], dim=-1)
+        return hidden, prenorm
 
     def _forward_attn_res(self, x: torch.Tensor, ctx: ForwardContext
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,12 +151,13 @@ class KimiLinearForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                return_prenorm: bool = False):
+                return_prenorm: bool = False, aux_layers: tuple[int, ...] | None = None):
         """input_ids: [T]. Returns hidden states [T, D] (after the final norm); caches in ctx
         are read and updated. return_prenorm: returns (hidden, pre-final-norm hidden [T, D])
-        instead (what the MTP drafter reads). No positions: every layer is position-free (KDA
-        is recurrent, MLA is NoPE)."""
-        hidden, prenorm = self.model(input_ids, ctx)
+        instead (what the MTP drafter reads); with aux_layers as well, the second is the chosen
+        layers' outputs [T, len(aux_layers) * D] (what the DSpark drafter reads). No positions:
+        every layer is position-free (KDA is recurrent, MLA is NoPE)."""
+        hidden, prenorm = self.model(input_ids, ctx, aux_layers if return_prenorm else None)
         return (hidden, prenorm) if return_prenorm else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -265,6 +265,55 @@ def preset_args(preset: str) -> KimiLinearArgs:
     return KimiLinearArgs.from_hf_config(cfg)
 
 
+DSPARK_LAYERS = 2
+"""Draft layers of a make-model DSpark drafter."""
+
+
+def make_dspark_model(target: str, out_dir: str, seed: int = 0) -> str:
+    """A speculators-format DSpark drafter folder for `target` (models/dspark.py): config.json
+    (speculators_model_type "dspark"; the draft layers are the target's MLA / MLP dimensions,
+    DSPARK_LAYERS dense layers; conditioned on the target's first, middle and last layers;
+    mask token = the pad token) and random bf16 weights. Returns `out_dir`."""
+    from safetensors.torch import save_file
+
+    from kdaserve.layers.backends import LayerBackends
+    from kdaserve.models.dspark import DSparkConfig, DSparkModel
+    from kdaserve.models.registry import build_model
+
+    with open(os.path.join(target, "config.json"), encoding="utf-8") as f:
+        target_cfg = json.load(f)
+    target_args = KimiLinearArgs.from_hf_config(target_cfg)
+    n = target_args.num_hidden_layers
+    layer_cfg = {k: v for k, v in target_cfg.items()
+                 if k not in ("linear_attn_config", "architectures", "auto_map")}
+    layer_cfg.update(num_hidden_layers=DSPARK_LAYERS, layer_types=["full_attention"] * DSPARK_LAYERS,
+                     mlp_layer_types=["dense"] * DSPARK_LAYERS, num_nextn_predict_layers=0)
+    layer_cfg.pop("attn_res_block_size", None)
+    cfg = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
+           "block_size": 8, "aux_hidden_state_layer_ids": sorted({0, n // 2, n - 1}),
+           "mask_token_id": int(target_cfg.get("pad_token_id") or 0),
+           "target_hidden_size": target_args.hidden_size,
+           "draft_vocab_size": target_args.vocab_size, "markov_rank": 32,
+           "markov_head_type": "vanilla", "enable_confidence_head": True,
+           "confidence_head_with_markov": True, "sample_from_anchor": True,
+           "transformer_layer_config": layer_cfg,
+           "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
+                                  "proposal_methods": [{"proposal_type": "greedy",
+                                                        "speculative_tokens": 8}],
+                                  "verifier": {"name_or_path": os.path.abspath(target),
+                                               "architectures": target_cfg.get(
+                                                   "architectures", [])}}}
+    spec = DSparkConfig.from_dict(cfg, target_args)  # validates what we are about to write
+    model = build_model(spec, torch.bfloat16, "meta", DSparkModel, LayerBackends())
+    shapes = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict().items()}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    save_file(random_tensors(shapes, seed), os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    return out_dir
+
+
 def make_draft_model(target: str, out_dir: str, seed: int = 0) -> str:
     """A draft-model folder for speculative decoding against `target`: the `small` preset's
     architecture with the target's vocabulary (vocab_size and special token ids) and random bf16
@@ -300,7 +349,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--draft-for", default=None, metavar="TARGET",
                    help="write a draft model for speculative decoding against the TARGET "
-                        "folder instead (small architecture, TARGET's vocabulary)")
+                        "folder instead (--draft-method: draft_model, the small "
+                        "architecture with TARGET's vocabulary; dspark, a speculators-format "
+                        "DSpark drafter)")
+    p.add_argument("--draft-method", choices=("draft_model", "dspark"), default="draft_model",
+                   help="with --draft-for: the speculative method the draft is for")
     p.add_argument("--count", action="store_true",
                    help="print the preset's parameter and byte count (bf16, MXFP4 experts "
                         "where the preset has them) and write nothing")
@@ -315,8 +368,9 @@ def _run(args: argparse.Namespace) -> int:
     if not args.out:
         raise SystemExit("error: make-model needs OUT (the folder to write) unless --count")
     if args.draft_for:
-        path = make_draft_model(args.draft_for, args.out, seed=args.seed)
-        print(f"wrote a draft model for {args.draft_for} to {path}")
+        make = make_dspark_model if args.draft_method == "dspark" else make_draft_model
+        path = make(args.draft_for, args.out, seed=args.seed)
+        print(f"wrote a {args.draft_method} drafter for {args.draft_for} to {path}")
         return 0
     path = make_model(args.out, preset=args.preset, seed=args.seed)
     with_weights = args.preset in _PRESET_ARCH or args.preset == "kimi-k3-tiny"

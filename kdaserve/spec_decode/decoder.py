@@ -1,6 +1,7 @@
 """Speculative decoding behind one interface the model runner calls: spec metadata,
 verification (eager, or a CUDA-graph replay), rejection sampling, the KDA state commit, and the
-next step's drafts from the proposer (ngram, a draft model, or the target's MTP layer).
+next step's drafts from the proposer (ngram, a draft model, the target's MTP layer, or a DSpark
+drafter).
 
 One step with spec rows (requests the scheduler gave drafts, query = [last token] + drafts):
   1. `build_step`: AttentionMetadata.spec (kda_spec runs the spec rows through the verify
@@ -89,12 +90,15 @@ class SpecDecoder:
         self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates,
                                         threshold_kernel)
         self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
-        self.probabilistic = sc.method in ("draft_model", "mtp") and \
+        self.probabilistic = sc.method in ("draft_model", "mtp", "dspark") and \
             sc.draft_sample_method == "probabilistic"
         if sc.method == "ngram":
             self.proposer = NgramProposer(self.k, sc.prompt_lookup_min, sc.prompt_lookup_max)
         elif sc.method == "mtp":
             self.proposer = self._mtp_proposer(config, target_args, target_model, device, dtype)
+        elif sc.method == "dspark":
+            self.proposer = self._dspark_proposer(config, target_args, target_model, device,
+                                                  dtype)
         else:
             from kdaserve.spec_decode.draft_model import DraftModelProposer
 
@@ -128,15 +132,39 @@ class SpecDecoder:
                            config.cache_config.block_size, device, dtype,
                            sc.draft_sample_method)
 
+    @staticmethod
+    def _dspark_proposer(config: EngineConfig, target_args, target_model, device, dtype):
+        from kdaserve.models.dspark import DSparkConfig, build_dspark, load_dspark_weights
+        from kdaserve.spec_decode.dspark import DSparkProposer
+
+        if target_model is None:
+            raise ValueError("speculative method 'dspark' needs the target model (the drafter "
+                             "shares its embedding and LM head)")
+        sc = config.speculative_config
+        model = build_dspark(target_model, DSparkConfig.from_folder(sc.model, target_args),
+                             dtype, device)
+        load_dspark_weights(model, sc.model, config.load_config)
+        return DSparkProposer(model, sc.num_speculative_tokens,
+                              config.scheduler_config.max_num_seqs,
+                              config.scheduler_config.max_model_len,
+                              config.cache_config.block_size, device, dtype,
+                              sc.draft_sample_method)
+
     @property
     def needs_hidden(self) -> bool:
-        """The proposer reads the target's pre-final-norm hidden states (method mtp): the
-        runner runs the target eagerly and hands them over (add_hidden)."""
-        return self.method == "mtp"
+        """The proposer reads the target's hidden states (methods mtp and dspark): the runner
+        runs the target eagerly and hands them over (add_hidden)."""
+        return self.method in ("mtp", "dspark")
+
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose outputs the proposer reads (dspark); None: the pre-final-
+        norm hidden (mtp)."""
+        return getattr(self.proposer, "aux_layers", None)
 
     def add_hidden(self, states, num_computed: list[int], query_start_loc: list[int],
                    prenorm: torch.Tensor) -> None:
-        """A forward's pre-final-norm hidden [T, D] (batch order; request i's rows
+        """A forward's pre-final-norm hidden [T, D], or its aux_layers' outputs (batch order; request i's rows
         query_start_loc[i]..[i+1] at positions num_computed[i]...) for the proposer. Requests
         with penalties / logit_bias are never drafted for: nothing is kept for them."""
         for i, s in enumerate(states):

@@ -313,7 +313,7 @@ class ModelRunner:
         verifying K drafts) without checkpoint exports replay a captured graph; the others run
         eager (without PDL)."""
         n = len(batch.req_ids)
-        # the MTP drafter reads every position's pre-norm hidden: the target runs eager
+        # the MTP / DSpark drafters read every position's hidden: the target runs eager
         needs_hidden = self.spec is not None and self.spec.needs_hidden
         if kda_checkpoints is None and self.graphs is not None and not needs_hidden:
             if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
@@ -350,7 +350,8 @@ class ModelRunner:
         ctx = ForwardContext(md, self.caches, plan)
         qsl = md.query_start_loc_cpu.tolist()
         if self.spec is not None and self.spec.needs_hidden:
-            hidden, prenorm = self.model(ids, ctx, return_prenorm=True)       # [T, D] each
+            hidden, prenorm = self.model(ids, ctx, return_prenorm=True,
+                                         aux_layers=self.spec.aux_layers)  # [T, D], [T, *]
             self.spec.add_hidden(states, batch.num_computed, qsl, prenorm)
         else:
             hidden = self.model(ids, ctx)
