@@ -9,6 +9,10 @@ transformers >= 5.17 naming (model.safetensors). tiny-mtp is tiny plus one MTP l
 (num_nextn_predict_layers=1, its tensors at model.layers.4: the "mtp" drafter's test model; the
 other tensors equal tiny's). The 48B preset writes the real architecture's config and the tokenizer
 only: serve it with `--load-format dummy`. The Kimi K3 presets are models/make_k3.py.
+
+`make-model OUT --draft-for TARGET [--draft-method {draft_model,dspark}]` writes a drafter for
+TARGET instead: draft_model, the small architecture with TARGET's vocabulary; dspark, a
+speculators-format DSpark drafter folder (models/dspark.py) with random weights.
 """
 
 from __future__ import annotations
