@@ -290,8 +290,9 @@ def make_dspark_model(target: str, out_dir: str, seed: int = 0) -> str:
     n = target_args.num_hidden_layers
     layer_cfg = {k: v for k, v in target_cfg.items()
                  if k not in ("linear_attn_config", "architectures", "auto_map")}
-    layer_cfg.update(num_hidden_layers=DSPARK_LAYERS, layer_types=["full_attention"] * DSPARK_LAYERS,
-                     mlp_layer_types=["dense"] * DSPARK_LAYERS, num_nextn_predict_layers=0)
+    n_draft = DSPARK_LAYERS
+    layer_cfg.update(num_hidden_layers=n_draft, layer_types=["full_attention"] * n_draft,
+                     mlp_layer_types=["dense"] * n_draft, num_nextn_predict_layers=0)
     layer_cfg.pop("attn_res_block_size", None)
     cfg = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
            "block_size": 8, "aux_hidden_state_layer_ids": sorted({0, n // 2, n - 1}),

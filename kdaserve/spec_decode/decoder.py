@@ -164,8 +164,9 @@ class SpecDecoder:
 
     def add_hidden(self, states, num_computed: list[int], query_start_loc: list[int],
                    prenorm: torch.Tensor) -> None:
-        """A forward's pre-final-norm hidden [T, D], or its aux_layers' outputs (batch order; request i's rows
-        query_start_loc[i]..[i+1] at positions num_computed[i]...) for the proposer. Requests
+        """A forward's pre-final-norm hidden [T, D], or its aux_layers' outputs [T, n * D]
+        (batch order; request i's rows query_start_loc[i]..[i+1] at positions
+        num_computed[i]...) for the proposer. Requests
         with penalties / logit_bias are never drafted for: nothing is kept for them."""
         for i, s in enumerate(states):
             if s.sampling_params.processes_logits:

@@ -3,12 +3,12 @@ written by `make-model --draft-for tiny --draft-method dspark`.
 
 Greedy output with DSpark drafts equals greedy output without speculation in both KDA state
 modes and both batch layouts, with spec rows, plain decodes and prefills in the same steps,
-with probabilistic drafts (the seed's config string as written), under preemption, with dummy
-weights, and with aborts mid-draft (the drafter's blocks come back); the speculators config is
+with probabilistic drafts (the seed's config string as written), under preemption, across a
+prefix-cache hit, with dummy weights, and with aborts mid-draft (the drafter's blocks come back); the speculators config is
 read and validated (a bad field is a ValueError naming it); the weights are loaded from the
 folder (embedding and LM head shared); the proposer's drafts depend only on the committed
-tokens and the target's chosen-layer outputs of the accepted positions, and its block pass is
-non-causal. (The acceptance rate of a random drafter is whatever it is: not asserted.)"""
+tokens and the target's chosen-layer outputs of the accepted positions, its block pass is
+non-causal, and the confidence head gives one probability per row. (The acceptance rate of a random drafter is whatever it is: not asserted.)"""
 
 from __future__ import annotations
 
@@ -314,3 +314,32 @@ def test_dspark_block_is_non_causal_and_batched(tiny_model_dir, dspark_dir):
         del drafter.forward_block
     assert not torch.equal(seen[0], seen[1]), "row 0 does not see the later block rows"
     p.free("a")
+
+
+def test_dspark_with_prefix_cache_hit_equals_plain(make_ds_llm, dspark_dir):
+    """A second turn starts from the first turn's cached prefix, whose positions the target
+    does not recompute (the drafter's context there is zero aux); the output is the plain one."""
+    from tests.spec_decode.test_mtp import _two_turns
+
+    want = _two_turns(make_ds_llm())
+    llm = make_ds_llm(speculative_config=_dspark(dspark_dir))
+    drafter = llm.llm_engine.model_runner.spec.proposer
+    add, late_starts = drafter.add_hidden, []
+
+    def spy(req_id, start, aux):
+        if req_id not in drafter.requests and start > 0:
+            late_starts.append(start)
+        add(req_id, start, aux)
+    drafter.add_hidden = spy
+    assert _two_turns(llm) == want
+    assert late_starts, "no prefix-cache hit"
+
+
+def test_confidence_head(tiny_model_dir, dspark_dir):
+    model, args, drafter = _target_and_drafter(tiny_model_dir, dspark_dir)
+    assert drafter.cfg.enable_confidence_head
+    with torch.inference_mode():
+        e, bias = drafter.markov_bias(torch.tensor([3, 4, 5]))
+        c = drafter.confidence(torch.randn(3, args.hidden_size), e)
+    assert e.shape == (3, drafter.cfg.markov_rank) and bias.shape == (3, args.vocab_size)
+    assert c.shape == (3,) and bool(((c > 0) & (c < 1)).all())
