@@ -36,9 +36,10 @@ def tiny_model_dir(tmp_path_factory, hf_model):
     return path
 
 
-@pytest.fixture
-def make_llm(tiny_model_dir):
-    """Factory for LLMs on the tiny model; after the test every pool must be all-free."""
+def llm_factory(model_dir: str, after=None):
+    """A fixture body: yields make(**kwargs) -> LLM on model_dir (the tests' small cache and
+    budget unless given); when the test ends, every pool of each LLM must be free, and
+    after(llm) runs on each too."""
     from kdaserve import LLM
 
     made = []
@@ -47,13 +48,33 @@ def make_llm(tiny_model_dir):
         kwargs.setdefault("max_model_len", 512)
         kwargs.setdefault("num_gpu_blocks", 256)
         kwargs.setdefault("max_num_batched_tokens", 512)
-        llm = LLM(tiny_model_dir, **kwargs)
+        llm = LLM(model_dir, **kwargs)
         made.append(llm)
         return llm
 
     yield make
     for llm in made:
         assert_pools_free(llm.llm_engine)
+        if after is not None:
+            after(llm)
+
+
+def assert_drafter_free(llm) -> None:
+    """A hidden-conditioned drafter (MTP, DSpark) holds no request state or KV block."""
+    eng = llm.llm_engine
+    if eng.model_runner.spec is None:
+        return
+    if eng.scheduler.has_finished_requests():   # the last finished ids reach the worker
+        eng.step()
+    drafter = eng.model_runner.spec.proposer
+    assert not drafter.requests, f"{drafter.label} drafter state leaked"
+    assert drafter.num_free_blocks == drafter.num_blocks, f"{drafter.label} KV blocks leaked"
+
+
+@pytest.fixture
+def make_llm(tiny_model_dir):
+    """Factory for LLMs on the tiny model; after the test every pool must be all-free."""
+    yield from llm_factory(tiny_model_dir)
 
 
 def assert_pools_free(engine) -> None:

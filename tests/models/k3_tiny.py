@@ -15,22 +15,9 @@ def k3_tiny_dir(tmp_path_factory) -> str:
 
 @pytest.fixture
 def make_k3_llm(k3_tiny_dir):
-    from kdaserve import LLM
-    from tests.engine.conftest import assert_pools_free
+    from tests.engine.conftest import llm_factory
 
-    made = []
-
-    def make(**kwargs):
-        kwargs.setdefault("max_model_len", 512)
-        kwargs.setdefault("num_gpu_blocks", 256)
-        kwargs.setdefault("max_num_batched_tokens", 512)
-        llm = LLM(k3_tiny_dir, **kwargs)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        assert_pools_free(llm.llm_engine)
+    yield from llm_factory(k3_tiny_dir)
 
 
 @pytest.fixture(autouse=True, scope="module")

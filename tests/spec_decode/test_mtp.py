@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from tests.engine.conftest import assert_pools_free
+from tests.engine.conftest import assert_drafter_free, llm_factory
 from tests.spec_decode.test_engine_spec import MODES, _prompts, _run
 
 K = 3
@@ -31,30 +31,7 @@ def tiny_mtp_dir(tmp_path_factory) -> str:
 @pytest.fixture
 def make_mtp_llm(tiny_mtp_dir):
     """LLMs on tiny-mtp; afterwards every pool, the drafter's included, must be free."""
-    made = []
-
-    def make(**kwargs):
-        kwargs.setdefault("max_model_len", 512)
-        kwargs.setdefault("num_gpu_blocks", 256)
-        kwargs.setdefault("max_num_batched_tokens", 512)
-        llm = LLM(tiny_mtp_dir, **kwargs)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        assert_pools_free(llm.llm_engine)
-        if llm.llm_engine.model_runner.spec is not None:
-            assert_drafter_free(llm)
-
-
-def assert_drafter_free(llm) -> None:
-    eng = llm.llm_engine
-    if eng.scheduler.has_finished_requests():   # the last finished ids reach the worker
-        eng.step()
-    drafter = eng.model_runner.spec.proposer
-    assert not drafter.requests, "MTP drafter state leaked"
-    assert drafter.num_free_blocks == drafter.num_blocks, "MTP KV blocks leaked"
+    yield from llm_factory(tiny_mtp_dir, after=assert_drafter_free)
 
 
 @pytest.fixture(scope="module")
