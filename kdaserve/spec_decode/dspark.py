@@ -32,13 +32,10 @@ from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer, Hidd
 class DSparkProposer(HiddenConditionedProposer):
     label = "DSpark"
 
-    def __init__(self, model: DSparkModel, num_speculative_tokens: int, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device | str,
-                 dtype: torch.dtype, draft_sample_method: str = "greedy",
-                 num_blocks: int | None = None) -> None:
-        super().__init__(model.args, num_speculative_tokens, max_num_seqs, max_model_len,
-                         block_size, device, dtype, draft_sample_method, num_blocks)
-        self.model = model
+    model: DSparkModel
+
+    def __init__(self, model: DSparkModel, *args, **kwargs) -> None:
+        super().__init__(model, *args, **kwargs)
         self.aux_layers = model.cfg.aux_hidden_state_layer_ids
         self.aux_dim = len(self.aux_layers) * model.cfg.target_hidden_size
 

@@ -16,7 +16,6 @@ import torch
 
 from kdaserve.attention.caches import allocate_caches
 from kdaserve.attention.metadata import ModelCaches
-from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.spec_decode.draft_model import DRAFT_SAMPLE_METHODS, DraftProposal, _Allocator
 
 
@@ -30,11 +29,11 @@ class HiddenRequest:
 
 
 class HiddenConditionedProposer:
-    """args: the drafter's layer shapes (its MLA cache); label: the drafter's name in errors."""
+    """model: the drafter (its `args` give its MLA cache's shapes); label: its name in errors."""
 
     label = "drafter"
 
-    def __init__(self, args: KimiLinearArgs, num_speculative_tokens: int, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, num_speculative_tokens: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device | str,
                  dtype: torch.dtype, draft_sample_method: str = "greedy",
                  num_blocks: int | None = None) -> None:
@@ -43,6 +42,7 @@ class HiddenConditionedProposer:
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
                              f"got {draft_sample_method!r}")
+        self.model = model
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -50,7 +50,7 @@ class HiddenConditionedProposer:
         self.sample_method = draft_sample_method
         self.max_blocks_per_req = -(-(max_model_len + num_speculative_tokens) // block_size)
         num_blocks = num_blocks or max_num_seqs * self.max_blocks_per_req
-        self.caches: ModelCaches = allocate_caches(args, num_blocks, block_size, 1, dtype,
+        self.caches: ModelCaches = allocate_caches(model.args, num_blocks, block_size, 1, dtype,
                                                    self.device)
         self._blocks = _Allocator(list(range(num_blocks)))
         self.num_blocks = num_blocks

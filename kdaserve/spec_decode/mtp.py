@@ -36,13 +36,7 @@ from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer
 class MTPProposer(HiddenConditionedProposer):
     label = "MTP"
 
-    def __init__(self, model: KimiMTPModel, num_speculative_tokens: int, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device | str,
-                 dtype: torch.dtype, draft_sample_method: str = "greedy",
-                 num_blocks: int | None = None) -> None:
-        super().__init__(model.args, num_speculative_tokens, max_num_seqs, max_model_len,
-                         block_size, device, dtype, draft_sample_method, num_blocks)
-        self.model = model
+    model: KimiMTPModel
 
     @torch.inference_mode()
     def propose(self, req_ids: list[str], token_ids: list[list[int]],
