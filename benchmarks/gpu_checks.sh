@@ -9,7 +9,8 @@
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
-# CHAIN_ARGS), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
+# BATCH_ARGS), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS='--optimization-config {"pdl":false}' (or "decode_gemv", "fused_kda_decode"; no
 # spaces in the JSON: the variable is word-split) times the engine without a default kernel choice.
 #
@@ -85,6 +86,17 @@ fi
 if [[ $STAGES == *chain* ]]; then   # decode kernels as chains of pdl calls (bench_chain.py)
   timeout ${CHAIN_TIMEOUT:-500} python3 benchmarks/bench_chain.py --out "$OUT/chain.json" \
     ${CHAIN_ARGS:-} 2>&1 | tail -${CHAIN_TAIL:-60} | tee "$OUT/chain.log"
+fi
+if [[ $STAGES == *gaps* ]]; then   # prefill forward: kernels, idle gaps, host syncs (GAPS_CONFIGS)
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  i=0; for cfg in ${GAPS_CONFIGS:-"{}"}; do i=$((i+1))
+    timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/prefill_gaps.py /tmp/k48 --optimization-config "$cfg" \
+      --out "$OUT/gaps_$i.json" 2>&1 | grep -v Warn | tail -40 | tee -a "$OUT/gaps.log"
+  done
+fi
+if [[ $STAGES == *batch* ]]; then   # decode kernels at batch 16-64 and the prefill MoE (bench_batch.py)
+  timeout ${BATCH_TIMEOUT:-400} python3 benchmarks/bench_batch.py --out "$OUT/batch.json" ${BATCH_ARGS:-} \
+    2>&1 | grep -v Warn | tail -60 | tee "$OUT/batch.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

@@ -174,14 +174,12 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o
         t1 = md.num_actual_tokens
         slots = md.state_indices[nd:].long()
         init = rec_cache[slots] * md.has_initial_state[nd:, None, None, None]
-        cu = (md.query_start_loc[nd:] - md.query_start_loc[nd]).long()
+        cu, cu_cpu = md.prefill_cu_seqlens
         run = (chunk_kda if md.kda_checkpoints is None
                else kda_checkpoint.exporting(chunk_kda, md, rec_cache))
         op, final = run(
             *(x[None, t0:t1].contiguous() for x in (q, k, v, g, beta)),
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
-            **in_kernel,
-            cu_seqlens=cu, cu_seqlens_cpu=(md.query_start_loc_cpu[nd:]
-                                           - md.query_start_loc_cpu[nd]).long())
+            **in_kernel, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
         o[t0:t1] = op[0]
         rec_cache.index_copy_(0, slots, final)

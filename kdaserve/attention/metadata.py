@@ -48,6 +48,17 @@ class AttentionMetadata:
         return bool((self.num_computed_tokens_cpu[:self.num_reqs] > 0).all())
 
     @cached_property
+    def prefill_cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, host) int64 [num_prefills + 1]: the prefill requests' query_start_loc from
+        0, built once per step. fla's chunk kernels memoise their chunk indices by the identity
+        of these tensors, so the KDA layers after the first reuse them instead of rebuilding
+        them with a host-to-device copy (a device sync) each."""
+        nd = self.num_decodes
+        dev = self.query_start_loc[nd:self.num_reqs + 1]
+        host = self.query_start_loc_cpu[nd:self.num_reqs + 1]
+        return (dev - dev[0]).long(), (host - host[0]).long()
+
+    @cached_property
     def state_indices_per_token(self) -> torch.Tensor:
         """[num_reqs, max_query_len] int32: each request's state slot in every column (the
         per-token slot layout of fla's fused recurrent kernel); built once per step."""

@@ -28,8 +28,8 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
     """Every count of decode rows from 0 to 16 and some beyond (the prefill rows' index arrays
     start after them), each alone (eager decode steps: past the captured graph sizes, or
     enforce_eager) and next to a chunk over a cached prefix and a fresh prefill, one decode row
-    at a long context (the MLA split count follows the longest context), and fresh prefills
-    across the token budget."""
+    at a long context (the MLA split count follows the longest context), fresh prefills
+    across the token budget, and budget-filling chunks next to a few decode rows."""
     max_rows = min(sc.max_num_seqs, runner.num_slots) - 2
     long_ctx = min(sc.max_model_len, runner.num_blocks * runner.block_size // 2) - 1
     for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
@@ -41,6 +41,13 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
     budget = min(sc.max_num_batched_tokens, sc.max_model_len)
     for j in range(1, 9):
         _forward(runner, [max(1, budget * j // 8 - 3)], [0])
+    # a chunk that fills the token budget next to d decode rows (the common mixed step under
+    # load): the step's token count is then a multiple of 16 while the chunk's is not, a
+    # specialisation the steps above do not produce
+    for d in (1, 2, 3, 16, 17):
+        if d <= max_rows and budget > d:
+            computed = [long_ctx] + [17 + 3 * i for i in range(1, d)]
+            _forward(runner, [1] * d + [budget - d], computed + [0])
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
 

@@ -35,12 +35,14 @@ def test_warmup_leaves_no_trace(make_llm, monkeypatch):
     with torch.inference_mode():
         warmup.warmup_steps(runner, llm.llm_engine.engine_config.scheduler_config)
     assert _cache_checksum(runner.caches) != before, "the warm-up wrote nothing"
-    # decode-row counts 0..6 (max_num_seqs - 2) next to two prefills, 1..8 alone, then 8
-    # prefill sizes across the budget
-    mixed = [sum(1 for x in q if x == 1) for q, _ in calls if len(q) > 1 and q[-1] == 61]
+    # decode-row counts 0..6 (max_num_seqs - 2) next to two prefills, 1..8 alone, 8 prefill
+    # sizes across the budget, then budget-filling chunks next to 1, 2, 3 decode rows (16 and
+    # 17 rows exceed max_num_seqs - 2)
+    mixed = [sum(1 for x in q if x == 1) for q, _ in calls if q[-2:] == [100, 61]]
     alone = [len(q) for q, _ in calls if set(q) == {1}]
     assert mixed == list(range(7)) and alone == list(range(1, 9)), (mixed, alone)
-    assert [q for q, _ in calls[-8:]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
+    assert [q for q, _ in calls[-11:-3]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
+    assert [q for q, _ in calls[-3:]] == [[1] * d + [64 - d] for d in (1, 2, 3)]
     got = llm.generate(ps, params, use_tqdm=False)
     for a, b in zip(want, got):
         for ca, cb in zip(a.outputs, b.outputs):

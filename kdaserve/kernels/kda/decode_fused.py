@@ -26,18 +26,23 @@ MAX_HEAD_DIM = 128
 """A program holds a head's [d, d] f_b tile and up to [d, d] of its fp32 state in registers."""
 
 
-def default_num_warps(head_dim: int) -> int:
-    """8 warps at d = 128 (64 f_b values per thread); fewer for small heads."""
-    return max(1, min(8, head_dim * head_dim // 2048))
+def default_num_warps(head_dim: int, num_rows: int = 1, v_block: int | None = None) -> int:
+    """8 warps at d = 128 (64 f_b values per thread); fewer for small heads. With 64 value
+    columns a program and at most 16 rows, 4 (bench_batch.py at 16 rows: 40.3 against 51+ us)."""
+    warps = max(1, min(8, head_dim * head_dim // 2048))
+    if v_block == 64 and 2 < num_rows <= 16:
+        warps = min(warps, 4)
+    return warps
 
 
 def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int) -> int:
-    """Value columns per program: the widest power of two >= 32 (or head_dim, if smaller)
-    whose grid stays within ~2 programs per SM, else head_dim (one program per head).
-    At 32 heads of 128 on 132 SMs: 32 at 1-2 rows (128 / 256 programs), 64 at 4, 128 from 8."""
+    """Value columns per program: 32 (or head_dim, if smaller) while the grid stays within ~2
+    programs per SM, else 64 (or head_dim). At 32 heads of 128 on 132 SMs: 32 at 1-2 rows,
+    64 from 3. At 16 / 32 / 64 rows 64 columns beat one program per head (128): 40.3 / 73.0 /
+    140.7 against 47.4 / 87.4 / 164.8 us a layer (bench_batch.py, benchmarks/PERF_NOTES.md)."""
     bv = min(32, head_dim)
-    while bv < head_dim and num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
-        bv *= 2
+    if num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
+        bv = min(64, head_dim)
     return bv
 
 
@@ -149,12 +154,12 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
                       A_log, dt_bias, o_norm_weight, num_heads, head_dim, out)
-    warps = default_num_warps(head_dim) if num_warps is None else num_warps
-    if warps < 1 or warps > 16 or warps & (warps - 1):
+    if num_warps is not None and (num_warps < 1 or num_warps > 16 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
     check_kernel_device(proj)
     N, P = proj.shape[0], num_heads * head_dim
     bv = v_block or default_v_block(N, num_heads, head_dim, num_sms(proj.device))
+    warps = default_num_warps(head_dim, N, bv) if num_warps is None else num_warps
     if bv < 1 or head_dim % bv or bv & (bv - 1):
         raise ValueError(f"v_block must be a power of two dividing head_dim={head_dim}, "
                          f"got {v_block}")

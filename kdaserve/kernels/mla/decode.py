@@ -33,26 +33,37 @@ class MLADecodeConfig:
 
 
 def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
-    """Size classes by batch: the bf16 tiles are the fastest of bench_layers.py --tune at 32
-    heads, 8K context, batch 1 and 16 (benchmarks/PERF_NOTES.md); fp32 (tests, interpreter)
-    takes small tiles."""
+    """Size classes by batch: the bf16 tiles are the fastest of bench_layers.py --tune (batch 1)
+    and bench_batch.py (batch 16, 32, 64: the transposed tiles, with about one wave of
+    programs, see choose_num_kv_splits) at 32 heads and 8K context (benchmarks/PERF_NOTES.md);
+    fp32 (tests, interpreter) takes small tiles."""
     block_h = min(32, max(16, next_power_of_2(num_heads)))
     if dtype == torch.float32:
         return MLADecodeConfig(block_h=min(block_h, 16), block_n=16, num_warps=4, num_stages=1)
     if batch <= 4:
         return MLADecodeConfig(block_h=block_h, block_n=64, num_warps=8, num_stages=2)
-    return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=4, num_stages=3)
+    return MLADecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=3,
+                           transposed=True)
 
 
 def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
                          device: torch.device, min_tokens_per_split: int = 64,
-                         max_splits: int = 128) -> int:
-    """Enough (b, split, head group) programs for ~2 waves, each partition >= min_tokens_per_split.
+                         max_splits: int = 128, waves: int = 2) -> int:
+    """Enough (b, split, head group) programs for ~`waves` waves, each partition >=
+    min_tokens_per_split. Two waves suit the small tiles of batches <= 4; the transposed tiles
+    of larger batches take one wave rounded down to a power of two (bench_batch.py: at 16 / 32 /
+    64 sequences, 8 / 4 / 2 splits were the fastest).
 
     Depends only on shapes, so a captured CUDA graph keeps its grid.
     """
-    want = cdiv(2 * num_sms(device), max(1, batch * num_head_groups))
     cap = max(1, max_context // min_tokens_per_split)
+    if waves == 1:
+        # a power of two at most one wave: 5 or 3 splits (partitions not a multiple of the
+        # tiles) ran 237 / 386 us at 32 / 64 sequences against 159 / 297 us with 4 / 2
+        want = max(1, num_sms(device) // max(1, batch * num_head_groups))
+        want = 1 << (want.bit_length() - 1)
+    else:
+        want = cdiv(waves * num_sms(device), max(1, batch * num_head_groups))
     return max(1, min(want, cap, max_splits))
 
 
@@ -141,7 +152,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * page
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(B, head_groups, max_seq_len, q.device)
+        num_kv_splits = choose_num_kv_splits(B, head_groups, max_seq_len, q.device,
+                                             waves=1 if cfg.transposed else 2)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if out is None:

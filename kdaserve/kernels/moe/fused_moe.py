@@ -50,14 +50,25 @@ def default_config(num_tokens: int, top_k: int, num_experts: int,
         c = MoEGemmConfig(16, 32, 32, 1, 4, 1)
         return FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 32, 1, 4, 1))
     rows_per_expert = num_tokens * top_k / max(1, num_experts)
-    if num_tokens <= 32:
+    if num_tokens <= 8:
         # gemm2_sum: the fastest of bench_layers.py --tune at N=1, D=2304, I=1024, k=8, and
         # faster than gemm2 + moe_sum there. gemm1 block_k 64: faster than 128 in a chain of
-        # pdl calls at N=1, k=9 (bench_chain.py). N > 1 follows unmeasured. Figures:
-        # benchmarks/PERF_NOTES.md.
+        # pdl calls at N=1, k=9 (bench_chain.py). Figures: benchmarks/PERF_NOTES.md.
         return FusedMoEConfig(MoEGemmConfig(16, 32, 64, 1, 4, 4),
                               MoEGemmConfig(16, 32, 128, 1, 4, 4),
                               MoEGemmConfig(1, 8, 1024, 1, 4, 3))
+    if num_tokens <= 16:
+        # bench_batch.py at N=16 (D=2304, I=1024, 257 experts, k=9): faster than the N=1 tiles
+        # both with every token on the same experts and with spread routing
+        return FusedMoEConfig(MoEGemmConfig(16, 64, 128, 1, 4, 4),
+                              MoEGemmConfig(16, 128, 128, 1, 4, 4))
+    if num_tokens <= 64:
+        # bench_batch.py at N=32 / 64: one row block per expert holding all N rows when the
+        # tokens share their experts (the served dummy model; always true of the folded shared
+        # expert), so each weight tile is read once
+        bm = next_power_of_2(num_tokens)
+        return FusedMoEConfig(MoEGemmConfig(bm, 64, 64, 1, 4, 4),
+                              MoEGemmConfig(bm, 128, 64, 1, 4, 4))
     if rows_per_expert <= 32:
         return FusedMoEConfig(MoEGemmConfig(32, 64, 64, 4, 4, 4),
                               MoEGemmConfig(32, 64, 64, 4, 4, 4))

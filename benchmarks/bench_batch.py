@@ -1,0 +1,232 @@
+"""Decode kernels at batch 16-64 and the prefill MoE, against their floors, with tile sweeps.
+
+    python benchmarks/bench_batch.py --cases kda,mla,moe,moe_prefill --out batch.json
+
+Kimi-Linear-48B shapes. Each decode case runs `calls` launches back to back in one CUDA graph,
+each on its own slice of the caches (so the working set exceeds L2 as in a decode step), and
+reports microseconds per call for the default config and for every config of a small grid;
+`moe_prefill` times the fused Triton MoE at prefill-sized token counts against its compute
+floor. MoE cases use the routing of the served dummy model (every token on the same 8 experts
+plus the folded shared expert) and a spread routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_layers import bench_ms, capture, start_gpu_run, write_results  # noqa: E402
+
+from kdaserve.kernels import reference as ref  # noqa: E402
+from kdaserve.kernels.kda import decode_fused as kdad  # noqa: E402
+from kdaserve.kernels.mla import decode as mla  # noqa: E402
+from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
+
+HEADS, KV_RANK, ROPE = 32, 512, 64
+HIDDEN, MOE_INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
+KDA_HEADS, KDA_DIM, CONV_W = 32, 128, 4
+CASES = ("kda", "mla", "moe", "moe_prefill")
+
+
+def per_call_us(fns) -> float:
+    """fns: one closure per call; all captured back to back in one graph; us per call."""
+    graph = capture(lambda: [f() for f in fns])
+    return bench_ms(graph.replay) * 1e3 / len(fns)
+
+
+def sweep(name, rows, default_fn, grid, make_fn, floor_us, deadline):
+    """Time default_fn and make_fn(cfg) for cfg in grid (until the deadline)."""
+    row = {"case": name, "floor_us": floor_us}
+    row["default_us"] = per_call_us(default_fn)
+    best = (row["default_us"], "default")
+    tried = []
+    for cfg in grid:
+        if time.time() > deadline:
+            row["cut_by_budget"] = True
+            break
+        try:
+            t = per_call_us(make_fn(cfg))
+        except Exception as exc:  # out of resources / unsupported tile
+            tried.append({"config": str(cfg), "error": type(exc).__name__})
+            continue
+        tried.append({"config": str(cfg), "us": t})
+        if t < best[0]:
+            best = (t, str(cfg))
+    row["best_us"], row["best_config"] = best
+    row["tried"] = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])[:8]
+    print(f"{name:<28} floor {floor_us:7.1f}  default {row['default_us']:7.1f}  best "
+          f"{best[0]:7.1f} us  {best[1]}", flush=True)
+    rows.append(row)
+
+
+def floor_us(nbytes: int, ceil: dict) -> float:
+    return nbytes / (ceil["copy_GBps"] * 1e3)
+
+
+# ----------------------------------------------------------------------------------- KDA decode
+
+def bench_kda(rows, ceil, n, deadline, calls=4):
+    H, d = KDA_HEADS, KDA_DIM
+    P = H * d
+    dev, bf = "cuda", torch.bfloat16
+    proj = torch.randn(n, 3 * P + 2 * d + H, device=dev, dtype=bf)
+    conv_w = torch.randn(3 * P, CONV_W, device=dev, dtype=bf) * 0.3
+    slots = calls * n + 1
+    conv_cache = torch.randn(slots, 3 * P, CONV_W - 1, device=dev, dtype=bf)
+    rec = torch.randn(slots, H, d, d, device=dev, dtype=torch.float32) * 0.1
+    fgb = torch.randn(2, P, d, device=dev, dtype=bf) * 0.05
+    a_log = torch.randn(H, device=dev)
+    dt_bias = torch.randn(P, device=dev)
+    onw = torch.ones(d, device=dev, dtype=bf)
+    perm = torch.randperm(calls * n, device=dev, dtype=torch.int32)
+    idx = [perm[i * n:(i + 1) * n].contiguous() for i in range(calls)]
+    outs = [torch.empty(n, P, device=dev, dtype=bf) for _ in range(calls)]
+    tickets = [torch.zeros(n * H, device=dev, dtype=torch.int32) for _ in range(calls)]
+
+    def fns(**kw):
+        return [lambda i=i: kdad.kda_decode_fused(proj, conv_w, conv_cache, rec, idx[i], fgb,
+                                                  a_log, dt_bias, onw, 1e-5, H, d,
+                                                  out=outs[i], tickets=tickets[i], **kw)
+                for i in range(calls)]
+
+    nbytes = n * H * d * d * 4 * 2 + proj[:, :3 * P].numel() * 2 + n * P * 2
+    grid = [dict(v_block=bv, num_warps=nw) for bv, nw in
+            itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
+    sweep(f"kda_decode_fused N={n}", rows, fns(), grid, lambda c: fns(**c),
+          floor_us(nbytes, ceil), deadline)
+
+
+# ----------------------------------------------------------------------------------- MLA decode
+
+def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16):
+    D = KV_RANK + ROPE
+    blocks = ctx // page
+    kv = torch.randn(b * blocks + 1, page, D, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(b * blocks, device="cuda", dtype=torch.int32).view(b, blocks)
+    q = torch.randn(b, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    out = torch.empty(b, HEADS, KV_RANK, device="cuda", dtype=torch.bfloat16)
+    scale = 192 ** -0.5
+
+    def fns(**kw):
+        return [lambda: mla.mla_decode(q, kv, bt, seq_lens, scale, KV_RANK, out=out, **kw)]
+
+    C = mla.MLADecodeConfig
+    cfgs = [C(32, 32, 4, 3), C(32, 64, 8, 2), C(32, 32, 8, 2), C(32, 64, 4, 2, True),
+            C(32, 64, 8, 2, True), C(32, 128, 8, 2, True), C(32, 64, 4, 3, True),
+            C(16, 64, 4, 2), C(16, 32, 4, 3), C(16, 64, 4, 2, True), C(32, 16, 4, 4),
+            C(64, 32, 8, 2), C(64, 64, 8, 2, True)]
+    grid = [dict(config=c, num_kv_splits=s) for c in cfgs for s in (None, 2, 4, 8, 16)]
+    nbytes = b * ctx * D * 2
+    sweep(f"mla_decode B={b} ctx={ctx}", rows, fns(), grid, lambda c: fns(**c),
+          floor_us(nbytes, ceil), deadline)
+
+
+# ----------------------------------------------------------------------------------- MoE
+
+def moe_inputs(n, same, E=EXPERTS + 1, k=TOP_K + 1):
+    """E routed experts + the folded shared one (the last), k = top-8 + shared."""
+    logits = torch.randn(n, E - 1, device="cuda")
+    w, ids = ref.moe_topk_sigmoid(logits, torch.zeros(E - 1, device="cuda"), TOP_K, True, 2.446)
+    if same:
+        ids = torch.randperm(E - 1, device="cuda")[:TOP_K].expand(n, TOP_K).contiguous()
+    ids = torch.cat([ids.int(), torch.full((n, 1), E - 1, device="cuda", dtype=torch.int32)], 1)
+    w = torch.cat([w.float(), torch.ones(n, 1, device="cuda")], 1)
+    return w.contiguous(), ids.contiguous()
+
+
+def moe_weights(E=EXPERTS + 1):
+    w13 = torch.randn(E, 2 * MOE_INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, HIDDEN, MOE_INTER, device="cuda", dtype=torch.bfloat16) * 0.02
+    return w13, w2
+
+
+def bench_moe(rows, ceil, w13, w2, n, same, deadline):
+    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w, ids = moe_inputs(n, same)
+    out = torch.empty_like(x)
+    touched = int(torch.unique(ids).numel())
+    nbytes = touched * 3 * HIDDEN * MOE_INTER * 2
+
+    def fns(**kw):
+        return [lambda: moe.fused_moe(x, w13, w2, w, ids, out=out, pdl=True, **kw)]
+
+    C = moe.MoEGemmConfig
+    grid = []
+    for bm, (bn, bk), ns in itertools.product((16, 32, 64), ((32, 128), (64, 64), (64, 128),
+                                                           (128, 64)), (4,)):
+        for bn2 in (32, 64, 128):
+            grid.append(dict(config=moe.FusedMoEConfig(C(bm, bn, bk, 1, 4, ns),
+                                                       C(bm, bn2, bk, 1, 4, ns))))
+    name = f"fused_moe N={n} {'same8' if same else 'spread'} ({touched} experts)"
+    sweep(name, rows, fns(), grid, lambda c: fns(**c), floor_us(nbytes, ceil), deadline)
+
+
+def bench_moe_prefill(rows, ceil, w13, w2, n, same):
+    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w, ids = moe_inputs(n, same)
+    flops = 2 * n * (TOP_K + 1) * 3 * HIDDEN * MOE_INTER
+    triton_ms = bench_ms(lambda: moe.fused_moe(x, w13, w2, w, ids))
+    floor_ms = flops / (ceil["bf16_gemm_TFLOPs"] * 1e9)
+    row = {"case": f"moe_prefill N={n} {'same8' if same else 'spread'}", "floor_ms": floor_ms,
+           "triton_ms": triton_ms, "triton_TFLOPs": flops / triton_ms / 1e9}
+    print(f"{row['case']:<28} floor {floor_ms:.3f}  triton {triton_ms:.3f} ms", flush=True)
+    rows.append(row)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--batches", default="16,32,64")
+    ap.add_argument("--prefill-tokens", default="512,1024,2048,8000")
+    ap.add_argument("--time-budget", type=float, default=240.0, help="seconds for the sweeps")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    start = start_gpu_run("bench_batch")
+    if start is None:
+        return 2
+    t0, meta, ceil = start
+    import triton
+
+    print(f"triton {triton.__version__}, bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s")
+    cases = [c for c in args.cases.split(",") if c]
+    batches = [int(b) for b in args.batches.split(",")]
+    # the sweep budget: 45% MoE (two routings), 20% KDA, 35% MLA, split evenly over batches;
+    # the first batch of each kind also pays the Triton compiles of its grid
+    share = {"moe": 0.45 / 2, "kda": 0.20, "mla": 0.35}
+    kinds = [c for c in share if c in cases]
+    total = sum(share[c] for c in kinds) or 1.0
+    per = {c: args.time_budget * share[c] / total / len(batches) for c in kinds}
+    rows: list[dict] = []
+    if "moe_prefill" in cases:
+        w13, w2 = moe_weights()
+        for n in map(int, args.prefill_tokens.split(",")):
+            for same in (True, False):
+                bench_moe_prefill(rows, ceil, w13, w2, n, same)
+        del w13, w2
+    if "moe" in cases:
+        w13, w2 = moe_weights()
+        for n in batches:
+            for same in (True, False):
+                bench_moe(rows, ceil, w13, w2, n, same, time.time() + per['moe'])
+        del w13, w2
+    if "kda" in cases:
+        for n in batches:
+            bench_kda(rows, ceil, n, time.time() + per['kda'])
+    if "mla" in cases:
+        for b in batches:
+            bench_mla(rows, ceil, b, time.time() + per['mla'])
+    write_results(args.out, meta, t0, ceil, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
