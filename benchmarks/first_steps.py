@@ -25,35 +25,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve import SamplingParams  # noqa: E402
+from kdaserve.bench.jit_log import CompileLog  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
-
-
-class CompileLog:
-    """Triton JIT hooks: kernel name and seconds for each in-memory cache miss (a compile, or a
-    load from the disk cache)."""
-
-    def __init__(self) -> None:
-        from triton import knobs
-
-        self.events: list[dict] = []
-        self._t0: dict[str, float] = {}
-        knobs.runtime.jit_cache_hook = self._before
-        knobs.runtime.jit_post_compile_hook = self._after
-        knobs.autotuning.print = True
-
-    def _before(self, *, fn, **kw) -> bool:
-        self._t0[fn.name] = time.perf_counter()
-        return False
-
-    def _after(self, *, fn, **kw) -> None:
-        t = time.perf_counter() - self._t0.pop(fn.name, time.perf_counter())
-        attrs = kw.get("compile", {}).get("configs", [None])[0]
-        self.events.append({"kernel": fn.name, "s": round(t, 3), "attrs": str(attrs)[:800]})
-
-    def take(self) -> list[dict]:
-        out, self.events = self.events, []
-        return out
 
 
 def run_wave(engine: LLMEngine, log: CompileLog, tag: str, n: int, prompt_len: int,

@@ -1,0 +1,71 @@
+"""A warmed-up engine compiles nothing while it serves (issue 19: no JIT, autotuning or
+first-use compilation after start-up, for any composition the scheduler can produce).
+
+GPU only: the engine on the tiny model in bf16 with CUDA graphs, async scheduling and chunked
+prefill starts (warm-up, graph capture), then a seeded random run of requests arriving while
+others decode: prompt lengths from 1 token to several chunks, greedy / temperature + top-p /
+top-k / min-p / penalties / n = 2 / logprobs, stop on max_tokens. Triton's JIT hooks must see
+no cache miss (a compile, or a load from the disk cache) during the run.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _params(rng: random.Random):
+    from kdaserve import SamplingParams
+
+    n_tok = rng.randint(1, 24)
+    kind = rng.choice(["greedy", "top_p", "top_k", "min_p", "penalty", "n2", "logprobs"])
+    base = dict(max_tokens=n_tok, ignore_eos=True, seed=rng.randrange(1 << 20))
+    extra = {"greedy": dict(temperature=0.0),
+             "top_p": dict(temperature=0.8, top_p=0.9),
+             "top_k": dict(temperature=1.0, top_k=20),
+             "min_p": dict(temperature=1.0, min_p=0.05),
+             "penalty": dict(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.1),
+             "n2": dict(temperature=1.0, n=2),
+             "logprobs": dict(temperature=0.0, logprobs=3)}[kind]
+    return SamplingParams(**base, **extra)
+
+
+def test_warm_engine_compiles_nothing(tmp_path):
+    pytest.importorskip("triton")
+    from tests.engine.conftest import _write_tokenizer
+    from tests.models.hf_tiny import make_hf_model
+
+    from kdaserve import LLM
+    from kdaserve.bench.jit_log import CompileLog
+
+    make_hf_model(seed=0).save_pretrained(str(tmp_path))
+    _write_tokenizer(str(tmp_path))
+    llm = LLM(str(tmp_path), max_model_len=1024, max_num_seqs=16, num_gpu_blocks=1024,
+              max_num_batched_tokens=256, dtype="bfloat16", async_scheduling=True)
+    engine = llm.llm_engine
+    vocab = engine.vocab_size
+    rng = random.Random(19)
+    log = CompileLog()
+    try:
+        pending = [(f"r{i}", [rng.randrange(3, vocab) for _ in range(rng.choice(
+            [1, 2, 7, 16, 31, 64, 100, 255, 256, 257, 600, 900]))], _params(rng))
+            for i in range(48)]
+        steps = 0
+        while pending or engine.has_unfinished_requests():
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 5]) if pending else 0):
+                if pending:
+                    engine.add_request(*pending.pop())
+            if engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+        events = log.take()
+    finally:
+        log.close()
+    assert steps > 50
+    assert not events, f"{len(events)} kernels compiled after start-up: " + ", ".join(
+        sorted({e['kernel'] for e in events}))
