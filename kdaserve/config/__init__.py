@@ -277,6 +277,12 @@ class KernelConfig:
     kernels, whose tail launch sums the top-k expert outputs while it runs the latent norm and
     up projection (kernels/moe/mxfp4_moe.py), instead of experts, top-k sum, norm and up
     projection as separate ops."""
+    k3_fused_ops: bool = True
+    """Kimi K3's pieces that are elementwise or per-row reductions as one Triton launch each
+    (layers/backends.py attn_res, gated_act, k3_gates): each AttnRes read, the SiTU of the
+    dense and shared-expert MLPs (after one merged gate|up projection), MLA's sigmoid output
+    gate, KDA's bounded decay gate with beta; instead of their plain-torch twins (tens of
+    small launches a layer)."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

@@ -25,11 +25,13 @@ captured graph) get a zeroed buffer per launch."""
 
 
 class ForgetGate(nn.Module):
-    def __init__(self, args: KimiLinearArgs) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         h, d = args.linear_num_heads, args.linear_head_dim
         self.num_heads, self.head_dim = h, d
         self.lower_bound = args.gate_lower_bound
+        self.kernel = backends.k3_gates == "triton" and self.lower_bound is not None
+        """activate_with_beta as one launch (kernels/kda/gate.py)."""
         self.f_a_proj = nn.Linear(args.hidden_size, d, bias=False)
         self.f_b_proj = nn.Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=torch.float32))
@@ -43,6 +45,18 @@ class ForgetGate(nn.Module):
     def activate(self, g_raw: torch.Tensor) -> torch.Tensor:
         """g_raw: [T, H, K] = f_b_proj(f_a_proj(x)) -> fp32 log decay [T, H, K]."""
         return ref.kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
+
+    def activate_with_beta(self, g_raw: torch.Tensor, beta_logits: torch.Tensor,
+                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """g_raw: [T, H, K], beta_logits: [T, H] -> (fp32 log decay [T, H, K], fp32
+        sigmoid(beta_logits) [T, H]); one launch for the bounded gate under the triton k3_gates
+        backend."""
+        if self.kernel:
+            from kdaserve.kernels.kda.gate import kda_gate_beta
+
+            return kda_gate_beta(g_raw, self.A_log, self.dt_bias, self.lower_bound,
+                                 beta_logits, pdl=pdl)
+        return self.activate(g_raw), torch.sigmoid(beta_logits.float())
 
 
 class KimiDeltaAttention(nn.Module):
@@ -60,7 +74,7 @@ class KimiDeltaAttention(nn.Module):
         # Depthwise causal conv over q|k|v channels; HF's Conv1d weight layout [3P, 1, W].
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(3 * p, 1, w))
-        self.forget_gate = ForgetGate(args)
+        self.forget_gate = ForgetGate(args, backends)
         self.b_proj = nn.Linear(args.hidden_size, h, bias=False)
         self.full_rank_gate = args.kda_full_rank_gate
         if self.full_rank_gate:
