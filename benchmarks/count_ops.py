@@ -1,10 +1,11 @@
 """Ops per decode step, per piece of the model: what a step launches, counted on any device.
 
     python benchmarks/count_ops.py --preset kimi-k3-tiny                  # the CPU reference
-    TRITON_INTERPRET=1 python benchmarks/count_ops.py --preset kimi-k3-tiny --k3-kernels
-    python benchmarks/count_ops.py --preset kimi-k3-mini --device cuda    # the served backends
+    TRITON_INTERPRET=1 python benchmarks/count_ops.py --preset kimi-k3-tiny --k3-kernels on
+    python benchmarks/count_ops.py --preset kimi-k3-mini --device cuda [--k3-kernels off]
 
-One batch-1 decode step (after a --context-token prefill, not counted) of the model built with
+One batch-1 decode step (after --context tokens: a prefill and a decode step, not counted; the
+first decode lets autotuners settle) of the model built with
 random weights, under a TorchDispatchMode that counts every aten op that computes (views and
 allocations apart: on CUDA each counted op is about one kernel launch) and a hook on Triton's
 launcher counting every Triton kernel launch (fla-core's included). Each op or launch goes to
@@ -12,10 +13,11 @@ the innermost module that runs it, named by its class; ops a decoder layer or th
 their own code are the AttnRes reads (K3) or the residual adds. Prints one row per piece (its
 aten ops, its Triton launches, the aten ops by name) and writes the table as JSON with --out.
 
---k3-kernels: the backends of the K3-only pieces (layers/backends.py attn_res, gated_act,
+--k3-kernels on: the backends of the K3-only pieces (layers/backends.py attn_res, gated_act,
 k3_gates) set to their Triton kernels whatever the device; on the CPU that needs
-TRITON_INTERPRET=1 (the kernels run in Triton's interpreter). Without it the CPU gets the
-reference set, and CUDA gets select_backends' choice. The CPU reference counts ops, not
+TRITON_INTERPRET=1 (the kernels run in Triton's interpreter); off: their twins (on CUDA, the
+count before the kernels). auto (default): the CPU gets the reference set, CUDA
+select_backends' choice. The CPU reference counts ops, not
 launches, for pieces CUDA runs as kernels (RMSNorm, KDA, MLA, the experts); for the K3-only
 pieces the reference is what CUDA ran before those kernels, cast ops included with --dtype
 bfloat16 (the default).
@@ -122,17 +124,19 @@ def _hook_triton(pieces: _Pieces, table: dict):
     return restore
 
 
-def k3_kernel_backends(backends):
-    """backends with the K3-only pieces on their Triton kernels."""
-    return dataclasses.replace(backends, attn_res="triton", gated_act="triton",
-                               k3_gates="triton")
+def k3_kernel_backends(backends, on: bool):
+    """backends with the K3-only pieces on their Triton kernels (on) or their twins."""
+    name = "triton" if on else "reference"
+    return dataclasses.replace(backends, attn_res=name, gated_act=name, k3_gates=name)
 
 
-def build(preset: str, device: torch.device, dtype: torch.dtype, k3_kernels: bool, seed: int):
+def build(preset: str, device: torch.device, dtype: torch.dtype, k3_kernels: bool | None,
+          seed: int):
+    """k3_kernels: None keeps select_backends' choice for the K3-only pieces."""
     args = preset_args(preset)
     backends = select_backends(KernelConfig(), device)
-    if k3_kernels:
-        backends = k3_kernel_backends(backends)
+    if k3_kernels is not None:
+        backends = k3_kernel_backends(backends, k3_kernels)
     model = build_model(args, dtype, device, backends=backends)
     init_dummy_weights(model, seed, "spread")
     model.process_weights_after_loading()
@@ -143,7 +147,7 @@ def build(preset: str, device: torch.device, dtype: torch.dtype, k3_kernels: boo
 def count_decode_step(model, args, device: torch.device, dtype: torch.dtype,
                       context: int = 8, seed: int = 0) -> tuple[dict, torch.Tensor]:
     """({piece: {"aten": Counter, "triton": Counter}}, the step's logits [1, V]) of one batch-1
-    decode step after a `context`-token prefill."""
+    decode step after `context` tokens (a prefill and one decode step, not counted)."""
     blocks = list(range(-(-(context + 1) // BLOCK)))
     caches = allocate_caches(args, num_blocks=len(blocks) + 1, block_size=BLOCK, num_slots=2,
                              dtype=dtype, device=device)
@@ -155,13 +159,14 @@ def count_decode_step(model, args, device: torch.device, dtype: torch.dtype,
         h = model(ids, ForwardContext(md, caches, StepPlan.eager(md)))
         return model.compute_logits(h)
 
-    step(prompt[:context], 0)
+    step(prompt[:context - 1], 0)
+    step(prompt[context - 1:context], context - 1)   # a first decode: autotuners settle here
     table = defaultdict(lambda: {"aten": Counter(), "triton": Counter()})
     pieces = _Pieces(model)
     restore = _hook_triton(pieces, table)
     try:
         with _CountOps(pieces, table):
-            logits = step(prompt[context:], context)
+            logits = step(prompt[context:context + 1], context)
     finally:
         restore()
         pieces.remove()
@@ -195,12 +200,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--context", type=int, default=8)
-    ap.add_argument("--k3-kernels", action="store_true")
+    ap.add_argument("--k3-kernels", choices=["auto", "on", "off"], default="auto",
+                    help="the K3-only pieces' backends: select_backends' choice for the "
+                         "device (auto), their Triton kernels (on), their twins (off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
-    model, args = build(a.preset, device, dtype, a.k3_kernels, a.seed)
+    k3 = {"auto": None, "on": True, "off": False}[a.k3_kernels]
+    model, args = build(a.preset, device, dtype, k3, a.seed)
     rows = summary(count_decode_step(model, args, device, dtype, a.context, a.seed)[0])
     print(format_table(rows))
     if a.out:

@@ -361,14 +361,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --draft-for: the speculative method the draft is for")
     p.add_argument("--count", action="store_true",
                    help="print the preset's parameter and byte count (bf16, MXFP4 experts "
-                        "where the preset has them) and write nothing")
+                        "where the preset has them, then with bf16 experts), the bytes a "
+                        "batch-1 decode step reads in each expert format, and write nothing")
     p.set_defaults(func=_run)
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.count:
-        print(make_k3.format_count(args.preset, make_k3.count(preset_args(args.preset))))
+        import dataclasses
+
+        arch = preset_args(args.preset)
+        print(make_k3.format_count(args.preset, make_k3.count(arch)))
+        if arch.expert_quantization == "mxfp4":
+            bf16 = make_k3.count(dataclasses.replace(arch, expert_quantization=None))
+            print(make_k3.format_count(args.preset + " with bf16 experts", bf16))
+        if arch.num_experts:
+            print(make_k3.format_step_bytes(make_k3.step_bytes(arch)))
         return 0
     if not args.out:
         raise SystemExit("error: make-model needs OUT (the folder to write) unless --count")

@@ -19,7 +19,7 @@ def main() -> None:
     torch.set_num_threads(1)
     device, dtype = torch.device("cpu"), torch.float32
     runs = {}
-    for k3 in (False, True):
+    for k3 in (False, True):   # twins, then the Triton kernels
         model, args = co.build("kimi-k3-tiny", device, dtype, k3, seed=3)
         table, logits = co.count_decode_step(model, args, device, dtype, context=20, seed=3)
         runs[k3] = co.summary(table), logits
