@@ -131,14 +131,18 @@ def k3_kernel_backends(backends, on: bool):
 
 
 def build(preset: str, device: torch.device, dtype: torch.dtype, k3_kernels: bool | None,
-          seed: int):
-    """k3_kernels: None keeps select_backends' choice for the K3-only pieces."""
+          seed: int, init=None):
+    """k3_kernels: None keeps select_backends' choice for the K3-only pieces. init(model,
+    seed) fills the weights (default: the dummy fill with spread routing)."""
     args = preset_args(preset)
     backends = select_backends(KernelConfig(), device)
     if k3_kernels is not None:
         backends = k3_kernel_backends(backends, k3_kernels)
     model = build_model(args, dtype, device, backends=backends)
-    init_dummy_weights(model, seed, "spread")
+    if init is None:
+        init_dummy_weights(model, seed, "spread")
+    else:
+        init(model, seed)
     model.process_weights_after_loading()
     return model, args
 

@@ -1,6 +1,7 @@
 """benchmarks/count_ops.py on kimi-k3-tiny under TRITON_INTERPRET=1 (test_count_ops.py runs it
 in a subprocess): the K3-only pieces on their Triton kernels give the reference model's logits
-(fp32, 1e-4) and the launch counts the fusion promises."""
+(fp32, 1e-4) and the launch counts the fusion promises; the weights are bench_k3.py's
+LeCun-normal init, so the depth softmax, SiTU and the gates work far from their flat regions."""
 
 import importlib.util
 import os
@@ -8,9 +9,17 @@ import os
 import torch
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "count_ops.py")
-spec = importlib.util.spec_from_file_location("count_ops", SCRIPT)
-co = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(co)
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(SCRIPT),
+                                                                     name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+co, bench_k3 = _load("count_ops"), _load("bench_k3")
 
 ATTN_RES = "KimiLinearModel own ops (AttnRes reads / residual adds)"
 
@@ -20,7 +29,9 @@ def main() -> None:
     device, dtype = torch.device("cpu"), torch.float32
     runs = {}
     for k3 in (False, True):   # twins, then the Triton kernels
-        model, args = co.build("kimi-k3-tiny", device, dtype, k3, seed=3)
+        # LeCun-normal weights (bench_k3's KL init): depth softmax and gates far from uniform
+        model, args = co.build("kimi-k3-tiny", device, dtype, k3, seed=3,
+                               init=bench_k3.realistic_init)
         table, logits = co.count_decode_step(model, args, device, dtype, context=20, seed=3)
         runs[k3] = co.summary(table), logits
     (ref_rows, ref_logits), (rows, logits) = runs[False], runs[True]
