@@ -269,9 +269,10 @@ class KernelConfig:
     the MLA decode kernel behind the W_UK GEMV then reads its first cache tile before its PDL
     wait (the GEMV does not write the cache)."""
     dense_mlp_gemv: bool = True
-    """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
-    launches, gate|up then the down projection reading silu(gate) * up in its K loop
-    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
+    """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0; Kimi K3's SiTU
+    MLPs, shared experts included) as two GEMV launches, gate|up then the down projection
+    reading silu(gate) * up (or SiTU) in its K loop (kernels/linear/gemv.py swiglu, situ),
+    instead of three cuBLAS GEMMs and the activation's ops."""
     latent_moe_fused_tail: bool = True
     """Latent MoE (Kimi K3): the routed experts (MXFP4 or bf16) as the Triton latent-MoE
     kernels, whose tail launch sums the top-k expert outputs while it runs the latent norm and

@@ -21,7 +21,7 @@ LINEAR_BACKENDS = {
 DENSE_MLP_BACKENDS = {
     "torch": "gate, up and down projections, silu and mul",
     "gemv_swiglu": "1..GEMV_MAX_ROWS rows: a gate|up GEMV, then the down GEMV reading "
-                   "silu(gate) * up in its K loop",
+                   "silu(gate) * up (or Kimi K3's SiTU) in its K loop",
 }
 KDA_BACKENDS = {
     "reference": "the plain-PyTorch twins (CPU)",
