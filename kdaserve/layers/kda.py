@@ -84,11 +84,10 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(d, p, bias=False)
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
-        fusable = (self.forget_gate.lower_bound is None and not self.full_rank_gate
-                   and 8 <= d <= 128 and not d & (d - 1))
+        fusable = 8 <= d <= 128 and not d & (d - 1)
         self.fused_decode = backends.kda == "fla_fused_decode" and fusable
-        """Decode-only steps run the one-launch decode kernel (it takes the unbounded low-rank
-        gate and a power-of-two head_dim <= 128)."""
+        """Decode-only steps run the one-launch decode kernel (it takes a power-of-two
+        head_dim <= 128; the low-rank or Kimi K3's full-rank gate, bounded or not)."""
         self.state_prefetch = backends.kda_state_prefetch
 
     def process_weights_after_loading(self) -> None:
@@ -97,15 +96,18 @@ class KimiDeltaAttention(nn.Module):
             self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight,
                                         self.v_proj.weight, self.g_proj.weight,
                                         self.forget_gate.f_a_proj.weight, self.b_proj.weight)
-            return
-        # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
-        self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                                    self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
-                                    self.b_proj.weight)
-        # f_b_proj and g_b_proj (both [P, d]) read the two low-rank outputs: one batched GEMM.
-        p, d = self.g_b_proj.weight.shape
-        self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
-                                      self.g_b_proj.weight).view(2, p, d)
+            f_b = self.forget_gate.f_b_proj.weight                   # [P, d]
+            self.fg_b_weight = f_b.view(1, *f_b.shape)               # the fused decode's f_b
+        else:
+            # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
+            self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight,
+                                        self.v_proj.weight, self.forget_gate.f_a_proj.weight,
+                                        self.g_a_proj.weight, self.b_proj.weight)
+            # f_b_proj and g_b_proj (both [P, d]) read the two low-rank outputs: one batched
+            # GEMM.
+            p, d = self.g_b_proj.weight.shape
+            self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
+                                          self.g_b_proj.weight).view(2, p, d)
         # The fused decode's per-head tickets (zero between launches), allocated once: CUDA
         # graphs keep their address, so the buffer must never be replaced.
         self.decode_tickets = torch.zeros(MAX_FUSED_ROWS * self.num_heads, dtype=torch.int32,
@@ -161,6 +163,7 @@ class KimiDeltaAttention(nn.Module):
             proj, self.conv1d.weight[:, 0], caches.kda_conv[self.kda_index],
             caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
             self.fg_b_weight, gate.A_log, gate.dt_bias, self.o_norm.weight, self.o_norm.eps,
-            self.num_heads, self.head_dim, pdl=pdl,
+            self.num_heads, self.head_dim, lower_bound=gate.lower_bound, pdl=pdl,
             tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None,
-            prefetch_state=self.state_prefetch)   # the previous launch: the input projection
+            prefetch_state=self.state_prefetch,   # the previous launch: the input projection
+            full_rank_gate=self.full_rank_gate)

@@ -16,7 +16,8 @@ def _source_logit(x, wq, D, eps):
 def attn_res_kernel(prefix_ptr, delta_ptr, blocks_ptr, norm_w_ptr, query_ptr, out_norm_w_ptr,
                     prefix_out_ptr, out_ptr, D, write_idx, eps,
                     stride_p, stride_d, stride_bt, stride_bb, stride_po, stride_o,
-                    NUM_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr, WRITE: tl.constexpr, HAS_OUT_NORM: tl.constexpr,
+                    NUM_BLOCKS: tl.constexpr, HAS_DELTA: tl.constexpr, WRITE: tl.constexpr,
+                    HAS_OUT_NORM: tl.constexpr,
                     BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Row t: p = prefix + delta (rounded to the prefix dtype, stored to prefix_out when
     HAS_DELTA, and to blocks[t, write_idx] when WRITE); sources blocks[t, :num_blocks] and p;

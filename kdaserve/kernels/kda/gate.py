@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, pdl_options, require_triton
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
+                                    require_triton)
 
 BLOCK = 1024
 
