@@ -5,10 +5,10 @@
     python benchmarks/count_ops.py --preset kimi-k3-mini --device cuda [--k3-kernels off]
 
 One batch-1 decode step (after --context tokens: a prefill and a decode step, not counted; the
-first decode lets autotuners settle) of the model built with
-random weights, under a TorchDispatchMode that counts every aten op that computes (views and
-allocations apart: on CUDA each counted op is about one kernel launch) and a hook on Triton's
-launcher counting every Triton kernel launch (fla-core's included). Each op or launch goes to
+first decode lets autotuners settle) of the model built with random weights, under a
+TorchDispatchMode that counts every aten op that computes (views and allocations apart: on
+CUDA each counted op is about one kernel launch) and a hook on Triton's launcher counting
+every Triton kernel launch (fla-core's included). Each op or launch goes to
 the innermost module that runs it, named by its class; ops a decoder layer or the model runs in
 their own code are the AttnRes reads (K3) or the residual adds. Prints one row per piece (its
 aten ops, its Triton launches, the aten ops by name) and writes the table as JSON with --out.
