@@ -38,7 +38,7 @@ cli() { python3 -m kdaserve.entrypoints.cli "$@"; }
 make_mini() { [[ -f $MODEL/config.json ]] || cli make-model "$MODEL" --preset kimi-k3-mini >/dev/null; }
 t0=$SECONDS
 if [[ $STAGES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider -m gpu \
+  timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -v -p no:cacheprovider -m gpu \
     tests/kernels/test_mxfp4_moe.py tests/kernels/test_k3_ops.py \
     tests/kernels/test_kda_decode_fused.py::test_k3_matches_twin_and_layer_gpu \
     tests/kernels/test_gemv.py::test_gemv_swiglu_dense_down_gpu \
