@@ -127,3 +127,33 @@ def test_elementwise_pdl_sm90_nothing_before_the_wait(name):
     consts = dict(BLOCK=1024, **({"CLIP_UP": True} if name == "situ_and_mul_kernel" else {}))
     before, after = _pdl_ops(getattr(triton_activation, name), types, consts)
     assert before == [] and any(op.startswith("st.global") for op, _ in after)
+
+
+@pytest.mark.parametrize("block_d,num_blocks", [(2048, 3), (8192, 8)])
+def test_attn_res_sm90_no_register_spills(block_d, num_blocks, tmp_path):
+    """kimi-k3-mini's and Kimi K3's hidden sizes (2048; 7168 in 8192 lanes, K3's up to 8
+    blocks) with the wrapper's 8 warps: the row's fp32 accumulator, source and weights fit in
+    registers (ptxas -v: no spill stores or loads)."""
+    import subprocess
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("triton's bundled ptxas is missing")
+    import gemv_checks as gc
+    from kdaserve.kernels.attn_res.triton_attn_res import attn_res_kernel
+
+    types = dict(prefix_ptr="*bf16", delta_ptr="*bf16", blocks_ptr="*bf16", norm_w_ptr="*bf16",
+                 query_ptr="*bf16", out_norm_w_ptr="*bf16", prefix_out_ptr="*bf16",
+                 out_ptr="*bf16", D="i32", write_idx="i32", eps="fp32", stride_p="i32",
+                 stride_d="i32", stride_bt="i32", stride_bb="i32", stride_po="i32",
+                 stride_o="i32")
+    k = gc.sm90_compile(attn_res_kernel, types, dict(
+        NUM_BLOCKS=num_blocks, HAS_DELTA=True, WRITE=True, HAS_OUT_NORM=True, BLOCK_D=block_d,
+        USE_PDL=True), num_warps=8, launch_pdl=True)
+    (tmp_path / "k.ptx").write_text(k.asm["ptx"])
+    res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
+                          str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr
