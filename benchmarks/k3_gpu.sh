@@ -6,6 +6,9 @@
 # STAGES (comma list, default tests,bench,kl):
 #   tests  the K3 GPU tests: every new Triton kernel against its twin (bf16 bound 1e-2), the
 #          latent MoE layer per backend x expert format, the kimi-k3-tiny model on CUDA
+#          (prefill and decode steps, K3 kernels on and off)
+#   count  benchmarks/count_ops.py on kimi-k3-mini: aten ops and Triton launches per piece of
+#          one eager batch-1 decode step, the K3 pieces' kernels off then on
 #   bench  benchmarks/bench_k3.py --stages decode,profile on kimi-k3-mini (dummy weights made
 #          on the GPU): batch-1 decode at 8000 tokens of context with CUDA graphs, MXFP4 vs bf16
 #          experts (ratio, step floor), MXFP4 unfused tail; the fused-tail profile
@@ -35,12 +38,23 @@ cli() { python3 -m kdaserve.entrypoints.cli "$@"; }
 make_mini() { [[ -f $MODEL/config.json ]] || cli make-model "$MODEL" --preset kimi-k3-mini >/dev/null; }
 t0=$SECONDS
 if [[ $STAGES == *tests* ]]; then
-  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -v -p no:cacheprovider -m gpu \
-    tests/kernels/test_mxfp4_moe.py \
+  timeout ${TESTS_TIMEOUT:-360} python3 -m pytest -v -p no:cacheprovider -m gpu \
+    tests/kernels/test_mxfp4_moe.py tests/kernels/test_k3_ops.py \
+    tests/kernels/test_kda_decode_fused.py::test_k3_matches_twin_and_layer_gpu \
+    tests/kernels/test_gemv.py::test_gemv_swiglu_dense_down_gpu \
     tests/models/test_backends.py::test_latent_moe_backends_on_gpu \
-    tests/models/test_k3_model.py::test_cuda_bf16_path_matches_the_cpu_reference 2>&1 \
+    tests/models/test_k3_model.py::test_cuda_bf16_path_matches_the_cpu_reference \
+    tests/models/test_k3_model.py::test_cuda_decode_steps_match_the_cpu_reference 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|SKIPPED|^E  |passed|failed" | tail -80 | tee "$OUT/k3_gpu_tests.log"
   echo "tests: $((SECONDS - t0)) s"
+fi
+if [[ $STAGES == *count* ]]; then
+  for k3 in off on; do
+    timeout ${COUNT_TIMEOUT:-240} python3 benchmarks/count_ops.py --preset kimi-k3-mini \
+      --device cuda --k3-kernels $k3 --out "$OUT/count_ops_k3mini_$k3.json" 2>&1 \
+      | grep -v Warning | tail -30 | tee "$OUT/count_ops_$k3.log"
+  done
+  echo "count: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *bench* ]]; then
   make_mini

@@ -99,8 +99,7 @@ def _delta_rule_into(q, k, v, g_raw, beta_logits, gate, md: AttentionMetadata, r
     if q.is_cuda:
         _delta_rule_cuda(q, k, v, g_raw, beta_logits, gate, md, rec_cache, o)
         return
-    g = gate.activate(g_raw)                                          # [T, H, K] fp32
-    beta = torch.sigmoid(beta_logits.float())                         # [T, H]
+    g, beta = gate.activate_with_beta(g_raw, beta_logits)             # [T, H, K], [T, H] fp32
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
     exports = kda_checkpoint.exports_by_request(md)
@@ -153,7 +152,7 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o
         in_kernel = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                          A_log=gate.A_log.view(-1), dt_bias=gate.dt_bias)
     else:   # bounded gate variant (K3-style): activate here
-        g, beta = gate.activate(g), torch.sigmoid(beta.float())
+        g, beta = gate.activate_with_beta(g, beta)
         in_kernel = {}
     if md.num_prefills and md.kda_checkpoints is None and _all_short_with_state(md):
         _short_rows_recurrent(q, k, v, g, beta, in_kernel, md, rec_cache, o)

@@ -269,14 +269,21 @@ class KernelConfig:
     the MLA decode kernel behind the W_UK GEMV then reads its first cache tile before its PDL
     wait (the GEMV does not write the cache)."""
     dense_mlp_gemv: bool = True
-    """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0) as two GEMV
-    launches, gate|up then the down projection reading silu(gate) * up in its K loop
-    (kernels/linear/gemv.py swiglu), instead of three cuBLAS GEMMs, silu and mul."""
+    """With decode_gemv, decode batches <= 2: the dense SwiGLU MLP (layer 0; Kimi K3's SiTU
+    MLPs, shared experts included) as two GEMV launches, gate|up then the down projection
+    reading silu(gate) * up (or SiTU) in its K loop (kernels/linear/gemv.py swiglu, situ),
+    instead of three cuBLAS GEMMs and the activation's ops."""
     latent_moe_fused_tail: bool = True
     """Latent MoE (Kimi K3): the routed experts (MXFP4 or bf16) as the Triton latent-MoE
     kernels, whose tail launch sums the top-k expert outputs while it runs the latent norm and
     up projection (kernels/moe/mxfp4_moe.py), instead of experts, top-k sum, norm and up
     projection as separate ops."""
+    k3_fused_ops: bool = True
+    """Kimi K3's pieces that are elementwise or per-row reductions as one Triton launch each
+    (layers/backends.py attn_res, gated_act, k3_gates): each AttnRes read, the SiTU of the
+    dense and shared-expert MLPs (after one merged gate|up projection), MLA's sigmoid output
+    gate, KDA's bounded decay gate with beta; instead of their plain-torch twins (tens of
+    small launches a layer)."""
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""

@@ -238,6 +238,11 @@ def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float,
     return (act * u).to(gate.dtype)
 
 
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """An output gate: x * sigmoid(gate) in fp32, returned in x.dtype (MLA's attn_out gate)."""
+    return (x.float() * torch.sigmoid(gate.float())).to(x.dtype)
+
+
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, act=silu_and_mul) -> torch.Tensor:
     """Routed gated experts. x: [N, D]; w13: [E, 2I, D] (gate rows then up rows);

@@ -39,13 +39,21 @@ class DepthState:
 
 def attn_res_read(state: DepthState, delta: torch.Tensor | None, res_norm: RMSNorm,
                   res_proj: nn.Linear, out_norm: RMSNorm | None, num_blocks: int,
-                  write_idx: int = -1) -> torch.Tensor:
+                  write_idx: int = -1, kernel: bool = False, pdl: bool = False
+                  ) -> torch.Tensor:
     """One read point: adds delta ([T, D] or None) to the prefix, writes blocks[write_idx] if
     >= 0, and returns the mixture of blocks[:num_blocks] and the prefix (logits from
     res_proj's query row against RMSNorm(source; res_norm)), normed by out_norm when given.
     [T, D]. The parameters live in the caller under the checkpoint's names
-    (`self_attention_res_norm`, `mlp_res_proj`, ...)."""
-    state.prefix, out = ref.attn_res(
-        state.prefix, delta, state.blocks, res_norm.weight, res_proj.weight[0],
-        None if out_norm is None else out_norm.weight, num_blocks, write_idx, res_norm.eps)
+    (`self_attention_res_norm`, `mlp_res_proj`, ...). kernel: the caller's attn_res backend is
+    triton (layers/backends.py): the read is one launch (kernels/attn_res; pdl: launched with
+    programmatic dependent launch), else the reference twin's torch ops."""
+    args = (state.prefix, delta, state.blocks, res_norm.weight, res_proj.weight[0],
+            None if out_norm is None else out_norm.weight, num_blocks, write_idx, res_norm.eps)
+    if kernel:
+        from kdaserve.kernels.attn_res.attn_res import attn_res
+
+        state.prefix, out = attn_res(*args, pdl=pdl)
+    else:
+        state.prefix, out = ref.attn_res(*args)
     return out

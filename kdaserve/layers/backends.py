@@ -21,7 +21,7 @@ LINEAR_BACKENDS = {
 DENSE_MLP_BACKENDS = {
     "torch": "gate, up and down projections, silu and mul",
     "gemv_swiglu": "1..GEMV_MAX_ROWS rows: a gate|up GEMV, then the down GEMV reading "
-                   "silu(gate) * up in its K loop",
+                   "silu(gate) * up (or Kimi K3's SiTU) in its K loop",
 }
 KDA_BACKENDS = {
     "reference": "the plain-PyTorch twins (CPU)",
@@ -49,6 +49,21 @@ LATENT_MOE_BACKENDS = {
                   "expert weights read directly, per-entry expert outputs, the top-k weighted "
                   "sum fused into the latent norm + up projection (one tail launch)",
 }
+ATTN_RES_BACKENDS = {
+    "reference": "the plain-PyTorch twin (about 25 torch ops a read)",
+    "triton": "one Triton launch a read (kernels/attn_res): prefix add, block write, depth "
+              "softmax over the RMS-normed sources, weighted sum, the sublayer's input norm",
+}
+GATED_ACT_BACKENDS = {
+    "reference": "SiTU MLPs as gate, up and down projections and the twin's torch ops",
+    "triton": "SiTU MLPs as the merged gate|up projection, one SiTU launch "
+              "(kernels/activation) and the down projection",
+}
+K3_GATES_BACKENDS = {
+    "reference": "the plain-PyTorch twins",
+    "triton": "one launch each (kernels/activation, kernels/kda/gate.py): MLA's sigmoid output "
+              "gate in place, KDA's bounded decay gate together with beta",
+}
 SAMPLER_BACKENDS = {
     "sort": "top-k / top-p by a full sort of each row",
     "threshold": "top-k / top-p by the sort-free threshold search (CUDA)",
@@ -68,12 +83,18 @@ class LayerBackends:
     mla: str = "reference"
     moe: str = "reference"
     latent_moe: str = "reference"
+    attn_res: str = "reference"
+    gated_act: str = "reference"
+    k3_gates: str = "reference"
     sampler: str = "sort"
 
     def __post_init__(self) -> None:
         for kind, registry in (("linear", LINEAR_BACKENDS), ("dense_mlp", DENSE_MLP_BACKENDS),
                                ("kda", KDA_BACKENDS), ("mla", MLA_BACKENDS),
                                ("moe", MOE_BACKENDS), ("latent_moe", LATENT_MOE_BACKENDS),
+                               ("attn_res", ATTN_RES_BACKENDS),
+                               ("gated_act", GATED_ACT_BACKENDS),
+                               ("k3_gates", K3_GATES_BACKENDS),
                                ("sampler", SAMPLER_BACKENDS)):
             if getattr(self, kind) not in registry:
                 raise ValueError(f"unknown {kind} backend {getattr(self, kind)!r}; known: "
@@ -100,4 +121,7 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
         mla="triton_absorb_gemv" if kc.mla_absorb_gemv else "triton",
         moe="triton",
         latent_moe="fused_tail" if kc.latent_moe_fused_tail else "unfused",
+        attn_res="triton" if kc.k3_fused_ops else "reference",
+        gated_act="triton" if kc.k3_fused_ops else "reference",
+        k3_gates="triton" if kc.k3_fused_ops else "reference",
         sampler="threshold" if kc.sampling_threshold_kernel else "sort")

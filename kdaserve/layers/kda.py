@@ -25,11 +25,13 @@ captured graph) get a zeroed buffer per launch."""
 
 
 class ForgetGate(nn.Module):
-    def __init__(self, args: KimiLinearArgs) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         h, d = args.linear_num_heads, args.linear_head_dim
         self.num_heads, self.head_dim = h, d
         self.lower_bound = args.gate_lower_bound
+        self.kernel = backends.k3_gates == "triton" and self.lower_bound is not None
+        """activate_with_beta as one launch (kernels/kda/gate.py)."""
         self.f_a_proj = nn.Linear(args.hidden_size, d, bias=False)
         self.f_b_proj = nn.Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=torch.float32))
@@ -43,6 +45,18 @@ class ForgetGate(nn.Module):
     def activate(self, g_raw: torch.Tensor) -> torch.Tensor:
         """g_raw: [T, H, K] = f_b_proj(f_a_proj(x)) -> fp32 log decay [T, H, K]."""
         return ref.kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
+
+    def activate_with_beta(self, g_raw: torch.Tensor, beta_logits: torch.Tensor,
+                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """g_raw: [T, H, K], beta_logits: [T, H] -> (fp32 log decay [T, H, K], fp32
+        sigmoid(beta_logits) [T, H]); one launch for the bounded gate under the triton k3_gates
+        backend."""
+        if self.kernel:
+            from kdaserve.kernels.kda.gate import kda_gate_beta
+
+            return kda_gate_beta(g_raw, self.A_log, self.dt_bias, self.lower_bound,
+                                 beta_logits, pdl=pdl)
+        return self.activate(g_raw), torch.sigmoid(beta_logits.float())
 
 
 class KimiDeltaAttention(nn.Module):
@@ -60,7 +74,7 @@ class KimiDeltaAttention(nn.Module):
         # Depthwise causal conv over q|k|v channels; HF's Conv1d weight layout [3P, 1, W].
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(3 * p, 1, w))
-        self.forget_gate = ForgetGate(args)
+        self.forget_gate = ForgetGate(args, backends)
         self.b_proj = nn.Linear(args.hidden_size, h, bias=False)
         self.full_rank_gate = args.kda_full_rank_gate
         if self.full_rank_gate:
@@ -70,11 +84,10 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(d, p, bias=False)
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
-        fusable = (self.forget_gate.lower_bound is None and not self.full_rank_gate
-                   and 8 <= d <= 128 and not d & (d - 1))
+        fusable = 8 <= d <= 128 and not d & (d - 1)
         self.fused_decode = backends.kda == "fla_fused_decode" and fusable
-        """Decode-only steps run the one-launch decode kernel (it takes the unbounded low-rank
-        gate and a power-of-two head_dim <= 128)."""
+        """Decode-only steps run the one-launch decode kernel (it takes a power-of-two
+        head_dim <= 128; the low-rank or Kimi K3's full-rank gate, bounded or not)."""
         self.state_prefetch = backends.kda_state_prefetch
 
     def process_weights_after_loading(self) -> None:
@@ -83,15 +96,18 @@ class KimiDeltaAttention(nn.Module):
             self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight,
                                         self.v_proj.weight, self.g_proj.weight,
                                         self.forget_gate.f_a_proj.weight, self.b_proj.weight)
-            return
-        # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
-        self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                                    self.forget_gate.f_a_proj.weight, self.g_a_proj.weight,
-                                    self.b_proj.weight)
-        # f_b_proj and g_b_proj (both [P, d]) read the two low-rank outputs: one batched GEMM.
-        p, d = self.g_b_proj.weight.shape
-        self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
-                                      self.g_b_proj.weight).view(2, p, d)
+            f_b = self.forget_gate.f_b_proj.weight                   # [P, d]
+            self.fg_b_weight = f_b.view(1, *f_b.shape)               # the fused decode's f_b
+        else:
+            # q|k|v and the three low-rank/scalar heads all read x: one GEMM instead of six.
+            self.in_weight = merge_rows(self.q_proj.weight, self.k_proj.weight,
+                                        self.v_proj.weight, self.forget_gate.f_a_proj.weight,
+                                        self.g_a_proj.weight, self.b_proj.weight)
+            # f_b_proj and g_b_proj (both [P, d]) read the two low-rank outputs: one batched
+            # GEMM.
+            p, d = self.g_b_proj.weight.shape
+            self.fg_b_weight = merge_rows(self.forget_gate.f_b_proj.weight,
+                                          self.g_b_proj.weight).view(2, p, d)
         # The fused decode's per-head tickets (zero between launches), allocated once: CUDA
         # graphs keep their address, so the buffer must never be replaced.
         self.decode_tickets = torch.zeros(MAX_FUSED_ROWS * self.num_heads, dtype=torch.int32,
@@ -147,6 +163,7 @@ class KimiDeltaAttention(nn.Module):
             proj, self.conv1d.weight[:, 0], caches.kda_conv[self.kda_index],
             caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
             self.fg_b_weight, gate.A_log, gate.dt_bias, self.o_norm.weight, self.o_norm.eps,
-            self.num_heads, self.head_dim, pdl=pdl,
+            self.num_heads, self.head_dim, lower_bound=gate.lower_bound, pdl=pdl,
             tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None,
-            prefetch_state=self.state_prefetch)   # the previous launch: the input projection
+            prefetch_state=self.state_prefetch,   # the previous launch: the input projection
+            full_rank_gate=self.full_rank_gate)

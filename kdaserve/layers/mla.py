@@ -41,6 +41,8 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=args.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_dim, bias=False)
         self.output_gate = args.mla_use_output_gate
+        self.gate_kernel = backends.k3_gates == "triton"
+        """The output gate as one in-place launch (kernels/activation sigmoid_gate)."""
         if self.output_gate:
             self.g_proj = nn.Linear(args.hidden_size, h * self.v_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, self.kv_lora_rank + self.rope_dim,
@@ -113,7 +115,11 @@ class MLAttention(nn.Module):
             q_a = self.q_a_layernorm(q.contiguous())                      # [T, q_lora_rank]
             q = linear(q_a, self.q_b_proj.weight, self.gemv, pdl=pdl)     # [T, H*qk]
         out = self._attend(q.reshape(T, h, self.qk_dim), ckv, kv_cache, md, pdl)  # [T, H, v]
-        if self.output_gate:
+        if self.output_gate and self.gate_kernel:
+            from kdaserve.kernels.activation.activation import sigmoid_gate
+
+            sigmoid_gate(out.view(T, h * self.v_dim), q_ckv[:, nq + nc:], pdl=pdl)
+        elif self.output_gate:
             out = out * torch.sigmoid(q_ckv[:, nq + nc:]).view(T, h, self.v_dim)
         return linear(out.reshape(T, h * self.v_dim), self.o_proj.weight, self.gemv, pdl=pdl)
 

@@ -9,7 +9,7 @@ from kdaserve.kernels.linear.gemv import gemv
 from kdaserve.layers.activation import SILU, GatedAct
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.fuse import merge_rows
-from kdaserve.layers.linear import use_gemv
+from kdaserve.layers.linear import linear, use_gemv
 
 
 class MLP(nn.Module):
@@ -17,7 +17,12 @@ class MLP(nn.Module):
                  backends: LayerBackends = LayerBackends(), act: GatedAct = SILU) -> None:
         super().__init__()
         self.act = act
-        self.swiglu_gemv = backends.dense_mlp == "gemv_swiglu" and act.is_silu
+        self.act_gemv = backends.dense_mlp == "gemv_swiglu"
+        """Decode rows: the gate|up GEMV, then the down GEMV applying the activation (silu * up
+        or SiTU) in its K loop."""
+        self.situ_kernel = backends.gated_act == "triton" and act.name == "situ"
+        """Other rows, SiTU: the merged gate|up projection and one activation launch."""
+        self.gemv = backends.gemv
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -32,9 +37,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """x: [T, D] -> [T, D]. Decode rows under the gemv_swiglu backend: two GEMV launches,
-        the gate|up projection then the down projection reading silu(gate) * up directly
-        (pdl: both launch with programmatic dependent launch)."""
-        if self.gate_up_weight is not None and use_gemv(x, self.swiglu_gemv):
+        the gate|up projection then the down projection reading silu(gate) * up (or SiTU)
+        directly (pdl: both launch with programmatic dependent launch). Other rows, SiTU under
+        the triton gated_act backend: the gate|up projection, one SiTU launch
+        (kernels/activation), the down projection."""
+        if self.gate_up_weight is not None and use_gemv(x, self.act_gemv):
+            act = self.act
+            situ = None if act.is_silu else (act.beta, act.linear_beta)
             gate_up = gemv(x, self.gate_up_weight, pdl=pdl)                    # [T, 2I]
-            return gemv(gate_up, self.down_proj.weight, pdl=pdl, swiglu=True)  # [T, D]
+            return gemv(gate_up, self.down_proj.weight, pdl=pdl, swiglu=True,
+                        situ=situ)                                             # [T, D]
+        if self.gate_up_weight is not None and self.situ_kernel:
+            from kdaserve.kernels.activation.activation import situ_and_mul
+
+            gate_up = linear(x, self.gate_up_weight, self.gemv, pdl=pdl)       # [T, 2I]
+            h = situ_and_mul(gate_up, self.act.beta, self.act.linear_beta, pdl=pdl)  # [T, I]
+            return linear(h, self.down_proj.weight, self.gemv, pdl=pdl)        # [T, D]
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

@@ -46,6 +46,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layer_idx = layer_idx
         self.block_size = args.attn_res_block_size
+        self.attn_res_kernel = backends.attn_res == "triton"
         if self.block_size:
             d, eps = args.hidden_size, args.rms_norm_eps
             self.self_attention_res_norm = RMSNorm(d, eps)
@@ -57,18 +58,18 @@ class DecoderLayer(nn.Module):
                          ctx: ForwardContext) -> torch.Tensor:
         """AttnRes form (layers/attn_res.py): mlp_out is the previous layer's MLP output (None
         at layer 0); returns this layer's MLP output; state is updated in place."""
-        i, b = self.layer_idx, self.block_size
+        i, b, pdl, kernel = self.layer_idx, self.block_size, ctx.plan.pdl, self.attn_res_kernel
         starts_block = i % b == 0
         done = -(-i // b)                                  # finished blocks before this layer
         h = attn_res_read(state, mlp_out, self.self_attention_res_norm,
                           self.self_attention_res_proj, self.input_layernorm, done,
-                          i // b if starts_block else -1)
+                          i // b if starts_block else -1, kernel, pdl)
         a = self.self_attn(h, ctx)
         if starts_block:   # the block restarts from this attention output
             state.prefix, a, done = a, None, done + 1
         h = attn_res_read(state, a, self.mlp_res_norm, self.mlp_res_proj,
-                          self.post_attention_layernorm, done)
-        return self._mlp(h, ctx.plan.pdl)
+                          self.post_attention_layernorm, done, kernel=kernel, pdl=pdl)
+        return self._mlp(h, pdl)
 
     def _mlp(self, h: torch.Tensor, pdl: bool) -> torch.Tensor:
         if isinstance(self.mlp, MLP):
@@ -99,6 +100,7 @@ class KimiLinearModel(nn.Module):
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.num_attn_res_blocks = args.num_attn_res_blocks
+        self.attn_res_kernel = backends.attn_res == "triton"
         if self.num_attn_res_blocks:
             self.output_attn_res_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(args.hidden_size, 1, bias=False)
@@ -134,7 +136,8 @@ class KimiLinearModel(nn.Module):
         for layer in self.layers:
             out = layer.forward_attn_res(out, state, ctx)
         h = attn_res_read(state, out, self.output_attn_res_norm, self.output_attn_res_proj,
-                          None, self.num_attn_res_blocks)
+                          None, self.num_attn_res_blocks, kernel=self.attn_res_kernel,
+                          pdl=ctx.plan.pdl)
         return self.norm(h), h
 
 

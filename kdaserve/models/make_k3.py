@@ -12,8 +12,13 @@ them with `--load-format dummy`).
 - kimi-k3-tiny: every K3 piece at CPU-test size (AttnRes over 3 blocks, KDA with the full-rank
   gate and the gate lower bound, MLA with q-LoRA and the output gate, SiTU, the latent MoE with
   its norm and 2 shared experts, MXFP4 experts, one MTP layer, a dense first layer).
-- kimi-k3-mini: K3's shape scaled to one H200 with room for caches; the routed experts are
-  the largest byte cost (see `kdaserve make-model --preset kimi-k3-mini --count`).
+- kimi-k3-mini: K3's shape scaled to one H200 with room for caches, with bf16 experts (the
+  MXFP4 comparison's baseline) as well as MXFP4 ones; sized so the routed experts are the
+  dominant byte cost of a batch-1 decode step, which is what MXFP4 can speed up: K3's top-16
+  routing, experts wider than K3's proportions (latent = hidden = intermediate 2048), one
+  shared expert, 12 layers, a 2x-hidden dense first layer. A step then reads about 4.4 GB of
+  bf16 experts against about 1 GB of everything else, so MXFP4 experts cut its bytes by
+  about 2.4x (`kdaserve make-model --preset kimi-k3-mini --count` prints the split).
 - kimi-k3: the full dimensions (docs: shared/reference kimi_k3.md §1.2). The layer count,
   layer lists, AttnRes block size, MTP count, routed scaling and context length are not in
   vLLM's source; they follow the published config.json.
@@ -68,16 +73,16 @@ def text_arch(preset: str) -> dict:
             routed_expert_hidden_size=32, num_nextn_predict_layers=1, model_max_length=4096,
             routed_scaling_factor=2.5)
     if preset == "kimi-k3-mini":
-        kda, full = _layers(24, 4, False)
+        kda, full = _layers(12, 4, False)
         return dict(
-            hidden_size=2048, num_hidden_layers=24, attn_res_block_size=6,
+            hidden_size=2048, num_hidden_layers=12, attn_res_block_size=4,
             linear_attn_config=dict(num_heads=16, head_dim=128, short_conv_kernel_size=4,
                                     kda_layers=kda, full_attn_layers=full,
                                     use_full_rank_gate=True, gate_lower_bound=-5.0),
             num_attention_heads=16, q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128,
-            qk_rope_head_dim=64, v_head_dim=128, intermediate_size=8192, num_experts=256,
-            num_experts_per_token=8, moe_intermediate_size=768, num_shared_experts=2,
-            routed_expert_hidden_size=1024, num_nextn_predict_layers=1,
+            qk_rope_head_dim=64, v_head_dim=128, intermediate_size=4096, num_experts=256,
+            num_experts_per_token=16, moe_intermediate_size=2048, num_shared_experts=1,
+            routed_expert_hidden_size=2048, num_nextn_predict_layers=1,
             model_max_length=131072, routed_scaling_factor=2.5)
     kda, full = _layers(93, 4, True)
     return dict(
@@ -179,7 +184,8 @@ def k3_checkpoint(args: KimiLinearArgs, seed: int = 0) -> dict[str, torch.Tensor
     from kdaserve.models.make_model import random_tensors
 
     plain = dataclasses.replace(args, expert_quantization=None)
-    fused = random_tensors(expected_tensors(plain, torch.bfloat16, include_mtp=True), seed)
+    fused = random_tensors(expected_tensors(plain, torch.bfloat16, include_mtp=True), seed,
+                           args.num_hidden_layers)
     out: dict[str, torch.Tensor] = {}
     for name, t in fused.items():
         for k3_name, tensor in _k3_names(name, t, args):
@@ -255,12 +261,65 @@ def count(args: KimiLinearArgs, dtype: torch.dtype = torch.bfloat16) -> dict[str
     return c
 
 
+STEP_CONTEXT = 8192
+"""Context tokens of the batch-1 decode step that step_bytes counts."""
+
+
+def step_bytes(args: KimiLinearArgs, context: int = STEP_CONTEXT,
+               dtype: torch.dtype = torch.bfloat16) -> dict[str, int | float]:
+    """The bytes a batch-1 decode step must read (engine/floor.py's floor): every non-expert
+    weight once (the embedding apart: one row), the top-k routed experts of every MoE layer, in
+    model dtype and in MXFP4 (4.25 bits a weight), the MLA latent KV of `context` tokens and the
+    KDA states (read and written). floor_ratio: the step's bytes with model-dtype experts over
+    those with MXFP4 experts, the most the format can speed a bandwidth-bound step."""
+    from kdaserve.attention.caches import state_bytes_per_slot
+    from kdaserve.models.loader import expected_tensors
+
+    plain = dataclasses.replace(args, expert_quantization=None)
+    elt = torch.empty((), dtype=dtype).element_size()
+    dense, expert_weights, moe_layers = 0, 0, 0
+    for name, (shape, dt) in expected_tensors(plain, dtype).items():
+        numel = 1
+        for n in shape:
+            numel *= n
+        if ".experts." in name:
+            expert_weights += numel
+            moe_layers += name.endswith("gate_up_proj")
+        elif "embed_tokens" not in name:
+            dense += numel * (4 if dt == torch.float32 else elt)
+    per_token = args.num_experts_per_token * expert_weights // max(1, args.num_experts)
+    c = dict(dense_bytes=dense, active_expert_params=per_token,
+             active_expert_bytes_bf16=per_token * elt,
+             active_expert_bytes_mxfp4=per_token * 17 // 32,
+             kv_bytes=context * args.kv_cache_dim * elt * len(args.mla_layer_ids),
+             state_bytes=2 * state_bytes_per_slot(args, dtype), context=context,
+             moe_layers=moe_layers)
+    rest = c["dense_bytes"] + c["kv_bytes"] + c["state_bytes"]
+    c["step_bytes_bf16"] = rest + c["active_expert_bytes_bf16"]
+    c["step_bytes_mxfp4"] = rest + c["active_expert_bytes_mxfp4"]
+    c["floor_ratio"] = c["step_bytes_bf16"] / c["step_bytes_mxfp4"]
+    return c
+
+
 def _amount(n: float, units: tuple[str, ...], base: float) -> str:
     for unit in units:
         if n < base or unit == units[-1]:
             return f"{n:.2f} {unit}".rstrip()
         n /= base
     raise AssertionError(units)
+
+
+def format_step_bytes(c: dict) -> str:
+    def mb(n):
+        return f"{n / 1e6:.0f} MB"
+
+    rest = c["kv_bytes"] + c["state_bytes"]
+    return (f"batch-1 decode step at {c['context']} tokens of context: dense weights "
+            f"{mb(c['dense_bytes'])} + MLA KV and KDA states {mb(rest)} + active routed "
+            f"experts bf16 {mb(c['active_expert_bytes_bf16'])} / MXFP4 "
+            f"{mb(c['active_expert_bytes_mxfp4'])} ({c['moe_layers']} MoE layers x top-k) = "
+            f"bf16 {mb(c['step_bytes_bf16'])} / MXFP4 {mb(c['step_bytes_mxfp4'])}; floor "
+            f"ratio bf16 / MXFP4 {c['floor_ratio']:.2f}x")
 
 
 def format_count(preset: str, c: dict[str, int]) -> str:

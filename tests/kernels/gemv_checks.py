@@ -25,30 +25,35 @@ def _rand(shape, dtype, device, g, scale=1.0, row_pad=0):
 
 
 def check_gemv(device, M, N, K, x_dtype, w_dtype, out_dtype=None, strided_out=False,
-               strided_in=False, config=None, bound=None, seed=0, pdl=False, swiglu=False):
+               strided_in=False, config=None, bound=None, seed=0, pdl=False, swiglu=False,
+               situ=None):
     """gemv vs gemv_reference computed from fp64 copies of the inputs (immune to a global TF32
     switch); relative error <= bound (1e-5 for fp32 output, 1e-2 otherwise). swiglu: x is
-    [M, 2K] (gate | up)."""
+    [M, 2K] (gate | up); situ: (beta, linear_beta), the same layout through SiTU (x drawn
+    3x wider, so the soft clips act)."""
+    swiglu = swiglu or situ is not None
     from kdaserve.kernels.linear.gemv import gemv, gemv_reference
 
     g = torch.Generator(device=device).manual_seed(seed)
     pad = 5 if strided_in else 0
-    x = _rand((M, 2 * K if swiglu else K), x_dtype, device, g, row_pad=pad)   # [M, K or 2K]
+    x = _rand((M, 2 * K if swiglu else K), x_dtype, device, g, row_pad=pad,
+              scale=3.0 if situ else 1.0)                                 # [M, K or 2K]
     w = _rand((N, K), w_dtype, device, g, scale=K ** -0.5, row_pad=pad)  # [N, K]
     dtype = out_dtype or x_dtype
     out = None
     if strided_out:
         full = torch.full((M, N + 7), float("nan"), dtype=dtype, device=device)
         out = full[:, 3:3 + N]                                           # [M, N], row stride N + 7
-    y = gemv(x, w, out=out, out_dtype=out_dtype, config=config, pdl=pdl, swiglu=swiglu)
+    y = gemv(x, w, out=out, out_dtype=out_dtype, config=config, pdl=pdl, swiglu=swiglu,
+             situ=situ)
     if strided_out:
         assert y.data_ptr() == out.data_ptr(), "gemv did not write into out"
         assert full[:, :3].isnan().all() and full[:, 3 + N:].isnan().all(), "wrote outside out"
     # fp64 math (no TF32 in the check); the kernel's x-dtype rounding of silu(gate) * up is
     # inside the bound
-    ref = gemv_reference(x.double(), w.double(), dtype, swiglu=swiglu)
+    ref = gemv_reference(x.double(), w.double(), dtype, swiglu=swiglu, situ=situ)
     name = (f"gemv M={M} N={N} K={K} x={x_dtype} w={w_dtype} out={dtype} cfg={config} "
-            f"pdl={pdl} swiglu={swiglu}")
+            f"pdl={pdl} swiglu={swiglu} situ={situ}")
     assert y.shape == (M, N) and y.dtype == dtype, f"{name}: got {tuple(y.shape)} {y.dtype}"
     assert not torch.isnan(y).any(), f"{name}: NaN in output (unwritten columns?)"
     limit = bound if bound is not None else (1e-5 if dtype == torch.float32 else 1e-2)
@@ -164,6 +169,11 @@ def run_interpreter_suite() -> None:
                config=GemvConfig(8, 16, 2, 2))
     check_gemv("cpu", 2, 37, 100, f32, f32, swiglu=True, pdl=True,
                config=GemvConfig(8, 32, 2, 2, 2))
+    # SiTU x (gate | up), Kimi K3's constants, the up branch clipped or not
+    check_gemv("cpu", 1, 37, 100, f32, f32, situ=(4.0, 25.0))
+    check_gemv("cpu", 2, 24, 64, f32, f32, situ=(4.0, 2.0), strided_in=True, pdl=True,
+               config=GemvConfig(8, 16, 2, 2, 1))
+    check_gemv("cpu", 1, 20, 48, f32, f32, situ=(1.5, None))
     # batched (MLA's per-head products): K-tail masked, N tail clamped, pdl order
     check_gemv_batched("cpu", 3, 1, 24, 40, f32)
     check_gemv_batched("cpu", 4, 2, 16, 64, f32, config=GemvConfig(8, 16, 2, 2), seed=1)

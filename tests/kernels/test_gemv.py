@@ -192,10 +192,15 @@ def test_gemv_model_shapes_gpu(N, K, M):
 @gpu
 @pytest.mark.parametrize("M", [1, 2])
 def test_gemv_swiglu_dense_down_gpu(M):
-    """Layer 0's down projection reading silu(gate) * up of the gate|up GEMV's output."""
+    """Layer 0's down projection reading silu(gate) * up (or SiTU) of the gate|up GEMV's
+    output."""
     gc.check_gemv("cuda", M, 2304, 9216, BF16, BF16, swiglu=True, seed=M)
     gc.check_gemv("cuda", M, 2304, 9216, BF16, BF16, swiglu=True, pdl=True, seed=M)
     gc.check_gemv("cuda", M, 300, 100, F32, F32, swiglu=True, strided_in=True, seed=M)
+    # Kimi K3's SiTU MLPs: kimi-k3-mini's shared expert / dense layer, K3's shared experts
+    gc.check_gemv("cuda", M, 2048, 2048, BF16, BF16, situ=(4.0, 25.0), pdl=True, seed=M)
+    gc.check_gemv("cuda", M, 2048, 4096, BF16, BF16, situ=(4.0, 25.0), seed=M)
+    gc.check_gemv("cuda", M, 7168, 6144, BF16, BF16, situ=(4.0, 25.0), pdl=True, seed=M)
 
 
 @pytest.mark.gpu

@@ -39,16 +39,17 @@ def _gate_params(H: int, d: int, g: torch.Generator, device) -> tuple:
 
 
 def make_inputs(device, dtype, H, d, W, slots, num_slots, seed=0, idx_dtype=torch.int32,
-                row_pad=7, layer_conv_view=True) -> dict:
+                row_pad=7, layer_conv_view=True, k3=False) -> dict:
     """Keyword arguments of kda_decode_fused: random activations in a row-strided proj, the
-    engine's cache layouts (conv cache in proj's dtype, fp32 states), fp32 A_log / dt_bias."""
+    engine's cache layouts (conv cache in proj's dtype, fp32 states), fp32 A_log / dt_bias.
+    k3: Kimi K3's full-rank output gate in proj, f_b alone, the decay bounded at -5."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape, scale=1.0, dt=dtype):
         return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dt)
 
     P, N = H * d, len(slots)
-    width = 3 * P + 2 * d + H
+    width = 4 * P + d + H if k3 else 3 * P + 2 * d + H
     conv_w = rnd(3 * P, 1, W, scale=0.5)[:, 0] if layer_conv_view else rnd(3 * P, W, scale=0.5)
     A_log, dt_bias = _gate_params(H, d, g, device)
     return dict(proj=rnd(N, width + row_pad)[:, :width],          # [N, 3P + 2d + H], strided
@@ -56,9 +57,10 @@ def make_inputs(device, dtype, H, d, W, slots, num_slots, seed=0, idx_dtype=torc
                 conv_cache=rnd(num_slots, 3 * P, W - 1),           # [slots, 3P, W-1]
                 rec_cache=rnd(num_slots, H, d, d, scale=0.1, dt=F32),
                 state_indices=torch.tensor(slots, dtype=idx_dtype, device=device),
-                fg_b_weight=rnd(2, P, d, scale=d ** -0.5),
+                fg_b_weight=rnd(1 if k3 else 2, P, d, scale=d ** -0.5),
                 A_log=A_log, dt_bias=dt_bias, o_norm_weight=rnd(d, scale=0.1) + 1,
-                eps=1e-5, num_heads=H, head_dim=d)
+                eps=1e-5, num_heads=H, head_dim=d,
+                **(dict(lower_bound=-5.0, full_rank_gate=True) if k3 else {}))
 
 
 def fresh_caches(inp: dict) -> dict:
@@ -108,14 +110,17 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
     assert torch.equal(again["conv_cache"], want2["conv_cache"]), f"second step windows {where}"
 
 
-def make_layer(H, d, W, hidden, device, dtype, seed=0):
-    """A KimiDeltaAttention with random weights (fp32 A_log / dt_bias, as the loader keeps)."""
+def make_layer(H, d, W, hidden, device, dtype, seed=0, k3=False):
+    """A KimiDeltaAttention with random weights (fp32 A_log / dt_bias, as the loader keeps);
+    k3: Kimi K3's full-rank output gate and the decay bounded at -5."""
     from kdaserve.layers.kda import KimiDeltaAttention
     from kdaserve.config.model_args import KimiLinearArgs
 
     args = KimiLinearArgs(vocab_size=16, hidden_size=hidden, num_hidden_layers=1,
                           layer_types=["linear_attention"], mlp_layer_types=["dense"],
-                          linear_num_heads=H, linear_head_dim=d, linear_conv_kernel_dim=W)
+                          linear_num_heads=H, linear_head_dim=d, linear_conv_kernel_dim=W,
+                          **(dict(kda_full_rank_gate=True, gate_lower_bound=-5.0) if k3
+                             else {}))
     g = torch.Generator().manual_seed(seed)
     layer = KimiDeltaAttention(args, kda_index=0)
     with torch.no_grad():
@@ -136,11 +141,12 @@ def fused_layer(layer, proj, conv_cache, rec_cache, state_indices, pdl=False):
                             state_indices, layer.fg_b_weight, layer.forget_gate.A_log,
                             layer.forget_gate.dt_bias, layer.o_norm.weight, layer.o_norm.eps,
                             layer.num_heads, layer.head_dim,
-                            lower_bound=layer.forget_gate.lower_bound, pdl=pdl)
+                            lower_bound=layer.forget_gate.lower_bound, pdl=pdl,
+                            full_rank_gate=layer.full_rank_gate)
 
 
 def check_against_layer(device, dtype, H, d, W, hidden, slots, num_slots, seed=0,
-                        state_bound=STATE_BOUND):
+                        state_bound=STATE_BOUND, k3=False):
     """KimiDeltaAttention.forward (the unfused path, decode rows) vs linear -> fused kernel ->
     o_proj on the same input and caches: layer output, conv windows (exact), states."""
     from kdaserve.attention.builder import build_metadata
@@ -148,7 +154,7 @@ def check_against_layer(device, dtype, H, d, W, hidden, slots, num_slots, seed=0
     from kdaserve.attention.metadata import ModelCaches
     from kdaserve.layers.linear import linear
 
-    layer = make_layer(H, d, W, hidden, device, dtype, seed)
+    layer = make_layer(H, d, W, hidden, device, dtype, seed, k3)
     g = torch.Generator().manual_seed(seed + 1)
     N = len(slots)
     x = torch.randn(N, hidden, generator=g).to(device=device, dtype=dtype)
@@ -162,7 +168,7 @@ def check_against_layer(device, dtype, H, d, W, hidden, slots, num_slots, seed=0
         conv_f, rec_f = conv.clone(), rec.clone()
         o = fused_layer(layer, linear(x, layer.in_weight), conv_f, rec_f, md.state_indices)
         got = linear(o, layer.o_proj.weight)                              # [N, hidden]
-    where = f"layer H={H} d={d} W={W} slots={slots} {dtype}"
+    where = f"layer H={H} d={d} W={W} slots={slots} {dtype} k3={k3}"
     kc.assert_close(f"{where} output", got, want, dtype)
     assert torch.equal(conv_f, caches.kda_conv[0]), f"{where}: conv windows differ"
     err = kc.rel_err(rec_f[slots], caches.kda_recurrent[0][slots])    # the written slots
@@ -188,6 +194,13 @@ def run_interpreter_checks() -> None:
                        v_block=4, pdl=True, prefetch_state=True)
     check_against_layer("cpu", F32, H=2, d=16, W=4, hidden=40, slots=[3, 0, 6, 7], num_slots=8)
     check_against_layer("cpu", F32, H=3, d=8, W=2, hidden=24, slots=[2], num_slots=3, seed=4)
+    # Kimi K3: the full-rank output gate read from proj, the bounded decay
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 6], num_slots=8, seed=8,
+                       k3=True)
+    check_against_twin("cpu", F32, H=3, d=16, W=4, slots=[1, 4], num_slots=6, seed=9,
+                       v_block=4, pdl=True, prefetch_state=True, k3=True)
+    check_against_layer("cpu", F32, H=2, d=16, W=4, hidden=40, slots=[3, 0, 6], num_slots=8,
+                        seed=10, k3=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +248,9 @@ def _bad(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes,match", [
-    (dict(lower_bound=-5.0), "lower_bound must be None.*got -5.0"),
+    (dict(lower_bound=-6.0), "lower_bound must be None or in \\[-5, 0\\), got -6.0"),
+    (dict(lower_bound=0.0), "got 0.0"),
+    (dict(full_rank_gate=True), "proj must be \\[N, 4P \\+ d \\+ H = 146\\]"),
     (dict(head_dim=12), "head_dim must be a power of two in \\[8, 128\\], got 12"),
     (dict(head_dim=256), "got 256"),
     (dict(rec_cache=torch.zeros(3, 2, 16, 32)), "rec_cache K=16 != V=32"),
@@ -260,9 +275,15 @@ def test_bad_inputs_name_the_value(changes, match):
         kda_decode_fused(**_bad(**changes))
 
 
-def test_reference_refuses_the_bounded_gate():
-    with pytest.raises(ValueError, match="lower_bound must be None"):
-        kda_decode_fused_reference(**_bad(lower_bound=-5.0))
+def test_reference_refuses_a_bound_out_of_range():
+    with pytest.raises(ValueError, match="lower_bound must be None or in"):
+        kda_decode_fused_reference(**_bad(lower_bound=0.5))
+
+
+def test_k3_fg_b_weight_is_f_b_alone():
+    inp = make_inputs("cpu", F32, H=2, d=16, W=4, slots=[0, 1], num_slots=3, k3=True)
+    with pytest.raises(ValueError, match="fg_b_weight must be \\[1, 32, 16\\]"):
+        kda_decode_fused(**dict(inp, fg_b_weight=torch.zeros(2, 32, 16)))
 
 
 def test_cpu_tensors_need_the_interpreter():
@@ -297,13 +318,17 @@ def _ptxas() -> Path:
     return path
 
 
-def _compile(use_pdl: bool, num_warps: int = 8):
+K3_CONSTS = dict(FULL_RANK_GATE=True, LOWER_BOUND=-5.0)
+"""Kimi K3's variant: the full-rank output gate read from proj, the bounded decay."""
+
+
+def _compile(use_pdl: bool, num_warps: int = 8, k3: bool = False):
     import gemv_checks as gc
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
     return gc.sm90_compile(kda_decode_fused_kernel, SM90_TYPES,
-                           dict(SM90_CONSTS, USE_PDL=use_pdl), num_warps=num_warps,
-                           launch_pdl=use_pdl)
+                           dict(SM90_CONSTS, USE_PDL=use_pdl, **(K3_CONSTS if k3 else {})),
+                           num_warps=num_warps, launch_pdl=use_pdl)
 
 
 _REG = re.compile(r"%[a-z]+\d+")
@@ -345,13 +370,15 @@ def _param_names() -> list[str | None]:
             for n in kda_decode_fused_kernel.arg_names if n in SM90_TYPES]
 
 
-def test_pdl_sm90_only_weights_before_the_wait():
+@pytest.mark.parametrize("k3", [False, True])
+def test_pdl_sm90_only_weights_before_the_wait(k3):
     """Compiled for sm_90: every global load before griddepcontrol.wait reads a weight (conv
-    taps, f_b / g_b rows, A_log, dt_bias, norm weight: all five are prefetched); nothing is
-    stored before it; launch_dependents follows the wait; proj, the state index and both
-    caches are read after it, and only the caches and the output are written."""
+    taps, f_b / g_b rows (f_b alone for K3), A_log, dt_bias, norm weight: all five are
+    prefetched); nothing is stored before it; launch_dependents follows the wait; proj (K3:
+    the output gate with it), the state index and both caches are read after it, and only the
+    caches and the output are written."""
     _ptxas()
-    k = _compile(use_pdl=True)
+    k = _compile(use_pdl=True, k3=k3)
     assert k.metadata.launch_pdl
     ops = global_ops_with_params(k.asm["ptx"], _param_names())
     waits = [i for i, (op, _) in enumerate(ops) if op == "griddepcontrol.wait"]
@@ -397,11 +424,12 @@ def test_no_pdl_ptx_has_no_griddepcontrol():
 
 
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_sm90_no_register_spills_at_48b_shapes(use_pdl, tmp_path):
+@pytest.mark.parametrize("k3", [False, True])
+def test_sm90_no_register_spills_at_48b_shapes(use_pdl, k3, tmp_path):
     """d = 128 with the default 8 warps: the [128, 128] fp32 state plus the two bf16 gate
-    tiles fit in registers (ptxas -v: no spill stores or loads)."""
+    tiles (K3: f_b alone) fit in registers (ptxas -v: no spill stores or loads)."""
     ptxas = _ptxas()
-    k = _compile(use_pdl=use_pdl)
+    k = _compile(use_pdl=use_pdl, k3=k3)
     (tmp_path / "k.ptx").write_text(k.asm["ptx"])
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
                           str(tmp_path / "k.cubin")], capture_output=True, text=True)
@@ -438,6 +466,22 @@ def test_matches_unfused_layer_gpu(N):
     pytest.importorskip("fla")
     check_against_layer("cuda", BF16, H48, D48, W48, HIDDEN48, SLOTS[N], num_slots=9, seed=N,
                         state_bound=1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [1, 4])
+def test_k3_matches_twin_and_layer_gpu(N):
+    """Kimi K3's variant (kimi-k3-mini's KDA: 16 heads of 128 on a 2048 hidden): against the
+    twin, and against the layer's unfused CUDA path (the K3 gate kernel, fla's recurrent)."""
+    for v_block in (None, 64):
+        check_against_twin("cuda", BF16, 16, D48, W48, SLOTS[N], num_slots=9, seed=N,
+                           v_block=v_block, k3=True)
+    check_against_twin("cuda", BF16, 16, D48, W48, SLOTS[N], num_slots=9, seed=N + 2,
+                       pdl=True, prefetch_state=True, k3=True)
+    pytest.importorskip("fla")
+    check_against_layer("cuda", BF16, 16, D48, W48, 2048, SLOTS[N], num_slots=9, seed=N,
+                        state_bound=1e-2, k3=True)
 
 
 def _run_pdl(inp: dict, pdl: bool, prefetch_state: bool = False):

@@ -15,8 +15,9 @@ def test_mxfp4_moe_under_interpreter():
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-MINI = dict(E=64, k=8, D=1024, inter=768)
-"""kimi-k3-mini's expert shapes (latent 1024, intermediate 768, top-8; 64 of its 256 experts)."""
+MINI = dict(E=64, k=16, D=2048, inter=2048)
+"""kimi-k3-mini's expert shapes (latent 2048, intermediate 2048, top-16; 64 of its 256
+experts)."""
 
 
 @pytest.mark.gpu
@@ -54,6 +55,8 @@ def test_fused_tail_on_gpu(N, norm, residual):
 
     checks.check_tail("cuda", torch.bfloat16, N=N, k=8, E=256, L=1024, H=2048, norm=norm,
                       residual=residual, seed=N)
+    checks.check_tail("cuda", torch.bfloat16, N=N, k=16, E=256, L=2048, H=2048, norm=norm,
+                      residual=residual, seed=N + 2)                    # kimi-k3-mini's
     checks.check_tail("cuda", torch.bfloat16, N=N, k=8, L=80, H=48, bad_id=True, seed=N + 1)
 
 
@@ -65,4 +68,5 @@ def test_latent_moe_kernels_compose_on_gpu(N):
     import mxfp4_moe_checks as checks
 
     checks.check_layer("cuda", torch.bfloat16, N=N, E=64, k=8, L=1024, inter=768, H=2048)
+    checks.check_layer("cuda", torch.bfloat16, N=N, E=64, k=16, L=2048, inter=2048, H=2048)
 

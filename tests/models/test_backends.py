@@ -67,7 +67,7 @@ def test_layers_take_the_backends_they_are_built_with():
         assert all(m.fused_decode == kc.fused_kda_decode and m.gemv == kc.decode_gemv
                    for m in kda)
         assert all(m.absorb_gemv == kc.mla_absorb_gemv for m in mla)
-        assert all(m.swiglu_gemv == (kc.decode_gemv and kc.dense_mlp_gemv) for m in mlps)
+        assert all(m.act_gemv == (kc.decode_gemv and kc.dense_mlp_gemv) for m in mlps)
 
 
 def test_the_eager_plan_follows_the_batch():
@@ -94,6 +94,32 @@ def test_latent_moe_switch_picks_the_fused_tail():
         on = LatentMoE(args, select_backends(KernelConfig(), "cuda"))
         off = LatentMoE(args, select_backends(KernelConfig.baseline(), "cuda"))
     assert on.fused_tail and not off.fused_tail
+
+
+def test_k3_fused_ops_switch_picks_the_k3_kernels():
+    """k3_fused_ops: the AttnRes reads, SiTU and the K3 gates of a kimi-k3-tiny built for CUDA
+    take their Triton kernels; off (and on the CPU) their twins."""
+    from kdaserve.layers.kda import ForgetGate
+    from kdaserve.models.kimi_linear import DecoderLayer, KimiLinearModel
+    from kdaserve.models.make_model import preset_args
+
+    args = preset_args("kimi-k3-tiny")
+    off = dataclasses.replace(KernelConfig(), k3_fused_ops=False)
+    for kc, device, on in ((KernelConfig(), "cuda", True), (off, "cuda", False),
+                           (KernelConfig(), "cpu", False)):
+        backends = select_backends(kc, device)
+        assert (backends.attn_res, backends.gated_act, backends.k3_gates) == (
+            ("triton",) * 3 if on else ("reference",) * 3)
+        with torch.device("meta"):
+            model = KimiLinearForCausalLM(args, backends)
+        reads = [m for m in model.modules() if isinstance(m, (DecoderLayer, KimiLinearModel))]
+        situ = [m for m in model.modules() if isinstance(m, MLP)]
+        mla = [m for m in model.modules() if isinstance(m, MLAttention)]
+        gates = [m for m in model.modules() if isinstance(m, ForgetGate)]
+        assert reads and situ and mla and gates
+        assert all(m.attn_res_kernel == on for m in reads)
+        assert all(m.situ_kernel == on for m in situ) and all(m.gate_kernel == on for m in mla)
+        assert all(m.kernel == on for m in gates)
 
 
 @pytest.mark.gpu

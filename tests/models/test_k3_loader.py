@@ -240,9 +240,28 @@ def test_count_presets():
     # 92 MoE layers of 896 experts x 3 x 3584 x 3072 weights at 4.25 bits
     assert full["expert_params"] == 92 * 896 * 3 * 3584 * 3072
     assert full["expert_bytes"] == full["expert_params"] * 17 // 32
-    mini = make_k3.count(preset_args("kimi-k3-mini"))
+    mini_args = preset_args("kimi-k3-mini")
+    mini = make_k3.count(mini_args)
     assert mini["expert_bytes"] > mini["bytes"] - mini["expert_bytes"]   # the MoE dominates
     assert mini["bytes"] < 40 * 2 ** 30          # one H200 with room for caches
+    bf16 = make_k3.count(dataclasses.replace(mini_args, expert_quantization=None))
+    # the bf16-expert baseline fits too, and with the MXFP4 twin (the KL measurement)
+    assert bf16["bytes"] + bf16["mtp_bytes"] < 80 * 2 ** 30
+    assert bf16["bytes"] + mini["bytes"] < 100 * 2 ** 30
+    step = make_k3.step_bytes(mini_args)
+    assert mini_args.num_experts_per_token == 16                       # K3's top-k
+    assert step["active_expert_bytes_bf16"] > 4 * step["dense_bytes"]  # experts dominate a step
+    assert step["active_expert_bytes_mxfp4"] == step["active_expert_bytes_bf16"] * 17 // 64
+    assert step["floor_ratio"] >= 2.0            # room for the 1.55x MXFP4 / bf16 target
+    assert step["step_bytes_bf16"] - step["step_bytes_mxfp4"] == (
+        step["active_expert_bytes_bf16"] - step["active_expert_bytes_mxfp4"])
+    out = subprocess.run([sys.executable, "-m", "kdaserve.entrypoints.cli", "make-model",
+                          "--preset", "kimi-k3-mini", "--count"], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    lines = out.stdout.splitlines()
+    assert out.returncode == 0 and len(lines) == 3, out.stdout + out.stderr
+    assert lines[1].startswith("kimi-k3-mini with bf16 experts: ")
+    assert f"floor ratio bf16 / MXFP4 {step['floor_ratio']:.2f}x" in lines[2]
 
 
 def test_config_only_presets(tmp_path):

@@ -99,3 +99,35 @@ def test_cuda_bf16_path_matches_the_cpu_reference(k3, k3_tiny_dir, fused_tail): 
     got = Runner(gpu, args, 2, dtype=torch.bfloat16, device="cuda").step(reqs)
     for r in want:
         assert rel(got[r].float(), want[r]) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k3_fused_ops", [True, False])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_decode_steps_match_the_cpu_reference(k3, k3_tiny_dir, k3_fused_ops,  # noqa: F811
+                                                   pdl):
+    """Decode steps on CUDA in bf16 (the one-launch KDA decode with the bounded full-rank
+    gate, the SiTU GEMVs, and with k3_fused_ops the AttnRes / gate kernels; pdl: launched with
+    programmatic dependent launch as inside the graphs) against the CPU fp32 model."""
+    import dataclasses
+
+    from kdaserve.config import KernelConfig
+    from kdaserve.layers.backends import select_backends
+
+    model, args, _ = k3
+    mc = ModelConfig(k3_tiny_dir)
+    kc = dataclasses.replace(KernelConfig(), k3_fused_ops=k3_fused_ops)
+    gpu = build_model(mc.arch, torch.bfloat16, "cuda", resolve_architecture(mc.hf_config),
+                      select_backends(kc, "cuda"))
+    load_weights(gpu, k3_tiny_dir, LoadConfig())
+    cpu_run, gpu_run = Runner(model, args, 2), Runner(gpu, args, 2, dtype=torch.bfloat16,
+                                                      device="cuda", pdl=pdl)
+    prompts = [list(range(5, 40)), list(range(100, 117))]
+    steps = [[(0, prompts[0], 0), (1, prompts[1], 0)]]
+    for t in range(4):
+        steps.append([(0, [7 + t], len(prompts[0]) + t), (1, [60 + t], len(prompts[1]) + t)])
+    for reqs in steps:
+        want, got = cpu_run.step(reqs), gpu_run.step(reqs)
+        for r in want:
+            assert rel(got[r].float(), want[r]) <= 2e-2, (reqs[0][2], r)

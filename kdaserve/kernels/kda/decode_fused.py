@@ -11,6 +11,9 @@ Layouts (the engine's, kdaserve/attention/caches.py):
     conv_cache    [slots, 3P, W-1]   per slot, the last W-1 pre-conv inputs (oldest first)
     rec_cache     [slots, H, d, d]   fp32 [K, V] states
     fg_b_weight   [2, P, d]          f_b_proj.weight | g_b_proj.weight
+Kimi K3 (full_rank_gate): proj [N, 4P + d + H] = q | k | v | g (the full-rank output gate, P) |
+f_a (d) | beta logits (H), fg_b_weight [1, P, d] = f_b_proj.weight; with lower_bound the
+bounded decay of kernels/reference.py kda_gate.
 """
 
 from __future__ import annotations
@@ -47,9 +50,8 @@ def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int) 
 
 
 def _check_gate(lower_bound: float | None, num_heads: int, head_dim: int) -> None:
-    if lower_bound is not None:
-        raise ValueError(f"lower_bound must be None (the bounded gate is not fused), "
-                         f"got {lower_bound}")
+    if lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"lower_bound must be None or in [-5, 0), got {lower_bound}")
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     if head_dim < 8 or head_dim > MAX_HEAD_DIM or head_dim & (head_dim - 1):
@@ -63,12 +65,17 @@ def _check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
 
 
 def _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight, A_log,
-                  dt_bias, o_norm_weight, num_heads, head_dim, out) -> int:
+                  dt_bias, o_norm_weight, num_heads, head_dim, out,
+                  full_rank_gate: bool = False) -> int:
     """Every shape, dtype, layout and device; returns the conv width W."""
     H, d = num_heads, head_dim
     P = H * d
-    if proj.dim() != 2 or proj.shape[1] != 3 * P + 2 * d + H:
-        raise ValueError(f"proj must be [N, 3P + 2d + H = {3 * P + 2 * d + H}] (H={H}, d={d}), "
+    if full_rank_gate:
+        width, what = 4 * P + d + H, "4P + d + H"
+    else:
+        width, what = 3 * P + 2 * d + H, "3P + 2d + H"
+    if proj.dim() != 2 or proj.shape[1] != width:
+        raise ValueError(f"proj must be [N, {what} = {width}] (H={H}, d={d}), "
                          f"got {list(proj.shape)}")
     if proj.stride(1) != 1:
         raise ValueError(f"proj must have a contiguous last dim, got strides {proj.stride()}")
@@ -93,7 +100,7 @@ def _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_
     _check_shape("state_indices", state_indices, (N,))
     if state_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"state_indices must be int32 or int64, got {state_indices.dtype}")
-    _check_shape("fg_b_weight", fg_b_weight, (2, P, d))
+    _check_shape("fg_b_weight", fg_b_weight, (1 if full_rank_gate else 2, P, d))
     if fg_b_weight.stride(2) != 1:
         raise ValueError(f"fg_b_weight must have a contiguous last dim, "
                          f"got strides {fg_b_weight.stride()}")
@@ -123,7 +130,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      lower_bound: float | None = None, out: torch.Tensor | None = None,
                      pdl: bool = False, num_warps: int | None = None,
                      tickets: torch.Tensor | None = None,
-                     v_block: int | None = None, prefetch_state: bool = False) -> torch.Tensor:
+                     v_block: int | None = None, prefetch_state: bool = False,
+                     full_rank_gate: bool = False) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -138,9 +146,11 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     rows on the scratch slot) race on it, as in the unfused path: their outputs and that
     slot's contents are unspecified.
 
-    A_log: H elements (any shape); dt_bias: P elements; o_norm_weight: [d]; lower_bound must
-    be None (the bounded gate variant is refused, ValueError). head_dim: a power of two in
-    [8, 128]. num_warps: default 8 at head_dim 128 (default_num_warps; 16 also fits, unmeasured).
+    A_log: H elements (any shape); dt_bias: P elements; o_norm_weight: [d]; lower_bound: None
+    or in [-5, 0) (Kimi K3's bounded decay); full_rank_gate: Kimi K3's layouts (module
+    docstring: the output gate read from proj, f_b alone in fg_b_weight). head_dim: a power
+    of two in [8, 128]. num_warps: default 8 at head_dim 128 (default_num_warps; 16 also fits,
+    unmeasured).
     pdl: programmatic dependent launch (sm_90+; ignored on CPU tensors): only weights are read
     before griddepcontrol.wait, so the previous kernel must not write them; same results as
     pdl=False. CUDA-graph safe: grid (N, H, d // v_block) from shapes, no host syncs.
@@ -153,7 +163,7 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
-                      A_log, dt_bias, o_norm_weight, num_heads, head_dim, out)
+                      A_log, dt_bias, o_norm_weight, num_heads, head_dim, out, full_rank_gate)
     if num_warps is not None and (num_warps < 1 or num_warps > 16 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
     check_kernel_device(proj)
@@ -189,7 +199,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2), rec_cache.stride(3),
         fg_b_weight.stride(0), fg_b_weight.stride(1),
         D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
-        PREFETCH_STATE=bool(prefetch_state), **pdl_opts)
+        PREFETCH_STATE=bool(prefetch_state), FULL_RANK_GATE=bool(full_rank_gate),
+        LOWER_BOUND=float(lower_bound or 0.0), **pdl_opts)
     return out
 
 
@@ -198,22 +209,28 @@ def kda_decode_fused_reference(proj: torch.Tensor, conv_weight: torch.Tensor,
                                state_indices: torch.Tensor, fg_b_weight: torch.Tensor,
                                A_log: torch.Tensor, dt_bias: torch.Tensor,
                                o_norm_weight: torch.Tensor, eps: float, num_heads: int,
-                               head_dim: int, lower_bound: float | None = None) -> torch.Tensor:
+                               head_dim: int, lower_bound: float | None = None,
+                               full_rank_gate: bool = False) -> torch.Tensor:
     """The same contract from kernels/reference.py, everything in fp32 (caches updated in
     place, output in proj.dtype): conv update -> kda_gate -> kda_recurrent -> rms_norm_gated."""
     _check_gate(lower_bound, num_heads, head_dim)
     _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight, A_log,
-                  dt_bias, o_norm_weight, num_heads, head_dim, None)
+                  dt_bias, o_norm_weight, num_heads, head_dim, None, full_rank_gate)
     H, d = num_heads, head_dim
     P, N = H * d, proj.shape[0]
-    x = proj.float()                                                   # [N, 3P + 2d + H]
+    x = proj.float()                                 # [N, 3P + 2d + H] or [N, 4P + d + H]
     qkv = ref.causal_conv1d_update(x[:, :3 * P], conv_weight.float(), conv_cache,
                                    state_indices)                      # [N, 3P]
     q, k, v = qkv.view(N, 3, H, d).unbind(1)                           # [N, H, d] each
-    g_raw = x[:, 3 * P:3 * P + d] @ fg_b_weight[0].float().T           # [N, P]
-    gate = x[:, 3 * P + d:3 * P + 2 * d] @ fg_b_weight[1].float().T    # [N, P]
+    if full_rank_gate:
+        gate = x[:, 3 * P:4 * P]                                       # [N, P]
+        g_raw = x[:, 4 * P:4 * P + d] @ fg_b_weight[0].float().T       # [N, P]
+        beta = torch.sigmoid(x[:, 4 * P + d:])                         # [N, H]
+    else:
+        g_raw = x[:, 3 * P:3 * P + d] @ fg_b_weight[0].float().T       # [N, P]
+        gate = x[:, 3 * P + d:3 * P + 2 * d] @ fg_b_weight[1].float().T  # [N, P]
+        beta = torch.sigmoid(x[:, 3 * P + 2 * d:])                     # [N, H]
     g = ref.kda_gate(g_raw.view(N, H, d), A_log, dt_bias, lower_bound)  # [N, H, d]
-    beta = torch.sigmoid(x[:, 3 * P + 2 * d:])                         # [N, H]
     o = torch.empty(N, H, d, dtype=torch.float32, device=proj.device)
     for i, slot in enumerate(state_indices.tolist()):
         init = rec_cache[slot] if slot >= 0 else None
@@ -221,5 +238,5 @@ def kda_decode_fused_reference(proj: torch.Tensor, conv_weight: torch.Tensor,
                                               beta[i:i + 1], init)
         if slot >= 0:
             rec_cache[slot] = state
-    o = ref.rms_norm_gated(o.view(N * H, d), gate.view(N * H, d), o_norm_weight, eps)
+    o = ref.rms_norm_gated(o.view(N * H, d), gate.reshape(N * H, d), o_norm_weight, eps)
     return o.view(N, P).to(proj.dtype)

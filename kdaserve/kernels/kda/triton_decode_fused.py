@@ -67,6 +67,7 @@ def kda_decode_fused_kernel(
     stride_rs, stride_rh, stride_rk, stride_rv, stride_fg, stride_fp,
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
     USE_PDL: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
+    FULL_RANK_GATE: tl.constexpr = False, LOWER_BOUND: tl.constexpr = 0.0,
 ):
     """Program (n, h, s): row n's token through head h, value columns [s * BV, (s + 1) * BV)
     of its state. proj row n = [q | k | v (3P) | f_a (D) | g_a (D) | beta logits (H)]; the
@@ -87,6 +88,11 @@ def kda_decode_fused_kernel(
     stores the shifted q / k windows (every other program has read them by then) and resets
     the ticket to 0 for the next launch or CUDA-graph replay.
 
+    Kimi K3's variant: FULL_RANK_GATE, proj row n = [q | k | v | g (the output gate, P) | f_a (D)
+    | beta logits (H)] and fgb_ptr holds f_b alone; LOWER_BOUND (< 0; 0 = none): the decay is
+    LOWER_BOUND * sigmoid(exp(A_log) * (f_b f_a + dt_bias)) instead of -exp(A_log) *
+    softplus(f_b f_a + dt_bias).
+
     USE_PDL (programmatic dependent launch, sm_90+): only weights (conv taps, f_b / g_b rows,
     dt_bias, A_log, norm weight) are read before griddepcontrol.wait; proj, the state index,
     both caches and every store come after it, then launch_dependents. With PREFETCH_STATE
@@ -106,9 +112,10 @@ def kda_decode_fused_kernel(
     # ---- weights: safe to read before the wait (nothing in the step writes them)
     fb_ptrs = fgb_ptr + (h * D + offs)[:, None].to(tl.int64) * stride_fp + offs[None, :]
     f_b = tl.load(fb_ptrs)                                          # [D, D] gate rows of f_b
-    gb_ptrs = (fgb_ptr + stride_fg + (h * D + offs_v)[:, None].to(tl.int64) * stride_fp
-               + offs[None, :])
-    g_b = tl.load(gb_ptrs)                                          # [BV, D] rows of g_b
+    if not FULL_RANK_GATE:
+        gb_ptrs = (fgb_ptr + stride_fg + (h * D + offs_v)[:, None].to(tl.int64) * stride_fp
+                   + offs[None, :])
+        g_b = tl.load(gb_ptrs)                                      # [BV, D] rows of g_b
     wq_win, wq_new = _conv_taps(conv_w_ptr, ch_q, offs_j, stride_wd, stride_wj, W)
     wk_win, wk_new = _conv_taps(conv_w_ptr, ch_k, offs_j, stride_wd, stride_wj, W)
     wv_win, wv_new = _conv_taps(conv_w_ptr, ch_v, offs_j, stride_wd, stride_wj, W)
@@ -136,16 +143,25 @@ def kda_decode_fused_kernel(
     x_q = tl.load(row + ch_q).to(tl.float32)                        # [D] pre-conv inputs
     x_k = tl.load(row + ch_k).to(tl.float32)
     x_v = tl.load(row + ch_v).to(tl.float32)                        # [BV]
-    f_a = tl.load(row + 3 * P + offs).to(tl.float32)                # [D] low-rank gate input
-    g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
-    b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
+    if FULL_RANK_GATE:
+        gate = tl.load(row + 3 * P + h * D + offs_v).to(tl.float32)  # [BV] output gate
+        f_a = tl.load(row + 4 * P + offs).to(tl.float32)            # [D] low-rank gate input
+        b_logit = tl.load(row + 4 * P + D + h).to(tl.float32)
+    else:
+        f_a = tl.load(row + 3 * P + offs).to(tl.float32)            # [D] low-rank gate input
+        g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
+        b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
     # ---- conv, gates, l2norm
     q = _l2norm(_conv_out(win_q, wq_win, x_q, wq_new)) * scale      # [D]
     k = _l2norm(_conv_out(win_k, wk_win, x_k, wk_new))
     v = _conv_out(win_v, wv_win, x_v, wv_new)                       # [BV]
     g = tl.sum(f_b.to(tl.float32) * f_a[None, :], axis=1) + dt_b    # [D] gate pre-activation
-    g = neg_a * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))      # log decay (<= 0)
-    gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)        # [BV] output gate
+    if LOWER_BOUND != 0.0:                                          # log decay (<= 0)
+        g = LOWER_BOUND * tl.sigmoid(-neg_a * g)
+    else:
+        g = neg_a * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+    if not FULL_RANK_GATE:
+        gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)    # [BV] output gate
     beta = tl.sigmoid(b_logit)
     # ---- gated delta rule on the program's value columns
     S = S * tl.exp(g)[:, None]

@@ -93,13 +93,28 @@ def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def situ_reference(x: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """x: [M, 2K] = [gate | up] -> Kimi K3's SiTU(gate, up) in fp32 (fp64 stays fp64), rounded
+    to x.dtype: [M, K] (kernels/reference.py situ_and_mul)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    gate, up = x.to(acc).chunk(2, dim=-1)
+    g = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return (g * up).to(x.dtype)
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor,
-                   out_dtype: torch.dtype | None = None, swiglu: bool = False) -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, swiglu: bool = False,
+                   situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     """F.linear(x.float(), weight.float()) cast to out_dtype (default x.dtype): [M, N]; with
-    swiglu, x is [M, 2K] and swiglu_reference(x) takes its place.
+    swiglu, x is [M, 2K] and swiglu_reference(x) takes its place; with situ = (beta,
+    linear_beta), x is [M, 2K] and situ_reference(x, *situ) takes its place.
 
     fp64 inputs stay fp64 (the checks use that to keep TF32 out of the reference)."""
-    if swiglu:
+    if situ is not None:
+        x = situ_reference(x, *situ)
+    elif swiglu:
         x = swiglu_reference(x)
     acc = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
     y = torch.nn.functional.linear(x.to(acc), weight.to(acc))     # [M, N]
@@ -162,7 +177,8 @@ def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
          out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
-         pdl: bool = False, swiglu: bool = False) -> torch.Tensor:
+         pdl: bool = False, swiglu: bool = False,
+         situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     """y = x @ weight.T with fp32 accumulation.
 
     x: [M, K], 1 <= M <= 4, bf16/fp16/fp32, last dim contiguous (rows may be strided).
@@ -175,9 +191,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     are the same as with pdl=False. Returns out ([M, N]).
     swiglu: x is [M, 2K] = [gate | up] (a SwiGLU MLP's gate/up projection) and the product
     reads silu(gate) * up, rounded to x.dtype, in place of x (gemv_reference(swiglu=True)).
+    situ: (beta, linear_beta): as swiglu with Kimi K3's SiTU in place of silu(gate) * up
+    (gemv_reference(situ=...)); both are constants of the model (each pair compiles once).
     """
     if config is not None:
         check_config(config)
+    if situ is not None:
+        swiglu = True
     if swiglu:
         if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != 2 * weight.shape[1]:
             raise ValueError(f"swiglu: x must be [M, 2K] for weight [N, K], got "
@@ -191,7 +211,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
     if N == 0:
         return out
     cfg = config or default_config(M, N, K, weight.dtype, x.device)
-    _launch(x, weight, out, cfg, pdl, batch=1, batch_strides=(0, 0, 0), swiglu=swiglu)
+    _launch(x, weight, out, cfg, pdl, batch=1, batch_strides=(0, 0, 0), swiglu=swiglu,
+            situ=situ)
     return out
 
 
@@ -230,7 +251,7 @@ def gemv_batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvConfig,
             pdl: bool, batch: int, batch_strides: tuple[int, int, int],
-            swiglu: bool = False) -> None:
+            swiglu: bool = False, situ: tuple[float, float | None] | None = None) -> None:
     """gemv_kernel over (cdiv(N, block_n), batch) programs; x / weight / out are batch entry 0
     ([M, K] / [N, K] / [M, N]) and batch_strides step to the next entry of each."""
     require_triton()
@@ -243,4 +264,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: GemvC
         x, weight, out, N, K, x.stride(0), weight.stride(0), out.stride(0), *batch_strides,
         M=M, BLOCK_M=next_power_of_2(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=K % cfg.block_k == 0, PREFETCH=prefetch, STAGES=cfg.num_stages, SWIGLU=swiglu,
+        **({} if situ is None else dict(SITU=True, SITU_BETA=float(situ[0]),
+                                        SITU_LINEAR_BETA=float(situ[1] or 0.0))),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
