@@ -99,7 +99,8 @@ def _delta_rule_into(q, k, v, g_raw, beta_logits, gate, md: AttentionMetadata, r
     if q.is_cuda:
         _delta_rule_cuda(q, k, v, g_raw, beta_logits, gate, md, rec_cache, o)
         return
-    g, beta = gate.activate_with_beta(g_raw, beta_logits)             # [T, H, K], [T, H] fp32
+    g = gate.activate(g_raw)                                          # [T, H, K] fp32
+    beta = torch.sigmoid(beta_logits.float())                         # [T, H]
     state_ids = md.state_indices.tolist()
     has_init = md.has_initial_state.tolist()
     exports = kda_checkpoint.exports_by_request(md)

@@ -184,8 +184,7 @@ def k3_checkpoint(args: KimiLinearArgs, seed: int = 0) -> dict[str, torch.Tensor
     from kdaserve.models.make_model import random_tensors
 
     plain = dataclasses.replace(args, expert_quantization=None)
-    fused = random_tensors(expected_tensors(plain, torch.bfloat16, include_mtp=True), seed,
-                           args.num_hidden_layers)
+    fused = random_tensors(expected_tensors(plain, torch.bfloat16, include_mtp=True), seed)
     out: dict[str, torch.Tensor] = {}
     for name, t in fused.items():
         for k3_name, tensor in _k3_names(name, t, args):

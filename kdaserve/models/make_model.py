@@ -5,11 +5,7 @@ kimi-k3-mini,kimi-k3}`: write a synthetic HF-style Kimi Linear or Kimi K3 model 
 The folder holds config.json, generation_config.json, a byte-level BPE tokenizer trained on the
 text shipped in kdaserve/data/ (tokenizer.json + tokenizer_config.json with a Kimi-style chat
 template, also chat_template.jinja) and, for tiny / tiny-mtp / small, random weights in
-transformers >= 5.17 naming (model.safetensors): N(0, 0.02) matrices with the projections that
-write into the residual stream scaled by 1 / sqrt(2 * layers) (RESIDUAL_OUTPUTS, as GPT-2 /
-Megatron initialise), so each layer's update is small next to the stream as in a trained model
-(with every matrix at one std the random model amplifies any perturbation, e.g. MXFP4's weight
-error, far beyond what a checkpoint shows). tiny-mtp is tiny plus one MTP layer
+transformers >= 5.17 naming (model.safetensors). tiny-mtp is tiny plus one MTP layer
 (num_nextn_predict_layers=1, its tensors at model.layers.4: the "mtp" drafter's test model; the
 other tensors equal tiny's). The 48B preset writes the real architecture's config and the tokenizer
 only: serve it with `--load-format dummy`. The Kimi K3 presets are models/make_k3.py.
@@ -169,21 +165,11 @@ def preset_config(preset: str, tokenizer) -> dict:
 
 _NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
 INIT_STD = 0.02
-RESIDUAL_OUTPUTS = ("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
-                    "experts.down_proj", "routed_expert_up_proj.weight")
-"""The projections that write a layer's output into the residual stream (with AttnRes: into
-the block sums): drawn with std / sqrt(2 * num_hidden_layers), GPT-2 / Megatron's scaled init.
-Trained models add updates small next to the stream; with every projection at one std each
-layer's output is as large as its input, and a small perturbation anywhere (MXFP4 experts'
-weight error, a flipped routing choice) reaches the logits at full size, so measurements
-on the random weights (KL(bf16 || MXFP4)) would describe no trained model."""
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator,
-                   num_layers: int | None = None) -> torch.Tensor:
-    """One tensor of a fresh model, fp32: N(0, 0.02) matrices (RESIDUAL_OUTPUTS / sqrt(2 *
-    num_layers) when num_layers is given), unit norms, and the FLA-style A_log / dt_bias init
-    transformers uses (A = U(1, 16), dt = logU(1e-3, 1e-1) as softplus^-1)."""
+def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One tensor of a fresh model, fp32: N(0, 0.02) matrices, unit norms, and the FLA-style
+    A_log / dt_bias init transformers uses (A = U(1, 16), dt = logU(1e-3, 1e-1) as softplus^-1)."""
     if name.endswith(_NORM_SUFFIXES):
         return torch.ones(shape)
     if name.endswith(".e_score_correction_bias"):
@@ -194,28 +180,23 @@ def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator,
         dt = torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
         dt = dt.exp().clamp_min(1e-4)
         return dt + torch.log(-torch.expm1(-dt))
-    std = INIT_STD
-    if num_layers and name.endswith(RESIDUAL_OUTPUTS):
-        std /= math.sqrt(2 * num_layers)
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+    return torch.empty(shape).normal_(0.0, INIT_STD, generator=gen)
 
 
 def random_weights(args: KimiLinearArgs, seed: int = 0, dtype: torch.dtype = torch.bfloat16
                    ) -> dict[str, torch.Tensor]:
     """A full random state dict for `args` in transformers >= 5.17 naming (fp32 where the model
-    keeps fp32), output projections depth-scaled. Each tensor is seeded by (seed, name): the
-    same name gives the same values."""
-    return random_tensors(expected_tensors(args, dtype), seed, args.num_hidden_layers)
+    keeps fp32). Each tensor is seeded by (seed, name): the same name gives the same values."""
+    return random_tensors(expected_tensors(args, dtype), seed)
 
 
-def random_tensors(expected: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0,
-                   num_layers: int | None = None) -> dict[str, torch.Tensor]:
-    """name -> (shape, dtype) to random tensors, each seeded by (seed, name); num_layers: the
-    model's depth, for the scaled init of RESIDUAL_OUTPUTS (None: every matrix at INIT_STD)."""
+def random_tensors(expected: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0
+                   ) -> dict[str, torch.Tensor]:
+    """name -> (shape, dtype) to random tensors, each seeded by (seed, name)."""
     out = {}
     for name, (shape, dt) in expected.items():
         gen = torch.Generator().manual_seed(tensor_seed(seed, name))
-        out[name] = _random_tensor(name, shape, gen, num_layers).to(dt).contiguous()
+        out[name] = _random_tensor(name, shape, gen).to(dt).contiguous()
     return out
 
 
@@ -250,8 +231,7 @@ def make_model(out_dir: str, preset: str = "tiny", seed: int = 0) -> str:
     if preset in _PRESET_ARCH:
         from safetensors.torch import save_file
 
-        weights = random_tensors(expected_tensors(args, torch.bfloat16, include_mtp=True), seed,
-                                 args.num_hidden_layers)
+        weights = random_tensors(expected_tensors(args, torch.bfloat16, include_mtp=True), seed)
         save_file(weights, os.path.join(out_dir, "model.safetensors"),
                   metadata={"format": "pt"})
     return out_dir

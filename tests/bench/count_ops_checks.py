@@ -44,11 +44,12 @@ def main() -> None:
     mlps = args.num_hidden_layers                    # the dense MLP + one shared MLP per MoE
     assert rows["MLP"]["triton"] == {"situ_and_mul_kernel": mlps}, rows["MLP"]
     assert rows["MLP"]["aten"] == {"mm": 2 * mlps}, rows["MLP"]   # gate|up and down
-    kda, mla = len(args.kda_layer_ids), len(args.mla_layer_ids)
-    assert rows["KimiDeltaAttention"]["triton"] == {"kda_gate_beta_kernel": kda}
+    mla = len(args.mla_layer_ids)
     assert rows["MLAttention"]["triton"] == {"sigmoid_gate_kernel": mla}
     assert "sigmoid" not in rows["MLAttention"]["aten"]
-    assert "sigmoid" not in rows["KimiDeltaAttention"]["aten"]
+    # KDA's CPU path stays the reference (its bounded gate kernel serves the CUDA path's
+    # prefills; CUDA decodes run the one-launch fused decode)
+    assert rows["KimiDeltaAttention"] == ref_rows["KimiDeltaAttention"]
     print(co.format_table(ref_rows))
     print(co.format_table(rows))
     print("ok")

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """benchmarks/bench_k3.py's KL stage on the CPU with kimi-k3-tiny: the script runs end to end
 and writes its figures, and its pieces do what the figure's definition needs (the MXFP4 twin
-is the bf16 model with exactly its experts quantised; the weights have the depth-scaled
-output projections). A test of the script, not of the issue's KL bound."""
+is the bf16 model with exactly its experts quantised; the weights are LeCun normal with the
+depth-scaled output projections). A test of the script, not of the issue's KL bound."""
 
 import importlib.util
 import json
@@ -56,7 +56,6 @@ def test_twin_is_the_quantised_model(bench_k3, k3_tiny):
     from kdaserve.kernels.mxfp4.format import quantize_mxfp4
     from kdaserve.layers.backends import select_backends
     from kdaserve.models.loader import _loadable_tensors
-    from kdaserve.models.make_model import RESIDUAL_OUTPUTS
     from kdaserve.models.registry import build_model, resolve_architecture
 
     mc = bench_k3.model_config(k3_tiny, "bf16", 64)
@@ -67,7 +66,7 @@ def test_twin_is_the_quantised_model(bench_k3, k3_tiny):
     dense.process_weights_after_loading()
     twin = bench_k3.mxfp4_twin(dense, args, torch.float32, "cpu", backends, cls)
     src, got = _loadable_tensors(dense), _loadable_tensors(twin)
-    layers = args.num_hidden_layers
+    layers, RESIDUAL_OUTPUTS = args.num_hidden_layers, bench_k3.RESIDUAL_OUTPUTS
     for name, t in got.items():
         if name.endswith("_scale"):
             continue
