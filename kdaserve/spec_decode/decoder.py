@@ -14,8 +14,8 @@ One step with spec rows (requests the scheduler gave drafts, query = [last token
   4. `propose`: drafts for the requests that sampled, returned to the engine, which hands them
      to the scheduler for the next step.
 
-Async scheduling (`device_drafts`: async_scheduling on and a proposer with `propose_device`,
-so far DSpark): the runner launches the next step before this one's output reaches the host,
+Async scheduling (`device_drafts`: async_scheduling on and a proposer with `propose_device`:
+DSpark, and the draft model with its window catch-up): the runner launches the next step before this one's output reaches the host,
 so nothing between the forward and the next launch reads a device value on the host:
 `sample_tokens` leaves the rejection sampler's output on the device (the drafts it verifies
 are read from the step's input ids, which the runner filled on the device), `commit` takes
@@ -57,6 +57,7 @@ from kdaserve.spec_decode.rejection_sampler import (
     spec_banned_ids,
     spec_logprob_dicts,
 )
+from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.metrics import SpecDecodingStats
 from kdaserve.spec_decode.ngram import NgramProposer
 from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
@@ -126,7 +127,7 @@ class SpecDecoder:
         self.verify_graphs: SpecVerifyGraphs | None = None
         """Graphs of uniform verification steps (CUDA, recover + contiguous), once captured."""
         self.device_drafts = (config.scheduler_config.async_scheduling
-                              and hasattr(self.proposer, "propose_device")
+                              and getattr(self.proposer, "device_proposals", False)
                               and sc.disable_by_batch_size is None)
         """Drafts are made and fed to the next step on the device (see the module doc): the
         engine may then schedule a step before the previous one's output is processed."""
@@ -457,27 +458,30 @@ class SpecDecoder:
 
     def propose_device(self, req_ids: list[str], states, num_computed: list[int],
                        query_lens: list[int], start: torch.Tensor, verified: torch.Tensor,
-                       sample_rows: list[int], last: torch.Tensor
+                       sample_rows: list[int], emitted: torch.Tensor, num_emitted: torch.Tensor
                        ) -> tuple[list[int], torch.Tensor | None]:
         """device_drafts: the drafter takes this step's verified positions and drafts K tokens
         for the sampling rows, all on the device. Batch rows i (states, in batch order): host
         num_computed[i] (an upper bound of the true start while a step is in flight), query_lens;
         start [N] int64 the true starts, verified [N] int64 the tokens whose target state is
-        final (query_lens, 1 + accepted drafts on a spec row); last [S] the token each sampling
-        row emitted last (sample_rows: their batch rows). Returns (the sampling rows, as indices
-        into sample_rows, that were drafted for; their drafts [S', K] int64 on the device)."""
+        final (query_lens, 1 + accepted drafts on a spec row); emitted [S, W] / num_emitted [S]
+        what each sampling row emitted (sample_rows: their batch rows). Returns (the sampling
+        rows, as indices into sample_rows, that were drafted for; their drafts [S', K] int64 on
+        the device)."""
         drafted = [not s.sampling_params.processes_logits for s in states]
         props = [j for j, i in enumerate(sample_rows) if drafted[i]]
         for i in sample_rows:
             self.draft_probs.pop(req_ids[i], None)
-        temps = [0.0 if states[sample_rows[j]].sampling_params.greedy
-                 else states[sample_rows[j]].sampling_params.temperature for j in props]
         rows = [sample_rows[j] for j in props]
-        idx = torch.tensor(props, dtype=torch.long).to(last.device, non_blocking=True)
-        drafts, probs = self.proposer.propose_device(
-            [r if d else None for r, d in zip(req_ids, drafted)], num_computed, query_lens,
-            start, verified, self._step_aux, rows, last.index_select(0, idx), temps)
+        idx = torch.tensor(props, dtype=torch.long).to(emitted.device, non_blocking=True)
+        step = DeviceStep(
+            [r if d else None for r, d in zip(req_ids, drafted)], [s.token_ids for s in states],
+            num_computed, query_lens, start, verified, self._step_aux, rows,
+            emitted.index_select(0, idx), num_emitted.index_select(0, idx),
+            [0.0 if states[i].sampling_params.greedy else states[i].sampling_params.temperature
+             for i in rows])
         self._step_aux = None
+        drafts, probs = self.proposer.propose_device(step)
         if probs is not None:
             for j, i in enumerate(rows):
                 self.draft_probs[req_ids[i]] = probs[j]

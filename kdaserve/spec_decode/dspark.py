@@ -34,12 +34,15 @@ import numpy as np
 import torch
 
 from kdaserve.models.dspark import DSparkModel
+from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.draft_model import DraftProposal, sample_drafts
 from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer, HiddenRequest
 
 
 class DSparkProposer(HiddenConditionedProposer):
     label = "DSpark"
+    device_proposals = True
+    """propose_device works (async scheduling)."""
 
     model: DSparkModel
 
@@ -99,17 +102,13 @@ class DSparkProposer(HiddenConditionedProposer):
         return self._proposal(drafts, probs, max_drafts)
 
     @torch.inference_mode()
-    def propose_device(self, req_ids: list[str | None], num_computed: list[int],
-                       query_lens: list[int], start: torch.Tensor, verified: torch.Tensor,
-                       aux: torch.Tensor, sample_rows: list[int], last: torch.Tensor,
-                       temperatures: list[float]) -> tuple[torch.Tensor | None,
-                                                           torch.Tensor | None]:
-        """One step's batch rows i: req_ids[i] (None: not drafted for, nothing stored),
-        num_computed[i] / query_lens[i] on the host (num_computed an upper bound of the true
-        start), start [N] int64 the true starts and verified [N] int64 the leading positions
-        whose target state is final, on the device; aux [T, W] the step's aux rows.
-        sample_rows: the rows to draft for, last [S] their last emitted tokens. Returns
-        (drafts [S, K] int64, q [S, K, V] or None), both on the device (None, None: S = 0)."""
+    def propose_device(self, step: DeviceStep) -> tuple[torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """Store the context of the positions `step` verified, then draft K tokens per sampling
+        row from its last token. Returns (drafts [S, K] int64, q [S, K, V] or None), both on
+        the device (None, None: S = 0)."""
+        req_ids, num_computed, query_lens = step.req_ids, step.num_computed, step.query_lens
+        start, verified, aux, sample_rows = step.start, step.verified, step.aux, step.sample_rows
         bs, k, dev = self.block_size, self.k, self.device
         kv = list(self.caches.mla_kv)
         for rid, c, q in zip(req_ids, num_computed, query_lens):
@@ -152,6 +151,7 @@ class DSparkProposer(HiddenConditionedProposer):
         pos = (pos0[:, None] + torch.arange(k, device=dev)).reshape(-1)         # [S * K]
         tab = table.index_select(0, rows).repeat_interleave(k, dim=0)           # [S * K, W]
         ids = torch.full((s, k), self.model.cfg.mask_token_id, dtype=torch.long, device=dev)
+        last = step.last
         ids[:, 0] = last
         seq_lens = (pos0 + k).repeat_interleave(k).int()
         hidden = self.model.forward_block(ids.reshape(-1), kv, self._slots(tab, pos),
@@ -159,7 +159,7 @@ class DSparkProposer(HiddenConditionedProposer):
         base = self.model.base_logits(hidden).view(s, k, -1)                    # [S, K, V]
 
         # 3. the Markov head, left to right
-        temps = torch.tensor(temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+        temps = torch.tensor(step.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
         prev, drafts, probs = last, [], []
         for j in range(k):
             _, bias = self.model.markov_bias(prev)

@@ -185,8 +185,9 @@ def launch_step(runner: "ModelRunner", step: LaunchedStep, hidden: torch.Tensor,
     verified = to_device(batch.query_lens, torch.long, dev)                    # [N]
     rows = batch.sample_rows
     if not rows:   # the drafter still takes the positions this step computed
+        none = verified[:0]
         spec.propose_device(batch.req_ids, step.states, batch.num_computed, batch.query_lens,
-                            runner._step_start, verified, [], verified[:0])
+                            runner._step_start, verified, [], none[:, None], none)
         step.output = ModelRunnerOutput(req_ids=batch.req_ids,
                                         sampled_token_ids=[[] for _ in batch.req_ids],
                                         logprobs=[None] * len(batch.req_ids))
@@ -204,7 +205,8 @@ def launch_step(runner: "ModelRunner", step: LaunchedStep, hidden: torch.Tensor,
         out = spec.sample_tokens(logits, sample_states, drafts, sampling, draft_ids)
         emitted = out.num_accepted.index_select(0, to_device(spec_rows, torch.long, dev)) + 1
         spec.commit(runner.caches, emitted)
-        last = out.output_token_ids.gather(1, out.num_accepted[:, None]).squeeze(1)   # [S]
+        tokens, num_emitted = out.output_token_ids, out.num_accepted + 1        # [S, *], [S]
+        last = tokens.gather(1, out.num_accepted[:, None]).squeeze(1)            # [S]
         rejected = to_device([len(d) for d in drafts], torch.long, dev) - out.num_accepted
         verified.index_copy_(0, to_device([rows[j] for j in spec_rows], torch.long, dev),
                              emitted)
@@ -221,13 +223,14 @@ def launch_step(runner: "ModelRunner", step: LaunchedStep, hidden: torch.Tensor,
     else:
         out = runner.sampler(logits, sampling)
         last = out.sampled_token_ids                                          # [S]
+        tokens, num_emitted = last[:, None], torch.ones_like(last)
         rejected = torch.zeros_like(last)
         step.host = to_host(out)
     slots = to_device([s.state_slot for s in sample_states], torch.long, dev)
     runner.carry.record(slots, last, rejected)
     props, proposal = spec.propose_device(batch.req_ids, step.states, batch.num_computed,
                                           batch.query_lens, runner._step_start, verified,
-                                          rows, last)
+                                          rows, tokens, num_emitted)
     if props:
         runner.carry.record_drafts(slots.index_select(0, to_device(props, torch.long, dev)),
                                    proposal)
