@@ -15,8 +15,9 @@ One step with spec rows (requests the scheduler gave drafts, query = [last token
      to the scheduler for the next step.
 
 Async scheduling (`device_drafts`: async_scheduling on and a proposer with `propose_device`:
-DSpark, and the draft model with its window catch-up): the runner launches the next step before this one's output reaches the host,
-so nothing between the forward and the next launch reads a device value on the host:
+DSpark, and the draft model with its window catch-up): the runner launches the next step
+before this one's output reaches the host, so nothing between the forward and the next launch
+reads a device value on the host:
 `sample_tokens` leaves the rejection sampler's output on the device (the drafts it verifies
 are read from the step's input ids, which the runner filled on the device), `commit` takes
 the emitted counts as a device tensor, `propose_device` stores the drafter's context of this
@@ -284,7 +285,7 @@ class SpecDecoder:
             rows = [[s] + list(range(base + s * self.k, base + (s + 1) * self.k)) for s in own]
         else:
             rows = own
-        idx = torch.tensor(rows, dtype=torch.int32, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.int32).to(self.device, non_blocking=True)
         md.spec = build_spec_step(md, is_spec, idx, self.layout, self.per_position)
         row_of = {b: j for j, b in enumerate(i for i, f in enumerate(is_spec) if f)}
         self._pending = _PendingCommit(md.spec, own,
@@ -394,7 +395,7 @@ class SpecDecoder:
             n[:num_accepted.shape[0]] = num_accepted
         else:
             num_accepted = list(num_accepted) + [0] * max(0, p.pad_to - len(num_accepted))
-            n = torch.tensor(num_accepted, dtype=torch.int64, device=self.device)
+            n = torch.tensor(num_accepted, dtype=torch.int64).to(self.device, non_blocking=True)
         if p.exports:
             self._export_first_token(caches, p)
         kda_spec.commit(p.step, caches.kda_recurrent, caches.kda_conv, n)
@@ -411,8 +412,8 @@ class SpecDecoder:
             caches.copy_state(p.own_slots[j], dst)
             slots[j], n[j] = dst, 1
         kda_spec.commit(p.step, caches.kda_recurrent, caches.kda_conv,
-                        torch.tensor(n, dtype=torch.int64, device=self.device),
-                        torch.tensor(slots, dtype=torch.int32, device=self.device))
+                        torch.tensor(n, dtype=torch.int64).to(self.device, non_blocking=True),
+                        torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True))
 
     # -----------------------------------------------------------------------------------------
     # Drafts

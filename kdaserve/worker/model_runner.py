@@ -403,7 +403,7 @@ class ModelRunner:
                                  [s.state_slot for s in states], list(spec_exports))
             if fix is not None:
                 correct_spec_rows(md, fix, fix_tok, [bool(d) for d in batch.drafts])
-        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        ids = to_device(batch.input_ids, torch.long, self.device)
         if carry is not None:
             self.carry.patch_ids(ids, carry)
         else:
@@ -422,7 +422,7 @@ class ModelRunner:
             hidden = self.model(ids, ctx)
         rows = [t for i in batch.sample_rows
                 for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]
-        return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return hidden[to_device(rows, torch.long, self.device)]
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]

@@ -312,10 +312,10 @@ def test_dspark_with_prefix_cache_hit_equals_plain(make_ds_llm, dspark_dir, asyn
     if async_on:
         propose = drafter.propose_device
 
-        def spy_device(req_ids, num_computed, *args):
-            late_starts.extend(c for r, c in zip(req_ids, num_computed)
+        def spy_device(step):
+            late_starts.extend(c for r, c in zip(step.req_ids, step.num_computed)
                                if r is not None and r not in drafter.requests and c > 0)
-            return propose(req_ids, num_computed, *args)
+            return propose(step)
         drafter.propose_device = spy_device
     else:
         add = drafter.add_hidden

@@ -1,17 +1,17 @@
 """Async scheduling under speculative decoding (tiny presets, CPU fp32).
 
-With device drafts (DSpark, the draft model) step N+1 is launched before step N's output is processed: the
-scheduler gives placeholder drafts and worst-case positions, the runner reads step N+1's
-windows and true positions on the device (worker/spec_async.py). Checked here: greedy output
-with async on equals off (and the plain output) in every KDA state mode and batch layout, with
-spec rows, prefills and non-speculating rows mixed, requests finishing mid-draft (max_tokens,
-EOS / stop tokens, stop strings), preemption and abort mid-draft, nothing leaked (the fixtures
-check every pool and the drafter); the overlap really happens (a step is launched while the
-previous one is in flight, with positions fixed on the device); the drafters that still need
-the host (ngram, MTP, the draft model's varlen catch-up) and penalties run one step at a time with unchanged output;
-sampled output with probabilistic drafts under async follows the target distribution
-(chi-square); the rejection sampler and the launch of an overlapped step read nothing back
-from the device."""
+With device drafts (DSpark, the draft model) step N+1 is launched before step N's output is
+processed: the scheduler gives placeholder drafts and worst-case positions, the runner reads
+step N+1's windows and true positions on the device (worker/spec_async.py). Checked here:
+greedy output with async on equals off (and the plain output) in every KDA state mode and batch
+layout, with spec rows, prefills and non-speculating rows mixed, requests finishing mid-draft
+(max_tokens, EOS / stop tokens, stop strings), preemption and abort mid-draft, nothing leaked
+(the fixtures check every pool and the drafter); the overlap really happens (a step is launched
+while the previous one is in flight, with positions fixed on the device); the drafters that
+still need the host (ngram, MTP, the draft model's varlen catch-up) and penalties run one step
+at a time with unchanged output; sampled output with probabilistic drafts under async follows
+the target distribution (chi-square); the rejection sampler and the launch of an overlapped
+step read nothing back from the device."""
 
 from __future__ import annotations
 
