@@ -366,16 +366,21 @@ def test_rejection_sampler_reads_nothing_back():
     assert out.output_token_ids.shape == (4, 4)
 
 
-def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir):
+@pytest.mark.parametrize("method", ["dspark", "draft_model"])
+def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir, draft_dirs, method):
     """While a speculative step is in flight the next one is launched: its sampling, commit,
-    carry and proposal code (everything outside the CPU reference backends, which read
-    device values by design) makes no host read."""
-    llm = make_ds_llm(speculative_config=_dspark(dspark_dir, draft_sample_method="probabilistic"))
+    carry and proposal code makes no host read. (Not counted: the CPU reference backends,
+    which read device values by design, and the metadata builder, which reads its own host
+    `_cpu` tensors: on the CPU the two cannot be told apart.)"""
+    spec = (_dspark(dspark_dir, draft_sample_method="probabilistic") if method == "dspark"
+            else _draft_model(draft_dirs, draft_sample_method="probabilistic"))
+    llm = make_ds_llm(speculative_config=spec)
     runner = llm.llm_engine.model_runner
     launch, seen = runner.launch, []
     files = ("spec_decode/rejection_sampler.py", "spec_decode/decoder.py",
              "spec_decode/dspark.py", "spec_decode/draft_model.py", "worker/spec_async.py",
-             "sample/sampler.py")
+             "spec_decode/draft_catchup.py", "spec_decode/draft_graphs.py",
+             "spec_decode/verify_graphs.py", "sample/sampler.py")
 
     def counted(so):
         in_flight = any(s.num_pending for s in runner.requests.values())
@@ -389,3 +394,53 @@ def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir):
     llm.generate([{"prompt_token_ids": p} for p in _prompts()[:3]], params, use_tqdm=False)
     assert seen, "no speculative step was launched with another in flight"
     assert all(c == [] for c in seen), [c for c in seen if c][:1]
+
+
+def test_graph_paths_with_device_drafts(make_ds_llm, plain, draft_dirs):
+    """The CUDA-graph paths under async scheduling, run eagerly over the same buffers on the
+    CPU: the target's verification windows (host fill, then the carry's ids and the fixed
+    positions patched into the buffers; the commit from the device counts) and the draft
+    model's one-token steps at device positions. Output: the plain greedy one."""
+    from kdaserve.attention.forward_context import ForwardContext
+    from kdaserve.spec_decode.draft_graphs import DraftDecodeGraphs
+    from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
+
+    class EagerSpecGraphs(SpecVerifyGraphs):
+        def capture(self):
+            self.mds = {bs: self._metadata(bs) for bs in self.sizes}
+
+        def _run(self, bs):
+            md = self.mds[bs]
+            return self._forward(bs, md), md.spec
+
+        def _replay_commit(self, bs, step):
+            self._commit_work(bs, step)
+
+    class EagerDraftGraphs(DraftDecodeGraphs):
+        def _run(self, size):
+            return self.model.compute_logits(self.model(
+                self.input_ids[:size], ForwardContext(self._metadata(size), self.caches)))
+
+    llm = make_ds_llm(speculative_config=_draft_model(draft_dirs), max_num_seqs=8)
+    runner = llm.llm_engine.model_runner
+    runner.graphs = CudaGraphManager(8, pdl=False)   # the CPU run keeps no graphs
+    vg = runner.spec.verify_graphs = EagerSpecGraphs(
+        runner.graphs, runner.model, runner.caches, runner.spec.k, runner.num_slots,
+        runner.block_size, runner.config.scheduler_config.max_model_len, runner.device)
+    vg.capture()
+    d = runner.spec.proposer
+    d.graphs = EagerDraftGraphs(d.model, d.caches, 2 * d.max_num_seqs, d.block_size,
+                                d.max_blocks_per_req, d.max_num_seqs, d.max_model_len, d.device)
+    patched, run = [], vg.run
+
+    def record(batch, states, patch=None):
+        patched.append(patch is not None and batch.carry.corrected)
+        return run(batch, states, patch)
+    vg.run = record
+    steps, step_device = [], d.graphs.step_device
+    d.graphs.step_device = lambda *a: (steps.append(1), step_device(*a))[1]
+    calls, _ = _record(llm)
+    assert _drive(llm, _prompts(), _params()) == plain
+    assert any(patched), "no verification graph took its positions from the step in flight"
+    assert steps and "LL" in "".join(calls)
