@@ -457,18 +457,18 @@ class SpecDecoder:
                     start += len(d)
         return {s.req_id: d for s, d in zip(reqs, drafts) if d}
 
-    def propose_device(self, req_ids: list[str], states, num_computed: list[int],
-                       query_lens: list[int], start: torch.Tensor, verified: torch.Tensor,
-                       sample_rows: list[int], emitted: torch.Tensor, num_emitted: torch.Tensor
-                       ) -> tuple[list[int], torch.Tensor | None]:
+    def propose_device(self, batch: "StepBatch", states, start: torch.Tensor,
+                       verified: torch.Tensor, input_ids: torch.Tensor, emitted: torch.Tensor,
+                       num_emitted: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """device_drafts: the drafter takes this step's verified positions and drafts K tokens
         for the sampling rows, all on the device. Batch rows i (states, in batch order): host
-        num_computed[i] (an upper bound of the true start while a step is in flight), query_lens;
+        batch.num_computed[i] (an upper bound of the true start while a step is in flight);
         start [N] int64 the true starts, verified [N] int64 the tokens whose target state is
-        final (query_lens, 1 + accepted drafts on a spec row); emitted [S, W] / num_emitted [S]
-        what each sampling row emitted (sample_rows: their batch rows). Returns (the sampling
-        rows, as indices into sample_rows, that were drafted for; their drafts [S', K] int64 on
-        the device)."""
+        final (query_lens, 1 + accepted drafts on a spec row); input_ids [T]; emitted [S, W] /
+        num_emitted [S] what each sampling row (batch.sample_rows) emitted. Returns (the
+        sampling rows, as indices into sample_rows, that were drafted for; their drafts
+        [S', K] int64 on the device)."""
+        req_ids, sample_rows = batch.req_ids, batch.sample_rows
         drafted = [not s.sampling_params.processes_logits for s in states]
         props = [j for j, i in enumerate(sample_rows) if drafted[i]]
         for i in sample_rows:
@@ -477,10 +477,10 @@ class SpecDecoder:
         idx = torch.tensor(props, dtype=torch.long).to(emitted.device, non_blocking=True)
         step = DeviceStep(
             [r if d else None for r, d in zip(req_ids, drafted)], [s.token_ids for s in states],
-            num_computed, query_lens, start, verified, self._step_aux, rows,
+            batch.num_computed, batch.query_lens, start, verified, self._step_aux, rows,
             emitted.index_select(0, idx), num_emitted.index_select(0, idx),
             [0.0 if states[i].sampling_params.greedy else states[i].sampling_params.temperature
-             for i in rows])
+             for i in rows], input_ids, [bool(d) for d in batch.drafts])
         self._step_aux = None
         drafts, probs = self.proposer.propose_device(step)
         if probs is not None:

@@ -39,6 +39,10 @@ class DeviceStep:
     """[S] int64 (device), >= 1."""
     temperatures: list[float]
     """[S] the rows' temperatures (0: greedy)."""
+    input_ids: torch.Tensor | None = None
+    """[T] int64 (device): the step's input ids."""
+    is_spec: list[bool] | None = None
+    """Per batch row: it verified drafts (its verified count is known on the device only)."""
 
     @property
     def last(self) -> torch.Tensor:

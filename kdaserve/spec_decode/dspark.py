@@ -36,7 +36,7 @@ import torch
 from kdaserve.models.dspark import DSparkModel
 from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.draft_model import DraftProposal, sample_drafts
-from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer, HiddenRequest
+from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer
 
 
 class DSparkProposer(HiddenConditionedProposer):
@@ -121,14 +121,7 @@ class DSparkProposer(HiddenConditionedProposer):
             self._admit_device(rid, c + q)
         # 1. context latents of the verified positions (the others: slot -1, not written)
         n = len(req_ids)
-        width = max([len(self.requests[r].block_ids) for r in req_ids if r is not None],
-                    default=1)
-        table = torch.zeros(n, width, dtype=torch.long)
-        for i, r in enumerate(req_ids):
-            if r is not None:
-                ids = self.requests[r].block_ids
-                table[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-        table = table.to(dev, non_blocking=True)
+        table = self._device_table(req_ids)                                    # [N, W]
         lens = np.asarray(query_lens, dtype=np.int64)
         tok_row_np = np.repeat(np.arange(n), lens)
         tok_off_np = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
@@ -170,28 +163,3 @@ class DSparkProposer(HiddenConditionedProposer):
         q_all = None if self.sample_method == "greedy" else torch.stack(probs, dim=1)
         return torch.stack(drafts, dim=1), q_all
 
-    def _admit_device(self, req_id: str, num_tokens: int) -> HiddenRequest:
-        """The request's state with blocks for positions < num_tokens + K (the block of a
-        proposal from a window ending there)."""
-        if num_tokens > self.max_model_len + self.k:
-            raise ValueError(f"request {req_id!r} reaches position {num_tokens}, over the "
-                             f"drafter's max_model_len {self.max_model_len}")
-        req = self._get(req_id)
-        need = -(-(num_tokens + self.k) // self.block_size)
-        if need > len(req.block_ids):
-            req.block_ids.extend(self._blocks.take(need - len(req.block_ids),
-                                                   f"{self.label} KV blocks"))
-        return req
-
-    def _slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Cache slots of positions pos [R] through block-table rows [R, W] (device)."""
-        col = (pos // self.block_size).clamp(max=table.shape[1] - 1)
-        return table.gather(1, col[:, None]).squeeze(1) * self.block_size + pos % self.block_size
-
-    # -----------------------------------------------------------------------------------------
-
-    def _slot(self, req: HiddenRequest, pos: int) -> int:
-        return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _tensor(self, xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=self.device)

@@ -381,6 +381,7 @@ class ModelRunner:
             bs = self.decode_graphs.load(batch, states)
             if carry is not None:
                 self.carry.patch_ids(self.decode_graphs.input_ids, carry)
+                self._step_ids = self.decode_graphs.input_ids[:n]
             else:
                 self.patch_pending_inputs(self.decode_graphs.input_ids, batch)
             return self.decode_graphs.replay(bs, batch)

@@ -186,8 +186,8 @@ def launch_step(runner: "ModelRunner", step: LaunchedStep, hidden: torch.Tensor,
     rows = batch.sample_rows
     if not rows:   # the drafter still takes the positions this step computed
         none = verified[:0]
-        spec.propose_device(batch.req_ids, step.states, batch.num_computed, batch.query_lens,
-                            runner._step_start, verified, [], none[:, None], none)
+        spec.propose_device(batch, step.states, runner._step_start, verified,
+                            runner._step_ids, none[:, None], none)
         step.output = ModelRunnerOutput(req_ids=batch.req_ids,
                                         sampled_token_ids=[[] for _ in batch.req_ids],
                                         logprobs=[None] * len(batch.req_ids))
@@ -228,9 +228,8 @@ def launch_step(runner: "ModelRunner", step: LaunchedStep, hidden: torch.Tensor,
         step.host = to_host(out)
     slots = to_device([s.state_slot for s in sample_states], torch.long, dev)
     runner.carry.record(slots, last, rejected)
-    props, proposal = spec.propose_device(batch.req_ids, step.states, batch.num_computed,
-                                          batch.query_lens, runner._step_start, verified,
-                                          rows, tokens, num_emitted)
+    props, proposal = spec.propose_device(batch, step.states, runner._step_start, verified,
+                                          runner._step_ids, tokens, num_emitted)
     if props:
         runner.carry.record_drafts(slots.index_select(0, to_device(props, torch.long, dev)),
                                    proposal)

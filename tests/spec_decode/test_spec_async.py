@@ -1,6 +1,6 @@
 """Async scheduling under speculative decoding (tiny presets, CPU fp32).
 
-With device drafts (DSpark, the draft model) step N+1 is launched before step N's output is
+With device drafts (DSpark, MTP, the draft model) step N+1 is launched before step N's output is
 processed: the scheduler gives placeholder drafts and worst-case positions, the runner reads
 step N+1's windows and true positions on the device (worker/spec_async.py). Checked here:
 greedy output with async on equals off (and the plain output) in every KDA state mode and batch
@@ -8,7 +8,7 @@ layout, with spec rows, prefills and non-speculating rows mixed, requests finish
 (max_tokens, EOS / stop tokens, stop strings), preemption and abort mid-draft, nothing leaked
 (the fixtures check every pool and the drafter); the overlap really happens (a step is launched
 while the previous one is in flight, with positions fixed on the device); the drafters that
-still need the host (ngram, MTP, the draft model's varlen catch-up) and penalties run one step
+still need the host (ngram, the draft model's varlen catch-up) and penalties run one step
 at a time with unchanged output; sampled output with probabilistic drafts under async follows
 the target distribution (chi-square); the rejection sampler and the launch of an overlapped
 step read nothing back from the device."""
@@ -217,12 +217,73 @@ def test_penalties_run_one_step_at_a_time(make_ds_llm, dspark_dir):
     assert "LL" not in "".join(calls)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model-varlen", "mtp"])
-def test_host_drafters_run_one_step_at_a_time(tiny_model_dir, tiny_mtp_dir, method):
-    """Drafters that propose from host token lists (ngram, MTP, the draft model with its
-    varlen catch-up) cannot overlap: async on keeps them on the one-at-a-time path, with the
-    output of async off."""
-    model = tiny_mtp_dir if method == "mtp" else tiny_model_dir
+@pytest.mark.parametrize("state_mode,layout", MODES)
+def test_mtp_async_equals_sync(tiny_mtp_dir, state_mode, layout):
+    """The MTP drafter proposes on the device too (its own preset: tiny-mtp)."""
+    factory = llm_factory(tiny_mtp_dir, after=assert_drafter_free)
+    make = next(factory)
+    spec = {"method": "mtp", "num_speculative_tokens": K, "kda_state_mode": state_mode,
+            "batch_layout": layout}
+    plain = _drive(make(), _prompts(), _params())
+    sync = _drive(make(speculative_config=spec, async_scheduling=False), _prompts(), _params())
+    llm = make(speculative_config=spec)
+    assert llm.llm_engine.model_runner.spec.device_drafts
+    calls, fixed = _record(llm)
+    assert _drive(llm, _prompts(), _params()) == sync == plain
+    assert "LL" in "".join(calls) and any(fixed)
+    st = llm.llm_engine.spec_decoding_stats
+    assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0, st.as_dict()
+    next(factory, None)
+
+
+def test_mtp_device_proposals_equal_a_fresh_proposer(tiny_mtp_dir):
+    """Device proposals (steps processed one at a time, so the drafts can be overridden: the
+    known greedy continuation, some right, some wrong, accepted prefixes of every length) equal
+    a fresh proposer's over the committed tokens and the target's from-scratch hidden states:
+    the entries of every verified position and none of the rejected ones."""
+    from kdaserve.spec_decode.mtp import MTPProposer
+    from tests.spec_decode.test_engine_spec import _run
+    from tests.spec_decode.test_mtp import _prenorm
+
+    factory = llm_factory(tiny_mtp_dir, after=assert_drafter_free)
+    make = next(factory)
+    plain_out = _run(make())[0]
+    llm = make(speculative_config={"method": "mtp", "num_speculative_tokens": K},
+               enable_prefix_caching=False)
+    eng, runner = llm.llm_engine, llm.llm_engine.model_runner
+    eng.engine_core._can_overlap = lambda: False
+    drafter, vocab = runner.spec.proposer, runner.args.vocab_size
+    full = [p + o for p, o in zip(_prompts(), plain_out)]
+    collect, checked = runner.collect, []
+
+    def spy(step):
+        out = collect(step)
+        for rid, d in out.draft_token_ids.items():
+            toks = runner.requests[rid].token_ids
+            fresh = MTPProposer(drafter.model, K, 1, 512, 16, "cpu", torch.float32)
+            fresh.add_hidden(rid, 0, _prenorm(runner.model, runner.args, toks[:-1]))
+            assert d == fresh.propose([rid], [toks]).draft_token_ids[0], (rid, len(toks))
+            checked.append(rid)
+            i, n = int(rid[1:]), len(toks)
+            right = full[i][n:n + len(d)]
+            keep = (n + i) % (len(d) + 1)               # accept 0..len(d) of them
+            out.draft_token_ids[rid] = right[:keep] + [(t + 1) % vocab
+                                                       for t in right[keep:]]
+        return out
+    runner.collect = spy
+    assert _run(llm)[0] == plain_out
+    st = eng.spec_decoding_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st.as_dict()
+    assert len(checked) > 20
+    next(factory, None)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model-varlen"])
+def test_host_drafters_run_one_step_at_a_time(tiny_model_dir, method):
+    """Drafters that propose from host token lists (ngram, the draft model with its varlen
+    catch-up) cannot overlap: async on keeps them on the one-at-a-time path, with the output
+    of async off."""
+    model = tiny_model_dir
     spec = {"method": method.split("-")[0], "num_speculative_tokens": K}
     if method == "draft_model-varlen":
         spec.update(model=tiny_model_dir, draft_catchup="varlen")
@@ -284,10 +345,10 @@ def test_sampled_distribution_with_probabilistic_drafts(make_ds_llm, dspark_dir)
     proposed, checked = {}, []
     propose, draft_probs = spec.propose_device, spec._draft_probs
 
-    def spy_propose(req_ids, states, nc, ql, start, verified, sample_rows, *emitted):
-        props, drafts = propose(req_ids, states, nc, ql, start, verified, sample_rows, *emitted)
+    def spy_propose(batch, *args):
+        props, drafts = propose(batch, *args)
         for j, d in zip(props, drafts):
-            rid = req_ids[sample_rows[j]]
+            rid = batch.req_ids[batch.sample_rows[j]]
             proposed[rid] = (d.clone(), spec.draft_probs[rid].clone())
         return props, drafts
 
