@@ -201,6 +201,20 @@ def test_preemption_and_abort_mid_draft(make_ds_llm, plain, dspark_dir):
     assert not drafter.requests and drafter.num_free_blocks == drafter.num_blocks
 
 
+def test_synthetic_acceptance_with_overlap(make_ds_llm, dspark_dir):
+    """The benchmark mode (synthetic acceptance) under async scheduling: every request drafts
+    K tokens each step, steps overlap, and the mean acceptance length is the one set."""
+    llm = make_ds_llm(speculative_config=_dspark(dspark_dir, rejection_sample_method="synthetic",
+                                              synthetic_acceptance_length=2.5))
+    calls, fixed = _record(llm)
+    _drive(llm, _prompts(), [SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)]
+           * len(_prompts()))
+    st = llm.llm_engine.spec_decoding_stats
+    assert st.synthetic and st.num_drafts > 50
+    assert abs(st.mean_acceptance_length - 2.5) < 0.25, st.as_dict()
+    assert "LL" in "".join(calls) and any(fixed)
+
+
 def test_penalties_run_one_step_at_a_time(make_ds_llm, dspark_dir):
     """A request with a repetition penalty (never drafted) keeps every step one at a time
     while it runs; the output is unchanged."""
