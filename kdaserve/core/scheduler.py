@@ -460,7 +460,8 @@ class Scheduler:
             spec = request.spec_token_ids
             if spec and spec[0] == DRAFT_PLACEHOLDER:
                 # [last token] + drafts, all from the step in flight: num_new - 1 drafts
-                out.scheduled_spec_decode_tokens[rid] = spec[:num_new - 1]
+                if num_new > 1:
+                    out.scheduled_spec_decode_tokens[rid] = spec[:num_new - 1]
             elif num_spec > 0 and spec:
                 out.scheduled_spec_decode_tokens[rid] = spec[:num_spec]
             request.spec_token_ids = []
