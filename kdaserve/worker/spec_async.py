@@ -25,8 +25,14 @@ Rows are "carry rows" when the scheduler gave them placeholder drafts, or when t
 starts past the tokens the host knows while a launched step that sampled for them is not
 collected yet (near max_tokens, a lone pending token). A request passed over for a step keeps
 its placeholders after its step is collected: the carry still holds exactly that proposal,
-and its positions need no fix. Everything here is fixed-shape
-index arithmetic on tensors (capturable); no value goes from the device to the host.
+and its positions need no fix. Everything here is fixed-shape index arithmetic on tensors
+(capturable); no value goes from the device to the host.
+
+Which steps overlap: those of drafters with `propose_device` (DSpark, MTP, the draft model
+with its window catch-up), as long as no running request has penalties / logit_bias, a
+grammar, or fewer outputs than its min_tokens (engine/core.py `_can_overlap`); ngram (host
+token lists), the draft model's varlen catch-up and disable_by_batch_size keep every step one
+at a time, as without async scheduling.
 """
 
 from __future__ import annotations
