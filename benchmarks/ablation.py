@@ -39,8 +39,9 @@ gemv+pdl+fused-kda-decode against 2.441 ms without the GEMV); it routes 1-2 rows
 at 4). "all-on" is the engine default.
 
 `--runs auto` (default) does all-on, all-off and the one-off runs of the switches the workload
-exercises (W1 with a draft model leaves out async-scheduling, fused-kda-decode and decode-gemv:
-every target step is a verify step; `--spec-method none`, W1-nospec, exercises them); `--runs
+exercises (W1 with a draft model leaves out fused-kda-decode and decode-gemv: every target
+step is a verify step; with ngram async-scheduling too, its steps run one at a time;
+`--spec-method none`, W1-nospec, exercises them); `--runs
 all` every one-off run; or a comma list (all-on,all-off,no-batch-layout,...).
 `--time-budget` bounds the whole invocation: it is split over runs and levels, each level's
 request count and duration cap shrink to fit; prompt and output lengths never do.
@@ -105,8 +106,8 @@ class Switch:
     """"spec" (a speculative config), "draft" (a draft-model spec config), "prefix" (prefix
     caching + a shared prefix), "decode" (any workload: decode steps; kernel switches that only
     act on a CUDA server), "plain-decode" (decode steps without spec rows: no spec config, or
-    ngram, whose steps without drafts are plain decode steps; CUDA) or "nospec" (no spec config
-    at all)."""
+    ngram, whose steps without drafts are plain decode steps; CUDA) or "overlap" (steps that
+    async scheduling can overlap: no spec config, or a drafter proposing on the device)."""
     flag_on: tuple[str, ...] = ()
     flag_off: tuple[str, ...] = ()
     config: str | None = None
@@ -166,7 +167,7 @@ SWITCHES: tuple[Switch, ...] = (
         "sampling-threshold-kernel", workload="W1", needs="decode",
         baseline="top-k / top-p by a full sort of the vocabulary per row (CUDA only; the CPU "
                  "always sorts)"),
-    Switch("async-scheduling", workload="W1", needs="nospec",
+    Switch("async-scheduling", workload="W1", needs="overlap",
            baseline="one step at a time: the next step is scheduled only after the last step's "
                     "sampled ids reached the host (the host work of each step no longer "
                     "overlaps the device work)",
@@ -246,8 +247,11 @@ def exercised(switch: Switch, spec: dict | None, prefix_caching: bool,
     """Whether the workload reaches the code the switch changes."""
     if switch.needs == "decode":
         return True
-    if switch.needs == "nospec":      # the engine steps one at a time under spec decoding
-        return spec is None
+    if switch.needs == "overlap":     # under spec decoding only drafters proposing on the
+        return spec is None or (        # device overlap steps (SpecDecoder.device_drafts)
+            spec.get("method") in ("dspark", "mtp", "draft_model")
+            and spec.get("draft_catchup", "window") == "window"
+            and spec.get("disable_by_batch_size") is None)
     if switch.needs == "plain-decode":  # verify rows take the other path; a draft model
         return spec is None or spec.get("method") != "draft_model"  # drafts every step
     if switch.needs == "spec":

@@ -12,6 +12,11 @@ from kdaserve.attention.metadata import (AttentionMetadata, KDACheckpointRequest
                                         SpecStep)
 
 
+def _h2d(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on the device, staged without waiting for the device."""
+    return t.to(device, non_blocking=True)
+
+
 def slot_mapping(table: np.ndarray, req: np.ndarray, pos: np.ndarray,
                  block_size: int) -> np.ndarray:
     """Flat latent-KV slot of each token: token i of request req[i] at position pos[i], block
@@ -24,6 +29,8 @@ def build_metadata(query_lens: list[int], num_computed: list[int],
                    block_size: int, device: torch.device | str,
                    num_decodes: int | None = None) -> AttentionMetadata:
     """Requests must already be ordered decodes first (one new token on a non-empty context).
+    Host-to-device copies are non_blocking: staged from pageable memory, they do not wait for
+    the device to finish the step before (async scheduling launches this one meanwhile).
 
     block_ids[i] (a list or an int array) covers at least num_computed[i] + query_lens[i]
     tokens. Vectorised with numpy: the slot mapping of an 8000-token prefill costs no Python
@@ -54,15 +61,15 @@ def build_metadata(query_lens: list[int], num_computed: list[int],
         num_reqs=n,
         num_decodes=num_decodes,
         num_actual_tokens=total,
-        query_start_loc=qsl_cpu.to(device),
+        query_start_loc=qsl_cpu.to(device, non_blocking=True),
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_cpu.to(device),
+        seq_lens=seq_cpu.to(device, non_blocking=True),
         seq_lens_cpu=seq_cpu,
         num_computed_tokens_cpu=torch.from_numpy(c.astype(np.int32)),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        block_table=torch.from_numpy(table).to(device),
-        state_indices=torch.tensor(state_slots, dtype=torch.int32, device=device),
-        has_initial_state=torch.from_numpy(c > 0).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
+        block_table=torch.from_numpy(table).to(device, non_blocking=True),
+        state_indices=torch.tensor(state_slots, dtype=torch.int32).to(device, non_blocking=True),
+        has_initial_state=torch.from_numpy(c > 0).to(device, non_blocking=True),
         max_query_len=int(q.max()) if n else 0,
         max_seq_len=int(seq_lens.max()) if n else 0,
     )
@@ -87,7 +94,7 @@ def build_spec_step(md: AttentionMetadata, is_spec: list[bool], idx_spec: torch.
     for n in lens:
         cu.append(cu[-1] + n)
     device = md.query_start_loc.device
-    cu_spec = torch.tensor(cu, dtype=torch.int32, device=device)
+    cu_spec = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
     md.mla_absorbed = _mla_absorbed_rows(md, spec_rows, qsl, layout == "contiguous")
     if layout == "contiguous":
         n_non = len(non_rows)
@@ -102,8 +109,8 @@ def build_spec_step(md: AttentionMetadata, is_spec: list[bool], idx_spec: torch.
     tok_non = [t for i in non_rows for t in range(qsl[i], qsl[i + 1])]
     return SpecStep(layout, per_position, len(tok_spec), cu_spec, idx_spec,
                     _gather_metadata(md, non_rows, tok_non) if non_rows else None,
-                    tok_spec=torch.tensor(tok_spec, dtype=torch.long, device=device),
-                    tok_non=torch.tensor(tok_non, dtype=torch.long, device=device))
+                    tok_spec=_h2d(torch.tensor(tok_spec, dtype=torch.long), device),
+                    tok_non=_h2d(torch.tensor(tok_non, dtype=torch.long), device))
 
 
 def _mla_absorbed_rows(md: AttentionMetadata, rows: list[int], qsl: list[int],
@@ -118,11 +125,11 @@ def _mla_absorbed_rows(md: AttentionMetadata, rows: list[int], qsl: list[int],
     tokens = None
     if not contiguous:
         tokens = torch.from_numpy(np.concatenate([np.arange(qsl[i], qsl[i + 1])
-                                                  for i in rows])).to(device)
+                                                  for i in rows])).to(device, non_blocking=True)
     return MLAAbsorbedRows(
         reqs=list(rows), token_start=qsl[rows[0]] if contiguous else None, tokens=tokens,
-        seq_lens=torch.from_numpy(seq).to(device),
-        block_table=md.block_table[torch.from_numpy(req_of_token).to(device)])
+        seq_lens=torch.from_numpy(seq).to(device, non_blocking=True),
+        block_table=md.block_table[torch.from_numpy(req_of_token).to(device, non_blocking=True)])
 
 
 def _slice_metadata(md: AttentionMetadata, n: int) -> AttentionMetadata:
@@ -144,7 +151,7 @@ def _gather_metadata(md: AttentionMetadata, rows: list[int], tok: list[int]) -> 
     """Requests `rows` of md (in order; the decodes among them must lead) as a new batch."""
     device = md.query_start_loc.device
     r_cpu = torch.tensor(rows, dtype=torch.long)
-    r_dev = r_cpu.to(device)
+    r_dev = r_cpu.to(device, non_blocking=True)
     q_cpu = md.query_start_loc_cpu[r_cpu + 1] - md.query_start_loc_cpu[r_cpu]
     qsl_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
     qsl_cpu[1:] = torch.cumsum(q_cpu, 0)
@@ -156,10 +163,10 @@ def _gather_metadata(md: AttentionMetadata, rows: list[int], tok: list[int]) -> 
                                     list(ckpt.dst_slots))
     return AttentionMetadata(
         num_reqs=len(rows), num_decodes=sum(1 for r in rows if r < md.num_decodes),
-        num_actual_tokens=len(tok), query_start_loc=qsl_cpu.to(device),
-        query_start_loc_cpu=qsl_cpu, seq_lens=seq_cpu.to(device), seq_lens_cpu=seq_cpu,
+        num_actual_tokens=len(tok), query_start_loc=_h2d(qsl_cpu, device),
+        query_start_loc_cpu=qsl_cpu, seq_lens=_h2d(seq_cpu, device), seq_lens_cpu=seq_cpu,
         num_computed_tokens_cpu=md.num_computed_tokens_cpu[r_cpu],
-        slot_mapping=md.slot_mapping[torch.tensor(tok, dtype=torch.long, device=device)],
+        slot_mapping=md.slot_mapping[_h2d(torch.tensor(tok, dtype=torch.long), device)],
         block_table=md.block_table[r_dev], state_indices=md.state_indices[r_dev],
         has_initial_state=md.has_initial_state[r_dev], max_query_len=int(q_cpu.max()),
         max_seq_len=int(seq_cpu.max()), kda_checkpoints=ckpt)

@@ -12,6 +12,10 @@ from typing import Any
 
 from kdaserve.sampling_params import SamplingParams
 
+DRAFT_PLACEHOLDER = -1
+"""A scheduled draft token the host does not know yet (async scheduling under speculation):
+the worker takes it from the previous step's proposal on the device."""
+
 
 @dataclass
 class NewRequestData:
@@ -73,7 +77,8 @@ class SchedulerOutput:
     """req_id -> tokens to compute this step (prompt chunk, 1 decode token, or 1 + drafts)."""
     total_num_scheduled_tokens: int = 0
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    """req_id -> draft tokens scheduled for verification (filled by speculative decoding)."""
+    """req_id -> draft tokens scheduled for verification (filled by speculative decoding);
+    DRAFT_PLACEHOLDER entries: drafts of a step still in flight, read on the device."""
     finished_req_ids: set[str] = field(default_factory=set)
     """Requests finished or aborted since the last step: the worker drops their state."""
     preempted_req_ids: set[str] = field(default_factory=set)

@@ -18,6 +18,20 @@ Prefix caching (prefix_cache.py): a waiting request starts at the longest prefix
 blocks and a ready KDA checkpoint (num_computed_tokens > 0 at its first schedule, the state
 restored by a state copy); chunks export checkpoints as they cross the chosen positions.
 
+Async scheduling under speculation (`async_spec`, set by the engine when the worker proposes
+drafts on the device): step N+1 is scheduled before step N's accepted counts reach the host.
+A request that samples in step N is given K placeholder drafts (DRAFT_PLACEHOLDER) at once, and
+`num_output_placeholders` counts the worst case of the step in flight (1 + its drafts), so the
+one rule above schedules it 1 + K tokens in step N+1: `num_computed_tokens` runs ahead of the
+truth by step N's rejected drafts (optimistic), blocks are allocated for that worst case, and
+the worker builds the real positions on the device from step N's accepted counts. When step N's
+output arrives, `update_from_output` rolls num_computed_tokens back by the rejected drafts (the
+same rule as one step at a time) and takes 1 + drafts off the placeholders; a stop found there
+frees the request at once and the output of its step N+1 is dropped. Blocks allocated for the
+worst case stay with the request (it grows into them) and go back when it finishes. Requests
+with penalties / logit_bias or a grammar get no placeholders (never drafted, or drafts checked
+on the host): the engine runs those steps one at a time.
+
 Call order (the engine): `add_request` ... then per step `schedule()` -> worker ->
 `update_from_output()`; `finish_requests()` at any time (stop strings, aborts).
 
@@ -43,6 +57,7 @@ from kdaserve.core.prefix_cache import HybridPrefixCache, resolve_num_checkpoint
 from kdaserve.core.sched_output import (
     CachedRequestData,
     KDAStateCopy,
+    DRAFT_PLACEHOLDER,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -107,6 +122,9 @@ class Scheduler:
         """Forked children the worker has not seen yet (they go out as NewRequestData)."""
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.async_spec = False
+        """Set by the engine: the worker proposes drafts on the device, so a request that
+        samples gets placeholder drafts for the next step at once (see the module doc)."""
         self.grammar_ready: Callable[[Request], bool] | None = None
         """Set by the engine: False while a waiting structured-output request's grammar is
         still compiling (it is passed over, not blocking the queue). None: all are ready."""
@@ -328,6 +346,13 @@ class Scheduler:
         if request.num_output_placeholders and self._last_output_in_flight(request):
             return 0
         num_new = self._target(request) - request.num_computed_tokens
+        if self.async_spec and request.spec_token_ids:
+            # drafts are capped here (the device proposer always makes K): verifying them may
+            # not pass max_tokens, counting the step in flight at its worst case
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                num_out = request.num_output_tokens + request.num_output_placeholders
+                num_new = min(num_new, max(max_tokens - num_out, 1))
         if self.enable_chunked_prefill and 0 < self.long_prefill_token_threshold < num_new:
             num_new = self.long_prefill_token_threshold
         num_new = min(num_new, token_budget, input_room,
@@ -401,6 +426,13 @@ class Scheduler:
         parent.status = RequestStatus.FINISHED_STOPPED
         return True
 
+    @staticmethod
+    def _drafted_on_device(request: Request) -> bool:
+        """Gets placeholder drafts under async_spec: not with penalties / logit_bias (never
+        drafted) nor a grammar (its drafts are checked on the host, one step at a time)."""
+        params = request.sampling_params
+        return not params.processes_logits and params.structured_outputs is None
+
     def _build_output(self, out: SchedulerOutput, scheduled: list[Request],
                       new_blocks: dict[str, list[int]], preempted: list[Request]) -> None:
         cached = CachedRequestData()
@@ -425,16 +457,25 @@ class Scheduler:
             num_new = out.num_scheduled_tokens[rid]
             self.prefix_cache.plan_exports(request, num_new, out)
             num_spec = request.num_computed_tokens + num_new - request.num_tokens
-            if num_spec > 0 and request.spec_token_ids:
-                out.scheduled_spec_decode_tokens[rid] = request.spec_token_ids[:num_spec]
+            spec = request.spec_token_ids
+            if spec and spec[0] == DRAFT_PLACEHOLDER:
+                # [last token] + drafts, all from the step in flight: num_new - 1 drafts
+                if num_new > 1:
+                    out.scheduled_spec_decode_tokens[rid] = spec[:num_new - 1]
+            elif num_spec > 0 and spec:
+                out.scheduled_spec_decode_tokens[rid] = spec[:num_spec]
             request.spec_token_ids = []
             # Advance now (the KV/state of these tokens is written by this step's forward);
             # update_from_output rolls back rejected drafts.
             request.num_computed_tokens += num_new
             if (not request.is_fork_parent and request.num_computed_tokens
                     >= request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1   # this step samples for it
+                # this step samples for it: 1 + its drafts tokens at most are on their way
+                request.num_output_placeholders += 1 + len(
+                    out.scheduled_spec_decode_tokens.get(rid, ()))
                 out.sampling_req_ids.add(rid)
+                if self.async_spec and self._drafted_on_device(request):
+                    request.spec_token_ids = [DRAFT_PLACEHOLDER] * self.num_spec_tokens
         out.scheduled_cached_reqs = cached
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.preempted_req_ids = {r.req_id for r in preempted}
@@ -459,16 +500,17 @@ class Scheduler:
             generated = runner_output.sampled_token_ids[j] if j is not None else []
             logprobs = (runner_output.logprobs[j]
                         if j is not None and j < len(runner_output.logprobs) else None)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, ())
             if request.status == RequestStatus.RUNNING:
                 self._check_runner_output(request, generated, scheduler_output)
-                drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid, ())
                 if drafts:
                     request.num_computed_tokens -= len(drafts) + 1 - len(generated)
             # else: preempted by a later schedule() while this step was in flight (async
-            # scheduling); its token is kept, and its recompute will include it.
+            # scheduling); its tokens are kept, and its recompute will include them.
             if not generated:
                 continue
-            request.num_output_placeholders = max(request.num_output_placeholders - 1, 0)
+            request.num_output_placeholders = max(
+                request.num_output_placeholders - 1 - len(drafts), 0)
             status = None
             new_token_ids: list[int] = []
             for token_id in generated:
@@ -535,7 +577,8 @@ class Scheduler:
     # ------------------------------------------------------------------ speculative decoding
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Set the drafts to verify next step (the proposer's output), at most
-        num_speculative_tokens each. Ids of finished requests are ignored."""
+        num_speculative_tokens each. Ids of finished requests are ignored. Under async_spec
+        they replace the placeholders of a step that was processed before the next schedule."""
         for rid, drafts in draft_token_ids.items():
             request = self.requests.get(rid)
             if request is None or request.status != RequestStatus.RUNNING:

@@ -116,6 +116,8 @@ class EngineCore:
             functools.partial(get_tokenizer, mc.tokenizer, mc.trust_remote_code),
             mc.arch.vocab_size)
         self.scheduler.grammar_ready = self.structured_output.grammar_ready
+        spec = self.model_runner.spec
+        self.scheduler.async_spec = spec is not None and spec.device_drafts
 
     # ------------------------------------------------------------------------------ requests
 
@@ -159,7 +161,7 @@ class EngineCore:
         scheduler before it schedules again."""
         prev, self._in_flight = self._in_flight, None
         if prev is not None and not self._can_overlap():
-            return self._process(prev)
+            return self._process(prev, next_scheduled=False)
         structured = self.structured_output.active
         failed = self._fail_grammars() if structured else []
         so = self.scheduler.schedule()
@@ -167,26 +169,37 @@ class EngineCore:
             self.structured_output.grammar_bitmask(so, self.scheduler.requests)
         cur = _StepInFlight(so, self._decode_context(so), time.perf_counter(),
                             self.worker.launch(so))
-        outputs = failed + (self._process(prev) if prev is not None else [])
+        outputs = failed + (self._process(prev, next_scheduled=True) if prev is not None
+                            else [])
         if cur.launched.output is None and self._can_overlap():
             self._in_flight = cur
         else:
-            outputs += self._process(cur)
+            outputs += self._process(cur, next_scheduled=False)
         if structured and so.is_empty and prev is None:
             self.structured_output.wait_for_compile(_GRAMMAR_WAIT_S)
         return outputs
 
     def _can_overlap(self) -> bool:
         """May the next step be scheduled before the last one's output is processed? Not with
-        penalties or a grammar: their next logits depend on the token still in flight."""
-        return (self.engine_config.scheduler_config.async_scheduling
-                and self.model_runner.spec is None
-                and not any(r.sampling_params.has_penalties
-                            or r.sampling_params.structured_outputs is not None
-                            for r in self.scheduler.running))
+        penalties or a grammar: their next logits depend on the token still in flight. Under
+        speculation only where the proposer drafts on the device (SpecDecoder.device_drafts:
+        the next step's drafts and positions come from the device), and not while a request
+        is short of its min_tokens (its per-position bans need its exact output count)."""
+        spec = self.model_runner.spec
+        if not self.engine_config.scheduler_config.async_scheduling:
+            return False
+        if spec is not None and not spec.device_drafts:
+            return False
+        return not any(r.sampling_params.has_penalties
+                       or r.sampling_params.structured_outputs is not None
+                       or (spec is not None
+                           and r.num_output_tokens < r.sampling_params.min_tokens)
+                       for r in self.scheduler.running)
 
-    def _process(self, step: _StepInFlight) -> list[EngineCoreOutput]:
-        """Collect a launched step (waits for its sampled ids), then update the scheduler."""
+    def _process(self, step: _StepInFlight, next_scheduled: bool) -> list[EngineCoreOutput]:
+        """Collect a launched step (waits for its sampled ids), then update the scheduler.
+        next_scheduled: the next step was scheduled meanwhile, so this step's drafts are
+        already in it (as placeholders read on the device) and are not handed over again."""
         so = step.so
         ro = self.worker.collect(step.launched)
         now = time.perf_counter()
@@ -196,7 +209,7 @@ class EngineCore:
         self._last_collect = now
         self._record_step_time(so, step.context, elapsed)
         outputs = self.scheduler.update_from_output(so, ro)
-        drafts = ro.draft_token_ids
+        drafts = {} if next_scheduled else ro.draft_token_ids
         if self.structured_output.active:
             self._end_refused(outputs, self.structured_output.accept_tokens(outputs))
             if drafts:

@@ -14,6 +14,16 @@ One step with spec rows (requests the scheduler gave drafts, query = [last token
   4. `propose`: drafts for the requests that sampled, returned to the engine, which hands them
      to the scheduler for the next step.
 
+Async scheduling (`device_drafts`: async_scheduling on and a proposer with `propose_device`:
+DSpark, and the draft model with its window catch-up): the runner launches the next step
+before this one's output reaches the host, so nothing between the forward and the next launch
+reads a device value on the host:
+`sample_tokens` leaves the rejection sampler's output on the device (the drafts it verifies
+are read from the step's input ids, which the runner filled on the device), `commit` takes
+the emitted counts as a device tensor, `propose_device` stores the drafter's context of this
+step's verified positions and drafts from the bonus tokens on the device; `emitted_tokens` turns
+the output into host lists (stats, logprobs) when the step is collected.
+
 Per-position scratch rows: request slot s owns KDA cache rows [base + s*K, base + (s+1)*K),
 base = the row after the CUDA-graph scratch row.
 """
@@ -43,10 +53,12 @@ from kdaserve.sample.metadata import SamplingMetadata
 from kdaserve.sample.penalties import PenaltyCache, logits_processing
 from kdaserve.spec_decode.rejection_sampler import (
     RejectionSampler,
+    RejectionSamplerOutput,
     SpecDecodeMetadata,
     spec_banned_ids,
     spec_logprob_dicts,
 )
+from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.metrics import SpecDecodingStats
 from kdaserve.spec_decode.ngram import NgramProposer
 from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
@@ -111,9 +123,15 @@ class SpecDecoder:
         self.draft_probs: dict[str, torch.Tensor] = {}
         """req_id -> [K_i, V] distributions its pending drafts were sampled from."""
         self.scratch_base: int | None = None
+        self._step_aux: torch.Tensor | None = None
         self._pending: _PendingCommit | None = None
         self.verify_graphs: SpecVerifyGraphs | None = None
         """Graphs of uniform verification steps (CUDA, recover + contiguous), once captured."""
+        self.device_drafts = (config.scheduler_config.async_scheduling
+                              and getattr(self.proposer, "device_proposals", False)
+                              and sc.disable_by_batch_size is None)
+        """Drafts are made and fed to the next step on the device (see the module doc): the
+        engine may then schedule a step before the previous one's output is processed."""
 
     @staticmethod
     def _mtp_proposer(config: EngineConfig, target_args, target_model, device, dtype):
@@ -197,12 +215,13 @@ class SpecDecoder:
         """A captured verification graph covers this step (every row verifies K drafts)."""
         return self.verify_graphs is not None and self.verify_graphs.can_run(batch)
 
-    def replay_verify(self, batch: "StepBatch", states: list["CachedRequestState"]
-                      ) -> torch.Tensor:
+    def replay_verify(self, batch: "StepBatch", states: list["CachedRequestState"],
+                      patch: Callable[[SpecVerifyGraphs], None] | None = None) -> torch.Tensor:
         """Replay the verification graph of the step; returns the hidden states of every window
-        token [n * (1 + K), D] and keeps the captured commit for `commit`."""
+        token [n * (1 + K), D] and keeps the captured commit for `commit`. patch(graphs): runs
+        after the host inputs are in the buffers (device-side inputs, async scheduling)."""
         vg = self.verify_graphs
-        hidden, step, bs = vg.run(batch, states)
+        hidden, step, bs = vg.run(batch, states, patch)
         self._pending = _PendingCommit(step, [s.state_slot for s in states], [], bs,
                                        lambda accepted: vg.commit(bs, step, accepted))
         return hidden
@@ -266,7 +285,7 @@ class SpecDecoder:
             rows = [[s] + list(range(base + s * self.k, base + (s + 1) * self.k)) for s in own]
         else:
             rows = own
-        idx = torch.tensor(rows, dtype=torch.int32, device=self.device)
+        idx = torch.tensor(rows, dtype=torch.int32).to(self.device, non_blocking=True)
         md.spec = build_spec_step(md, is_spec, idx, self.layout, self.per_position)
         row_of = {b: j for j, b in enumerate(i for i, f in enumerate(is_spec) if f)}
         self._pending = _PendingCommit(md.spec, own,
@@ -292,7 +311,9 @@ class SpecDecoder:
                                   for p in params],
                                  [len(s.token_ids) - s.num_prompt_tokens for s in states],
                                  stops, [len(d) for d in drafts])
-        spec_md = SpecDecodeMetadata.make(drafts, self.device, banned)
+        # placeholders (drafts still on the device) stand as 0: sample_tokens reads the real ids
+        spec_md = SpecDecodeMetadata.make([[max(t, 0) for t in d] for d in drafts], self.device,
+                                          banned)
         md = SamplingMetadata.build(params, gens, None, self.device)
         md.processing = self._logits_processing(states, drafts, penalties)
         return spec_md, md
@@ -302,10 +323,25 @@ class SpecDecoder:
         """logits: [sum(1 + K_i), V] for the sampling rows (states, in batch order); prepared:
         sampling_metadata(states, drafts, ...). Returns (emitted tokens per row, logprobs per
         row: list of {token: Logprob} or None)."""
-        params = [s.sampling_params for s in states]
+        out = self.sample_tokens(logits, states, drafts, prepared)
+        return self.emitted_tokens(out, prepared[0], states, drafts, out.parse_output())
+
+    def sample_tokens(self, logits: torch.Tensor, states, drafts: list[list[int]],
+                      prepared: tuple[SpecDecodeMetadata, SamplingMetadata],
+                      draft_ids: torch.Tensor | None = None) -> RejectionSamplerOutput:
+        """The rejection sampler's output, left on the device (no host sync). draft_ids: [D]
+        the drafts as the forward saw them (device), instead of the host lists."""
         spec_md, md = prepared
-        out = self.sampler(logits, spec_md, md, self._draft_probs(states, drafts, logits))
-        emitted = out.parse_output()
+        if draft_ids is not None:
+            spec_md.draft_token_ids = draft_ids
+        return self.sampler(logits, spec_md, md,
+                            self._draft_probs(states, drafts, logits, spec_md.draft_token_ids))
+
+    def emitted_tokens(self, out: RejectionSamplerOutput, spec_md: SpecDecodeMetadata, states,
+                       drafts: list[list[int]], emitted: list[list[int]]):
+        """After sample_tokens, once the output is on the host: emitted (out.parse_output())
+        goes into the stats; returns (emitted, logprobs per row as `sample`)."""
+        params = [s.sampling_params for s in states]
         self.stats.observe_batch([len(d) for d in drafts], [len(e) - 1 for e in emitted])
         self.stats.kda_state_bytes_written += sum(
             spec_state_bytes_written(self.state_mode, *self._kda_dims, 1 + len(d), len(e),
@@ -329,28 +365,37 @@ class SpecDecoder:
                                    "has drafts")
         return logits_processing(starts, states, penalties)
 
-    def _draft_probs(self, states, drafts, logits) -> torch.Tensor | None:
+    def _draft_probs(self, states, drafts, logits, draft_ids: torch.Tensor
+                     ) -> torch.Tensor | None:
+        """[D, V] q of every draft; draft_ids [D]: the drafts on the device."""
         if not self.probabilistic:
             return None
-        rows = []
+        rows, start = [], 0
         for s, d in zip(states, drafts):
             if not d:
                 continue
             q = self.draft_probs.get(s.req_id)
             if q is None or q.shape[0] < len(d):   # not from the drafter: one-hot
-                q = torch.nn.functional.one_hot(
-                    torch.tensor(d, device=logits.device), logits.shape[1]).float()
+                q = torch.nn.functional.one_hot(draft_ids[start:start + len(d)],
+                                                logits.shape[1]).float()
             rows.append(q[:len(d)])
+            start += len(d)
         return torch.cat(rows) if rows else None
 
-    def commit(self, caches: ModelCaches, num_accepted: list[int]) -> None:
-        """num_accepted: per spec row, tokens emitted (= accepted drafts + 1)."""
+    def commit(self, caches: ModelCaches, num_accepted: list[int] | torch.Tensor) -> None:
+        """num_accepted: per spec row, tokens emitted (= accepted drafts + 1): a host list, or
+        an int64 device tensor (async scheduling: no host sync)."""
         p, self._pending = self._pending, None
         if p.graph_commit is not None:
-            p.graph_commit(list(num_accepted))
+            p.graph_commit(num_accepted if torch.is_tensor(num_accepted) else list(num_accepted))
             return
-        num_accepted = list(num_accepted) + [0] * max(0, p.pad_to - len(num_accepted))
-        n = torch.tensor(num_accepted, dtype=torch.int64, device=self.device)
+        if torch.is_tensor(num_accepted):
+            n = torch.zeros(max(p.pad_to, num_accepted.shape[0]), dtype=torch.int64,
+                            device=self.device)
+            n[:num_accepted.shape[0]] = num_accepted
+        else:
+            num_accepted = list(num_accepted) + [0] * max(0, p.pad_to - len(num_accepted))
+            n = torch.tensor(num_accepted, dtype=torch.int64).to(self.device, non_blocking=True)
         if p.exports:
             self._export_first_token(caches, p)
         kda_spec.commit(p.step, caches.kda_recurrent, caches.kda_conv, n)
@@ -367,8 +412,8 @@ class SpecDecoder:
             caches.copy_state(p.own_slots[j], dst)
             slots[j], n[j] = dst, 1
         kda_spec.commit(p.step, caches.kda_recurrent, caches.kda_conv,
-                        torch.tensor(n, dtype=torch.int64, device=self.device),
-                        torch.tensor(slots, dtype=torch.int32, device=self.device))
+                        torch.tensor(n, dtype=torch.int64).to(self.device, non_blocking=True),
+                        torch.tensor(slots, dtype=torch.int32).to(self.device, non_blocking=True))
 
     # -----------------------------------------------------------------------------------------
     # Drafts
@@ -411,6 +456,41 @@ class SpecDecoder:
                     self.draft_probs[s.req_id] = prop.draft_probs[start:start + len(d)]
                     start += len(d)
         return {s.req_id: d for s, d in zip(reqs, drafts) if d}
+
+    def propose_device(self, batch: "StepBatch", states, start: torch.Tensor,
+                       verified: torch.Tensor, input_ids: torch.Tensor, emitted: torch.Tensor,
+                       num_emitted: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """device_drafts: the drafter takes this step's verified positions and drafts K tokens
+        for the sampling rows, all on the device. Batch rows i (states, in batch order): host
+        batch.num_computed[i] (an upper bound of the true start while a step is in flight);
+        start [N] int64 the true starts, verified [N] int64 the tokens whose target state is
+        final (query_lens, 1 + accepted drafts on a spec row); input_ids [T]; emitted [S, W] /
+        num_emitted [S] what each sampling row (batch.sample_rows) emitted. Returns (the
+        sampling rows, as indices into sample_rows, that were drafted for; their drafts
+        [S', K] int64 on the device)."""
+        req_ids, sample_rows = batch.req_ids, batch.sample_rows
+        drafted = [not s.sampling_params.processes_logits for s in states]
+        props = [j for j, i in enumerate(sample_rows) if drafted[i]]
+        for i in sample_rows:
+            self.draft_probs.pop(req_ids[i], None)
+        rows = [sample_rows[j] for j in props]
+        idx = torch.tensor(props, dtype=torch.long).to(emitted.device, non_blocking=True)
+        step = DeviceStep(
+            [r if d else None for r, d in zip(req_ids, drafted)], [s.token_ids for s in states],
+            batch.num_computed, batch.query_lens, start, verified, self._step_aux, rows,
+            emitted.index_select(0, idx), num_emitted.index_select(0, idx),
+            [0.0 if states[i].sampling_params.greedy else states[i].sampling_params.temperature
+             for i in rows], input_ids, [bool(d) for d in batch.drafts])
+        self._step_aux = None
+        drafts, probs = self.proposer.propose_device(step)
+        if probs is not None:
+            for j, i in enumerate(rows):
+                self.draft_probs[req_ids[i]] = probs[j]
+        return props, drafts
+
+    def keep_aux(self, aux: torch.Tensor) -> None:
+        """device_drafts: the step's hidden / aux rows [T, W] for propose_device."""
+        self._step_aux = aux
 
     def free(self, req_id: str) -> None:
         """A request finished, was aborted or preempted."""

@@ -146,6 +146,62 @@ class DraftCatchup(WindowBuffers):
         self.block_table[n:bs, :width] = 0
         return bs
 
+    def fill_device(self, tokens: torch.Tensor, lens: torch.Tensor, computed: torch.Tensor,
+                    block_ids: list[list[int]], slots: list[int], scratch_slots: list[int]
+                    ) -> int:
+        """fill() from device values (async scheduling: the host does not know how many
+        tokens each row brings): tokens [n, >= 1] left-aligned (garbage past lens), lens [n]
+        and computed [n] int64 on the device; block_ids, slots on the host. Returns the
+        capture size."""
+        n, k1, dev = len(block_ids), self.k1, self.input_ids.device
+        bs = next(s for s in self.sizes if s >= n)
+        width = max(len(b) for b in block_ids)
+        table = np.zeros((bs, width), dtype=np.int32)
+        for i, b in enumerate(block_ids):
+            table[i, :len(b)] = b
+        self.block_table[:bs, :width].copy_(torch.from_numpy(table), non_blocking=True)
+        self.block_table[n:bs, :width] = 0
+        lens_bs = torch.zeros(bs, dtype=torch.long, device=dev)
+        lens_bs[:n] = lens
+        comp_bs = torch.zeros(bs, dtype=torch.long, device=dev)
+        comp_bs[:n] = computed
+        off = torch.arange(k1, device=dev)
+        real = off[None, :] < lens_bs[:, None]                                  # [bs, k1]
+        pos = comp_bs[:, None] + off[None, :]                                   # [bs, k1]
+        ids = torch.zeros(bs, k1, dtype=torch.long, device=dev)
+        w = min(k1, tokens.shape[1])
+        ids[:n, :w] = tokens[:, :w].clamp(min=0)
+        col = (pos // self.block_size).clamp(max=width - 1)
+        tab = self.block_table[:bs, :width].long()
+        kv_slot = tab.gather(1, col) * self.block_size + pos % self.block_size
+        self.input_ids[:bs * k1].copy_(torch.where(real, ids, 0).reshape(-1))
+        self.slot_mapping[:bs * k1].copy_(torch.where(real, kv_slot, -1).reshape(-1))
+        # a real token sees tokens up to itself; padding only its row's context (>= 1)
+        seq = torch.where(real, pos + 1, comp_bs[:, None].clamp(min=1))
+        self.mla_seq_lens[:bs * k1].copy_(seq.reshape(-1))
+        self.seq_lens[:bs].copy_((comp_bs + lens_bs).clamp(min=1))
+        state = np.full(bs, self.pad_slot, dtype=np.int32)
+        state[:n] = slots
+        scratch = np.full(bs, self.pad_slot, dtype=np.int64)
+        scratch[:n] = scratch_slots
+        self.state_indices[:bs].copy_(torch.from_numpy(state), non_blocking=True)
+        self.scratch_indices[:bs].copy_(torch.from_numpy(scratch), non_blocking=True)
+        self.num_real[:bs].copy_(lens_bs)
+        self.last_row[:bs].copy_(torch.arange(bs, device=dev) * k1 + (lens_bs - 1).clamp(min=0))
+        return bs
+
+    @torch.inference_mode()
+    def run_device(self, tokens: torch.Tensor, lens: torch.Tensor, computed: torch.Tensor,
+                   block_ids: list[list[int]], slots: list[int], scratch_slots: list[int]
+                   ) -> torch.Tensor:
+        """run() over fill_device's inputs: fp32 logits [n, V] at each row's last new token."""
+        n = len(block_ids)
+        bs = self.fill_device(tokens, lens, computed, block_ids, slots, scratch_slots)
+        self.num_runs += 1
+        if self.graphs is not None:
+            return self.graphs.replay(self.descriptor(bs))[:n]
+        return self._forward(bs)[:n]
+
     @torch.inference_mode()
     def run(self, queries: list[list[int]], num_computed: list[int],
             block_ids: list[list[int]], slots: list[int], scratch_slots: list[int]

@@ -107,6 +107,15 @@ class DraftDecodeGraphs(StepBuffers):
         self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
         return self._run(self._size)[:n]
 
+    def step_device(self, ids: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor
+                    ) -> torch.Tensor:
+        """step() with seq_lens / slots [n] already on the device (async scheduling)."""
+        n = self._n
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.slot_mapping[:n].copy_(slots, non_blocking=True)
+        return self._run(self._size)[:n]
+
     def _run(self, size: int) -> torch.Tensor:
         """Replay the graph of `size` over the buffers; its logits [size, V]."""
         return self.manager.replay(self.descriptor(size))

@@ -15,6 +15,14 @@ query reads it. A steady-state catch-up (1..K+1 new tokens on every row) runs as
 windows in the verify form (spec_decode/draft_catchup.py; a CUDA graph on the GPU); the first
 one, over the prompt, is a varlen prefill (as is every catch-up with catchup="varlen").
 
+`propose_device` (async scheduling) does the same without the host knowing how many drafts
+the target accepted. A request the draft has not seen runs the varlen catch-up over its host
+tokens plus the token the step sampled (copied in on the device); every later step brings
+exactly the tokens it emitted, which go through the window catch-up filled on the device
+(`DraftCatchup.fill_device`: lengths and positions from the accepted counts), and drafts 2..K
+run at positions computed on the device. The host keeps only an upper bound of each
+request's length (for its blocks).
+
 draft_sample_method: "greedy" (argmax; q is one-hot, the sampler gets draft_probs=None) or
 "probabilistic" (sample from softmax(logits / T) with the request's temperature, T = 0 rows stay
 argmax; returns q for the rejection sampler's ratio test).
@@ -34,6 +42,7 @@ from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.attention.caches import allocate_caches
+from kdaserve.spec_decode.device_step import DeviceStep
 
 if TYPE_CHECKING:
     from kdaserve.worker.cuda_graphs import CudaGraphManager
@@ -119,6 +128,8 @@ class DraftModelProposer:
             raise ValueError(f"catchup must be window or varlen, got {catchup!r}")
         self.catchup = None
         """DraftCatchup (catchup="window"): steady-state catch-ups as K+1-row windows."""
+        self.device_proposals = catchup == "window"
+        """propose_device works (it runs every later catch-up as a window)."""
         if catchup == "window":
             from kdaserve.spec_decode.draft_catchup import DraftCatchup
 
@@ -258,10 +269,100 @@ class DraftModelProposer:
         rows = [q_all[i, :len(d)] for i, d in enumerate(out)]
         return DraftProposal(out, torch.cat(rows) if rows else None)
 
+    @torch.inference_mode()
+    def propose_device(self, step: DeviceStep) -> tuple[torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """K drafts per sampling row of `step`, on the device (see the module doc). Returns
+        (drafts [S, K] int64, q [S, K, V] or None); (None, None) when S = 0."""
+        rows, dev = step.sample_rows, self.device
+        if not rows:
+            return None, None
+        if self.catchup is None:
+            raise ValueError("device proposals need the window catch-up (draft_catchup "
+                             "window)")
+        s = len(rows)
+        reqs, first, steady = [], [], []
+        for j, i in enumerate(rows):
+            rid = step.req_ids[i]
+            known = rid in self.requests
+            # the host's bound of the committed length after this step (one past
+            # max_model_len when the step ends the request: the pool has room for it)
+            req = self._get(rid, min(step.num_computed[i] + step.query_lens[i] + 1,
+                                     self.max_model_len + 1), limit=self.max_model_len + 1)
+            (steady if known else first).append(j)
+            reqs.append(req)
+        temps = torch.tensor(step.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+        logits = torch.empty(s, self.args.vocab_size, dtype=torch.float32, device=dev)
+        committed = torch.empty(s, dtype=torch.long, device=dev)   # lengths after this step
+        start = step.start.index_select(0, self._tensor(rows))
+        if first:   # 1. catch-up: the host tokens + the sampled one, varlen
+            queries = [step.token_ids[rows[j]] + [0] for j in first]
+            lens = [len(q) for q in queries]
+            md = build_metadata(lens, [0] * len(first), [reqs[j].block_ids for j in first],
+                                [reqs[j].slot for j in first], self.block_size, dev)
+            ids = torch.tensor([t for q in queries for t in q], dtype=torch.long, device=dev)
+            ids[md.query_start_loc[1:].long() - 1] = step.last.index_select(0,
+                                                                       self._tensor(first))
+            hidden = self.model(ids, ForwardContext(md, self.caches))
+            idx = self._tensor(first)
+            logits.index_copy_(0, idx, self.model.compute_logits(
+                hidden[(md.query_start_loc[1:] - 1).long()]))
+            committed.index_copy_(0, idx, self._tensor(lens))
+            self._copy_slots([reqs[j].slot for j in first],
+                             [reqs[j].scratch_slot for j in first])
+        if steady:  # the tokens this step emitted, in K+1-row windows (also copies to scratch)
+            idx = self._tensor(steady)
+            num = step.num_emitted.index_select(0, idx)
+            computed = start.index_select(0, idx) + 1
+            logits.index_copy_(0, idx, self.catchup.run_device(
+                step.emitted.index_select(0, idx), num, computed,
+                [reqs[j].block_ids for j in steady], [reqs[j].slot for j in steady],
+                [reqs[j].scratch_slot for j in steady]))
+            committed.index_copy_(0, idx, computed + num)
+        for r in reqs:
+            r.num_computed = 1   # started: later proposals take the window catch-up
+        drafts, probs = [], []
+        tok, q = self._sample(logits, temps)
+        drafts.append(tok)
+        probs.append(q)
+        # 2. K - 1 one-token steps on the scratch slots, at positions from the device
+        if self.k > 1:
+            width = max(len(r.block_ids) for r in reqs)
+            table = np.zeros((s, width), dtype=np.int32)
+            for i, r in enumerate(reqs):
+                table[i, :len(r.block_ids)] = r.block_ids
+            use_graphs = self.graphs is not None and s <= self.graphs.max_bs
+            if use_graphs:
+                self.graphs.load(table, [r.scratch_slot for r in reqs])
+            tab = torch.from_numpy(table).to(dev, non_blocking=True).long()
+            bound = [step.num_computed[i] + step.query_lens[i] + 1 for i in rows]
+            for j in range(1, self.k):
+                pos = committed + j - 1                                        # [S]
+                slots = (tab.gather(1, (pos // self.block_size).clamp(max=width - 1)[:, None])
+                         .squeeze(1) * self.block_size + pos % self.block_size)
+                if use_graphs:
+                    logits = self.graphs.step_device(drafts[-1], pos + 1, slots)
+                else:
+                    md = build_metadata([1] * s, [b + j - 1 for b in bound],
+                                        [r.block_ids for r in reqs],
+                                        [r.scratch_slot for r in reqs], self.block_size, dev)
+                    md.seq_lens.copy_(pos + 1)
+                    md.slot_mapping.copy_(slots)
+                    hidden = self.model(drafts[-1], ForwardContext(md, self.caches))
+                    logits = self.model.compute_logits(hidden)
+                tok, q = self._sample(logits, temps)
+                drafts.append(tok)
+                probs.append(q)
+        q_all = None if self.sample_method == "greedy" else torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1), q_all
+
+    def _tensor(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+
     # -----------------------------------------------------------------------------------------
 
-    def _get(self, req_id: str, num_tokens: int) -> _DraftRequest:
-        if num_tokens > self.max_model_len:
+    def _get(self, req_id: str, num_tokens: int, limit: int | None = None) -> _DraftRequest:
+        if num_tokens > (limit or self.max_model_len):
             raise ValueError(f"request {req_id!r} has {num_tokens} tokens, over the draft's "
                              f"max_model_len {self.max_model_len}")
         req = self.requests.get(req_id)

@@ -15,6 +15,14 @@ the block writes latents at positions >= L-1, which the next context pass overwr
 query reads them. Positions the target never computed (a prefix-cache hit) enter with zero aux:
 the drafts stay deterministic, only their quality drops.
 
+`propose_device` (async scheduling) does the same without the host knowing how many drafts
+the target accepted: each step it stores the context latents of the positions the step
+verified (a spec row's first 1 + accepted window positions, every position of the other
+rows; the others get slot -1 and are not written) straight from the step's aux rows, then
+runs the block from each sampling row's last token at a position computed on the device.
+Prefix-cache hits store a zero context for the positions they skipped when first seen, as
+`_take_hidden` does. Fixed shapes throughout (T context rows, S * K block rows).
+
 Drafts are greedy (argmax) or, with draft_sample_method="probabilistic", sampled from
 softmax(logits / T) with q returned for the rejection sampler (as the other drafters). Eager
 on every device (no CUDA graphs).
@@ -22,15 +30,19 @@ on every device (no CUDA graphs).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kdaserve.models.dspark import DSparkModel
+from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.draft_model import DraftProposal, sample_drafts
-from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer, HiddenRequest
+from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer
 
 
 class DSparkProposer(HiddenConditionedProposer):
     label = "DSpark"
+    device_proposals = True
+    """propose_device works (async scheduling)."""
 
     model: DSparkModel
 
@@ -89,10 +101,65 @@ class DSparkProposer(HiddenConditionedProposer):
             prev = tok
         return self._proposal(drafts, probs, max_drafts)
 
-    # -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_device(self, step: DeviceStep) -> tuple[torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """Store the context of the positions `step` verified, then draft K tokens per sampling
+        row from its last token. Returns (drafts [S, K] int64, q [S, K, V] or None), both on
+        the device (None, None: S = 0)."""
+        req_ids, num_computed, query_lens = step.req_ids, step.num_computed, step.query_lens
+        start, verified, aux, sample_rows = step.start, step.verified, step.aux, step.sample_rows
+        bs, k, dev = self.block_size, self.k, self.device
+        kv = list(self.caches.mla_kv)
+        for rid, c, q in zip(req_ids, num_computed, query_lens):
+            if rid is None:
+                continue
+            if rid not in self.requests and c > 0:   # a prefix hit: zero context before c
+                req = self._admit_device(rid, c + q)
+                self.model.store_context(torch.zeros(c, self.aux_dim, device=dev), kv,
+                                         self._tensor([self._slot(req, p) for p in range(c)]))
+            self._admit_device(rid, c + q)
+        # 1. context latents of the verified positions (the others: slot -1, not written)
+        n = len(req_ids)
+        table = self._device_table(req_ids)                                    # [N, W]
+        lens = np.asarray(query_lens, dtype=np.int64)
+        tok_row_np = np.repeat(np.arange(n), lens)
+        tok_off_np = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
+        kept = np.asarray([r is not None for r in req_ids])[tok_row_np]
+        tok_row, tok_off, keep = (self._tensor(tok_row_np.tolist()),
+                                  self._tensor(tok_off_np.tolist()),
+                                  torch.from_numpy(kept).to(dev, non_blocking=True))
+        if aux.shape[0]:
+            pos = start.index_select(0, tok_row) + tok_off                      # [T]
+            keep = keep & (tok_off < verified.index_select(0, tok_row))
+            slots = self._slots(table.index_select(0, tok_row), pos)
+            self.model.store_context(aux, kv, torch.where(keep, slots, -1))
+        if not sample_rows:
+            return None, None
 
-    def _slot(self, req: HiddenRequest, pos: int) -> int:
-        return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        # 2. the query blocks: K rows per sampling row from its last token's position
+        s = len(sample_rows)
+        rows = self._tensor(sample_rows)
+        pos0 = start.index_select(0, rows) + verified.index_select(0, rows)     # [S]
+        pos = (pos0[:, None] + torch.arange(k, device=dev)).reshape(-1)         # [S * K]
+        tab = table.index_select(0, rows).repeat_interleave(k, dim=0)           # [S * K, W]
+        ids = torch.full((s, k), self.model.cfg.mask_token_id, dtype=torch.long, device=dev)
+        last = step.last
+        ids[:, 0] = last
+        seq_lens = (pos0 + k).repeat_interleave(k).int()
+        hidden = self.model.forward_block(ids.reshape(-1), kv, self._slots(tab, pos),
+                                          tab.int(), seq_lens)                  # [S * K, D]
+        base = self.model.base_logits(hidden).view(s, k, -1)                    # [S, K, V]
 
-    def _tensor(self, xs: list[int]) -> torch.Tensor:
-        return torch.tensor(xs, dtype=torch.long, device=self.device)
+        # 3. the Markov head, left to right
+        temps = torch.tensor(step.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+        prev, drafts, probs = last, [], []
+        for j in range(k):
+            _, bias = self.model.markov_bias(prev)
+            tok, q = sample_drafts(base[:, j] + bias, temps, self.sample_method)
+            drafts.append(tok)
+            probs.append(q)
+            prev = tok
+        q_all = None if self.sample_method == "greedy" else torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1), q_all
+

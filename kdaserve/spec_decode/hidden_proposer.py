@@ -104,6 +104,42 @@ class HiddenConditionedProposer:
             reqs.append(req)
         return reqs
 
+    def _admit_device(self, req_id: str, num_tokens: int) -> HiddenRequest:
+        """The request's state with blocks for positions < num_tokens + K (the block of a
+        proposal from a window ending there)."""
+        if num_tokens > self.max_model_len + self.k:
+            raise ValueError(f"request {req_id!r} reaches position {num_tokens}, over the "
+                             f"drafter's max_model_len {self.max_model_len}")
+        req = self._get(req_id)
+        need = -(-(num_tokens + self.k) // self.block_size)
+        if need > len(req.block_ids):
+            req.block_ids.extend(self._blocks.take(need - len(req.block_ids),
+                                                   f"{self.label} KV blocks"))
+        return req
+
+    def _device_table(self, req_ids: list[str | None]) -> torch.Tensor:
+        """[N, W] int64 block tables of the requests on the device (zeros for None)."""
+        width = max([len(self.requests[r].block_ids) for r in req_ids if r is not None],
+                    default=1)
+        table = torch.zeros(len(req_ids), width, dtype=torch.long)
+        for i, r in enumerate(req_ids):
+            if r is not None:
+                ids = self.requests[r].block_ids
+                table[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return table.to(self.device, non_blocking=True)
+
+    def _slots(self, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Cache slots of positions pos [R] through block-table rows [R, W] (device)."""
+        col = (pos // self.block_size).clamp(max=table.shape[1] - 1)
+        return table.gather(1, col[:, None]).squeeze(1) * self.block_size + pos % self.block_size
+
+    def _slot(self, req: HiddenRequest, pos: int) -> int:
+        return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _tensor(self, xs: list[int]) -> torch.Tensor:
+        """int64 on the device, copied without waiting for the device."""
+        return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+
     def _take_hidden(self, req: HiddenRequest, start: int, end: int, width: int,
                      dtype: torch.dtype) -> torch.Tensor:
         """The hidden rows [end - start, width] of positions start..end-1 (zeros where none was

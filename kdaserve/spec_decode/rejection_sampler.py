@@ -96,11 +96,13 @@ class SpecDecodeMetadata:
                 if not 0 <= row < int(cu[-1]) or tok < 0:
                     raise ValueError(f"banned (row, token) pair {(row, tok)} out of range for "
                                      f"{int(cu[-1])} target rows")
-            banned_t = torch.tensor(banned, dtype=torch.int64).T.contiguous().to(device)
+            banned_t = torch.tensor(banned, dtype=torch.int64).T.contiguous().to(
+                device, non_blocking=True)
 
         def dev(a):
-            return torch.from_numpy(a).to(device)
-        return cls(draft_token_ids=torch.tensor(flat, dtype=torch.int64).to(device),
+            return torch.from_numpy(a).to(device, non_blocking=True)
+        flat_t = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+        return cls(draft_token_ids=flat_t,
                    num_draft_tokens=num, max_spec_len=max(num), row_req=dev(row_req),
                    row_pos=dev(row_pos), draft_rows=dev(draft_rows), cu_num_rows=dev(cu),
                    banned_token_ids=banned_t)

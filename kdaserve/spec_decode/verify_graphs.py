@@ -155,18 +155,22 @@ class SpecVerifyGraphs(WindowBuffers):
         seq[:n] = computed + k1
         state = np.full(bs, self.pad_slot, dtype=np.int32)
         state[:n] = [s.state_slot for s in states]
-        self.input_ids[:bs * k1].copy_(torch.from_numpy(ids))
-        self.slot_mapping[:bs * k1].copy_(torch.from_numpy(slots))
-        self.seq_lens[:bs].copy_(torch.from_numpy(seq))
-        self.state_indices[:bs].copy_(torch.from_numpy(state))
-        self.block_table[:bs, :width].copy_(torch.from_numpy(table))
+        # non_blocking: the host stages the pageable arrays instead of waiting for the device
+        # to finish the previous step (async scheduling launches this one before then)
+        for buf, val in ((self.input_ids, ids), (self.slot_mapping, slots),
+                         (self.seq_lens, seq), (self.state_indices, state)):
+            buf[:val.shape[0]].copy_(torch.from_numpy(val), non_blocking=True)
+        self.block_table[:bs, :width].copy_(torch.from_numpy(table), non_blocking=True)
         return bs
 
-    def run(self, batch: "StepBatch", states: list["CachedRequestState"]
+    def run(self, batch: "StepBatch", states: list["CachedRequestState"], patch=None
             ) -> tuple[torch.Tensor, SpecStep, int]:
         """Replay the step: (hidden states of every window token [n * (1 + K), D], the SpecStep
-        the commit reads, the capture size replayed)."""
+        the commit reads, the capture size replayed). patch(self): called after fill (inputs
+        written on the device from the previous step's results, async scheduling)."""
         bs = self.fill(batch, states)
+        if patch is not None:
+            patch(self)
         hidden, step = self._run(bs)
         self.num_replays += 1
         return hidden[:len(batch.req_ids) * self.k1], step, bs
@@ -176,12 +180,16 @@ class SpecVerifyGraphs(WindowBuffers):
         kda_spec.commit(step, self.caches.kda_recurrent, self.caches.kda_conv,
                         self.num_accepted[:bs])
 
-    def commit(self, bs: int, step: SpecStep, num_accepted: list[int]) -> None:
+    def commit(self, bs: int, step: SpecStep, num_accepted: list[int] | torch.Tensor) -> None:
         """After sampling the step replayed at size bs: num_accepted per real row (padding
-        rows commit zero)."""
-        n = np.zeros(bs, dtype=np.int64)
-        n[:len(num_accepted)] = num_accepted
-        self.num_accepted[:bs].copy_(torch.from_numpy(n), non_blocking=True)
+        rows commit zero): a host list or an int64 device tensor."""
+        if torch.is_tensor(num_accepted):
+            self.num_accepted[:bs].zero_()
+            self.num_accepted[:num_accepted.shape[0]].copy_(num_accepted)
+        else:
+            n = np.zeros(bs, dtype=np.int64)
+            n[:len(num_accepted)] = num_accepted
+            self.num_accepted[:bs].copy_(torch.from_numpy(n), non_blocking=True)
         self._replay_commit(bs, step)
 
     def _replay_commit(self, bs: int, step: SpecStep) -> None:

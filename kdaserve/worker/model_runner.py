@@ -4,8 +4,10 @@ ModelRunnerOutput.
 The runner keeps a persistent copy of every running request (token ids, block ids, state slot,
 seeded generator) keyed by req_id; each step applies the scheduler's delta to it, builds the
 step's plan (attention/forward_context.py: a captured decode or verification graph, or an eager
-forward) and runs it. Start-up (model load, cache sizing, warm-up, graph capture) is the
-worker's (worker/worker.py).
+forward) and runs it. Under speculation with device drafts (SpecDecoder.device_drafts) a step's
+sampling, commit and proposal stay on the device and the next step's windows are read from
+there (worker/spec_async.py). Start-up (model load, cache sizing, warm-up, graph capture) is
+the worker's (worker/worker.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.forward_context import ExecMode, ForwardContext, StepPlan
 from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config import EngineConfig
-from kdaserve.core.sched_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kdaserve.core.sched_output import (DRAFT_PLACEHOLDER, ModelRunnerOutput, NewRequestData,
+                                        SchedulerOutput)
 from kdaserve.outputs import Logprob
 from kdaserve.sample.grammar_mask import GrammarMask, apply_grammar_bitmask
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
@@ -25,7 +28,10 @@ from kdaserve.sample.sampler import Sampler, SamplerOutput, to_logprob_dicts
 from kdaserve.spec_decode.decoder import SpecDecoder
 from kdaserve.worker import checkpoints
 from kdaserve.worker.cuda_graphs import CudaGraphManager, DecodeGraphs
+from kdaserve.worker import spec_async
 from kdaserve.worker.input_batch import CachedRequestState, LaunchedStep, StepBatch
+from kdaserve.worker.spec_async import (CarryRows, SpecCarry, correct_metadata,
+                                        correct_spec_rows, correct_window, to_device)
 
 
 def _to_host(out: SamplerOutput) -> SamplerOutput:
@@ -58,6 +64,12 @@ class ModelRunner:
         """[R] sampled ids of the last launched step, on the device."""
         self._last_rows: dict[str, int] = {}
         """req_id -> its row in _last_sampled."""
+        self.carry: SpecCarry | None = None
+        """Device drafts: each request slot's next window, made by the step in flight."""
+        self._step_ids: torch.Tensor | None = None
+        """[T] the launched step's input ids on the device (device drafts)."""
+        self._step_start: torch.Tensor | None = None
+        """[N] int64 the launched step's true window starts on the device (device drafts)."""
 
     def bind_caches(self, caches: ModelCaches, num_blocks: int, num_slots: int,
                     num_ckpt_slots: int) -> None:
@@ -70,6 +82,8 @@ class ModelRunner:
         self.num_blocks, self.num_slots = num_blocks, num_slots + num_ckpt_slots
         if self.spec is not None:
             self.spec.scratch_base = self.num_slots + 1
+            if self.spec.device_drafts:
+                self.carry = SpecCarry(self.num_slots + 1, self.spec.k, self.device)
 
     def bind_graphs(self, graphs: CudaGraphManager, decode_graphs: DecodeGraphs) -> None:
         self.graphs, self.decode_graphs = graphs, decode_graphs
@@ -122,6 +136,7 @@ class ModelRunner:
         order = sorted(so.num_scheduled_tokens,
                        key=lambda r: 0 if self._is_decode(r, so) else last if specs.get(r) else 1)
         batch = StepBatch([], [], [], [], [])
+        carry = batch.carry = CarryRows() if self.carry is not None else None
         for i, req_id in enumerate(order):
             state = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
@@ -129,7 +144,21 @@ class ModelRunner:
             drafts = list(specs.get(req_id, ()))
             ids = state.token_ids[start:start + n] + drafts
             known = len(state.token_ids)
-            if n == 1 and not drafts and start == known and state.num_pending:
+            in_flight = bool(state.num_pending) and start >= known
+            if carry is not None and (in_flight or DRAFT_PLACEHOLDER in drafts):
+                # [last token] + drafts of the last proposal: read on the device
+                if len(drafts) != n - 1 or any(d != DRAFT_PLACEHOLDER for d in drafts):
+                    raise RuntimeError(f"request {req_id!r}: its window comes from the step in "
+                                       f"flight but {drafts} drafts were scheduled")
+                p0 = len(batch.input_ids)
+                carry.token_pos.extend(range(p0, p0 + n))
+                carry.src_slot.extend([state.state_slot] * n)
+                carry.src_col.extend(range(n))
+                if in_flight and state.last_num_drafts > 0:
+                    carry.fix_rows.append(i)
+                    carry.fix_slots.append(state.state_slot)
+                ids = [0] * n
+            elif n == 1 and not drafts and start == known and state.num_pending:
                 batch.pending_inputs.append((len(batch.input_ids), req_id))
                 ids = [0]   # a placeholder: the device copies the sampled id in
             if len(ids) != n:
@@ -202,6 +231,9 @@ class ModelRunner:
                    if so.grammar_bitmask is not None else None)
         checkpoints.apply_post_copies(self.caches, exports)
         step = LaunchedStep(batch=batch, states=states)
+        if self.carry is not None:
+            spec_async.launch_step(self, step, hidden_rows, sample_states, sampling, grammar)
+            return step
         if not batch.sample_rows:
             step.output = ModelRunnerOutput(req_ids=batch.req_ids,
                                             sampled_token_ids=[[] for _ in batch.req_ids],
@@ -231,6 +263,8 @@ class ModelRunner:
             return step.output
         if step.done is not None:
             step.done.synchronize()
+        if step.spec is not None:
+            return spec_async.collect_step(self, step)
         batch = step.batch
         sampled = step.host.sampled_token_ids.tolist()
         num_logprobs = [step.states[i].sampling_params.logprobs for i in batch.sample_rows]
@@ -242,8 +276,10 @@ class ModelRunner:
         return self._finish(batch, step.states, [[t] for t in sampled], logprobs)
 
     def _finish(self, batch: StepBatch, states: list[CachedRequestState],
-                emitted: list[list[int]], logprobs: list) -> ModelRunnerOutput:
-        """Append the emitted tokens (per sampling row) and build the step's output."""
+                emitted: list[list[int]], logprobs: list,
+                drafts: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """Append the emitted tokens (per sampling row) and build the step's output. drafts:
+        the step's proposal (device drafts); None: proposed here, on the host."""
         out_tokens: list[list[int]] = [[] for _ in batch.req_ids]
         out_lps: list = [None] * len(batch.req_ids)
         for j, i in enumerate(batch.sample_rows):
@@ -253,8 +289,9 @@ class ModelRunner:
             if batch.drafts[i]:   # mirror the scheduler's rollback of the rejected drafts
                 states[i].num_computed_tokens = batch.num_computed[i] + len(emitted[j])
         sample_states = [states[i] for i in batch.sample_rows]
-        drafts = (self.spec.propose(sample_states, len(batch.req_ids)) if self.spec is not None
-                  else {})
+        if drafts is None:
+            drafts = (self.spec.propose(sample_states, len(batch.req_ids))
+                      if self.spec is not None else {})
         return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=out_tokens,
                                  logprobs=out_lps, draft_token_ids=drafts)
 
@@ -316,7 +353,9 @@ class ModelRunner:
         # the MTP / DSpark drafters read every position's hidden: the target runs eager
         needs_hidden = self.spec is not None and self.spec.needs_hidden
         if kda_checkpoints is None and self.graphs is not None and not needs_hidden:
-            if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            corrected = batch.carry is not None and batch.carry.corrected
+            if (self.decode_graphs is not None and not corrected
+                    and self.decode_graphs.can_run(batch)):
                 return self.graphs.plan(DecodeGraphs.descriptor(self.graphs.padded_size(n)))
             if not spec_exports and self.spec is not None and self.spec.can_replay_verify(batch):
                 return self.graphs.plan(self.spec.verify_graphs.descriptor(
@@ -332,32 +371,59 @@ class ModelRunner:
         """Runs the step's plan; returns the final hidden state of each sampling row (every
         position of a spec row)."""
         plan = self._plan(batch, kda_checkpoints, spec_exports)
+        carry = batch.carry
+        n = len(batch.req_ids)
+        fix = self.carry.fix(n, carry) if carry else None                  # [N] or None
+        if carry is not None:
+            start = to_device(batch.num_computed, torch.long, self.device)
+            self._step_start = start if fix is None else start - fix
         if plan.mode is ExecMode.DECODE_GRAPH:
             bs = self.decode_graphs.load(batch, states)
-            self.patch_pending_inputs(self.decode_graphs.input_ids, batch)
+            if carry is not None:
+                self.carry.patch_ids(self.decode_graphs.input_ids, carry)
+                self._step_ids = self.decode_graphs.input_ids[:n]
+            else:
+                self.patch_pending_inputs(self.decode_graphs.input_ids, batch)
             return self.decode_graphs.replay(bs, batch)
         if plan.mode is ExecMode.VERIFY_GRAPH:
-            return self.spec.replay_verify(batch, states)
+            def patch(vg) -> None:
+                self.carry.patch_ids(vg.input_ids, carry)
+                correct_window(vg, fix, batch.num_computed, self.block_size)
+            hidden = self.spec.replay_verify(batch, states, patch if carry else None)
+            self._step_ids = self.spec.verify_graphs.input_ids[:sum(batch.query_lens)]
+            return hidden
         md = build_metadata(batch.query_lens, batch.num_computed,
                             [s.block_np[:len(s.block_ids)] for s in states],
                             [s.state_slot for s in states], self.block_size, self.device)
         md.kda_checkpoints = kda_checkpoints
+        if fix is not None:   # the carry rows' positions, moved back by their rejected drafts
+            fix_tok = correct_metadata(md, fix, batch.query_lens, batch.num_computed,
+                                       self.block_size)
         if batch.has_spec:
             self.spec.build_step(md, [bool(d) for d in batch.drafts],
                                  [s.state_slot for s in states], list(spec_exports))
-        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-        self.patch_pending_inputs(ids, batch)
+            if fix is not None:
+                correct_spec_rows(md, fix, fix_tok, [bool(d) for d in batch.drafts])
+        ids = to_device(batch.input_ids, torch.long, self.device)
+        if carry is not None:
+            self.carry.patch_ids(ids, carry)
+        else:
+            self.patch_pending_inputs(ids, batch)
+        self._step_ids = ids
         ctx = ForwardContext(md, self.caches, plan)
         qsl = md.query_start_loc_cpu.tolist()
         if self.spec is not None and self.spec.needs_hidden:
             hidden, prenorm = self.model(ids, ctx, return_prenorm=True,
                                          aux_layers=self.spec.aux_layers)  # [T, D], [T, *]
-            self.spec.add_hidden(states, batch.num_computed, qsl, prenorm)
+            if self.carry is not None:
+                self.spec.keep_aux(prenorm)
+            else:
+                self.spec.add_hidden(states, batch.num_computed, qsl, prenorm)
         else:
             hidden = self.model(ids, ctx)
         rows = [t for i in batch.sample_rows
                 for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]
-        return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return hidden[to_device(rows, torch.long, self.device)]
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]

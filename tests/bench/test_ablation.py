@@ -124,7 +124,8 @@ def test_auto_runs_follow_the_workload(ablation, tmp_path):
     auto_d = ablation.parse_args(["/m", "--draft-model", "/d"])
     assert [r.name for r in auto_d.run_list] == [
         "all-on", "all-off", "no-adaptive-spec-budget", "no-kda-state-mode", "no-batch-layout",
-        "no-draft-catchup", "no-sampling-threshold-kernel", "no-pdl"]  # every step verifies
+        "no-draft-catchup", "no-sampling-threshold-kernel", "no-async-scheduling",
+        "no-pdl"]  # every step verifies; the draft model's steps overlap
     assert len(w1d.run_list) == 12 and w1d.out_dir.startswith(ablation.RESULTS_DIR)
     nospec = ablation.parse_args(["/m", "--spec-method", "none"])
     assert nospec.spec is None and [r.name for r in nospec.run_list] == [

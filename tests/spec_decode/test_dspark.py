@@ -297,21 +297,34 @@ def test_dspark_block_is_non_causal_and_batched(tiny_model_dir, dspark_dir):
     p.free("a")
 
 
-def test_dspark_with_prefix_cache_hit_equals_plain(make_ds_llm, dspark_dir):
+@pytest.mark.parametrize("async_on", [False, True])
+def test_dspark_with_prefix_cache_hit_equals_plain(make_ds_llm, dspark_dir, async_on):
     """A second turn starts from the first turn's cached prefix, whose positions the target
-    does not recompute (the drafter's context there is zero aux); the output is the plain one."""
+    does not recompute (the drafter's context there is zero aux); the output is the plain one.
+    One step at a time the aux arrives through add_hidden; with async scheduling (device
+    drafts) through propose_device."""
     from tests.spec_decode.test_mtp import _two_turns
 
     want = _two_turns(make_ds_llm())
-    llm = make_ds_llm(speculative_config=_dspark(dspark_dir))
+    llm = make_ds_llm(speculative_config=_dspark(dspark_dir), async_scheduling=async_on)
     drafter = llm.llm_engine.model_runner.spec.proposer
-    add, late_starts = drafter.add_hidden, []
+    late_starts = []
+    if async_on:
+        propose = drafter.propose_device
 
-    def spy(req_id, start, aux):
-        if req_id not in drafter.requests and start > 0:
-            late_starts.append(start)
-        add(req_id, start, aux)
-    drafter.add_hidden = spy
+        def spy_device(step):
+            late_starts.extend(c for r, c in zip(step.req_ids, step.num_computed)
+                               if r is not None and r not in drafter.requests and c > 0)
+            return propose(step)
+        drafter.propose_device = spy_device
+    else:
+        add = drafter.add_hidden
+
+        def spy(req_id, start, aux):
+            if req_id not in drafter.requests and start > 0:
+                late_starts.append(start)
+            add(req_id, start, aux)
+        drafter.add_hidden = spy
     assert _two_turns(llm) == want
     assert late_starts, "no prefix-cache hit"
 

@@ -99,19 +99,32 @@ def _two_turns(llm) -> list[list[int]]:
     return [list(a), list(b)]
 
 
-def test_mtp_with_prefix_cache_hit_equals_plain(make_mtp_llm):
+@pytest.mark.parametrize("async_on", [False, True])
+def test_mtp_with_prefix_cache_hit_equals_plain(make_mtp_llm, async_on):
     """The second turn starts from the first turn's cached prefix, which the target does not
-    recompute (the drafter gets no hidden state there: zeros); the output is the plain one."""
+    recompute (the drafter gets no hidden state there: zeros); the output is the plain one.
+    One step at a time the hidden states arrive through add_hidden; with async scheduling
+    (device drafts) through propose_device."""
     want = _two_turns(make_mtp_llm())
-    llm = make_mtp_llm(speculative_config=_mtp())
+    llm = make_mtp_llm(speculative_config=_mtp(), async_scheduling=async_on)
     drafter = llm.llm_engine.model_runner.spec.proposer
-    add, late_starts = drafter.add_hidden, []
+    late_starts = []
+    if async_on:
+        propose = drafter.propose_device
 
-    def spy(req_id, start, hidden):
-        if req_id not in drafter.requests and start > 0:
-            late_starts.append(start)
-        add(req_id, start, hidden)
-    drafter.add_hidden = spy
+        def spy_device(step):
+            late_starts.extend(c for r, c in zip(step.req_ids, step.num_computed)
+                               if r is not None and r not in drafter.requests and c > 0)
+            return propose(step)
+        drafter.propose_device = spy_device
+    else:
+        add = drafter.add_hidden
+
+        def spy(req_id, start, hidden):
+            if req_id not in drafter.requests and start > 0:
+                late_starts.append(start)
+            add(req_id, start, hidden)
+        drafter.add_hidden = spy
     assert _two_turns(llm) == want
     assert late_starts, "no prefix-cache hit"
 
@@ -242,10 +255,12 @@ def test_engine_hands_over_the_accepted_hidden_states(make_mtp_llm, plain):
     """In the engine, with drafts overridden by the known greedy continuation (some right, some
     wrong: accepted prefixes of every length), each MTP proposal equals a fresh proposer's over
     the committed tokens and the target's from-scratch hidden states: the runner hands over
-    every computed position and the rejected window rows are dropped."""
+    every computed position and the rejected window rows are dropped. (One step at a time:
+    the host path; test_spec_async checks the device path the same way.)"""
     from kdaserve.spec_decode.mtp import MTPProposer
 
-    llm = make_mtp_llm(speculative_config=_mtp(), enable_prefix_caching=False)
+    llm = make_mtp_llm(speculative_config=_mtp(), enable_prefix_caching=False,
+                       async_scheduling=False)
     runner = llm.llm_engine.model_runner
     drafter = runner.spec.proposer
     prompts = _prompts()
