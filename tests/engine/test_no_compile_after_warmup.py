@@ -35,6 +35,10 @@ def _params(rng: random.Random):
     return SamplingParams(**base, **extra)
 
 
+@pytest.mark.xfail(strict=True, reason="known gap (issue 19): on the H200 this run compiled 8 "
+                   "kernels after start-up (fused_recurrent_kda_fwd_kernel, moe_align_small_kernel, "
+                   "moe_gemm1_kernel, moe_gemm2_kernel): the warm-up does not yet cover every "
+                   "specialisation of mixed steps; strict, so the test fails once it passes")
 def test_warm_engine_compiles_nothing(tmp_path):
     pytest.importorskip("triton")
     from tests.engine.conftest import _write_tokenizer
