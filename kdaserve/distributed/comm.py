@@ -52,7 +52,8 @@ class GroupComm:
 
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))   # [size * n0, ...]
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x, group=self.group)     # all_gather_single: the name from torch 2.13 on
         dim = dim % x.dim()
         if dim == 0:
             return out
