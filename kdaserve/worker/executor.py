@@ -133,6 +133,7 @@ class DriverWorker:
         try:
             self.world = init_world(pc, 0, port)
             self.world.broadcast_object(config)
+            _set_device(config.device, 0)
             self.parallel = init_parallel_state(pc, self.world, 0, config.device)
             self.worker = Worker(config, self.parallel)
         except Exception as e:
@@ -244,6 +245,15 @@ class DriverWorker:
         destroy_process_groups()
 
 
+def _set_device(device: str, local_rank: int) -> None:
+    """CUDA: this rank's GPU is the current device before the NCCL group exists (its
+    communicator binds to the current device)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)
+
+
 def run_rank(rank: int, local_rank: int, world_size: int, master_addr: str,
              master_port: int) -> None:
     """A rank > 0: join, build the worker, follow rank 0's commands until it says shutdown
@@ -252,6 +262,7 @@ def run_rank(rank: int, local_rank: int, world_size: int, master_addr: str,
                         master_port=master_port)
     world = init_world(pc, rank, master_port)
     config: EngineConfig = world.broadcast_object(None)
+    _set_device(config.device, local_rank)
     parallel = init_parallel_state(config.parallel_config, world, local_rank, config.device)
     worker = Worker(config, parallel)
     num_blocks, num_slots = worker.determine_num_blocks_and_slots()

@@ -108,6 +108,17 @@ def test_reference_launch_line_with_dspark_at_tp2(tiny_dir, tmp_path):
     assert srv.proc.returncode == 0
 
 
+def test_a_rank_killed_while_idle_ends_the_server(tiny_dir):
+    """No step in flight, so no collective notices: the watchdog ends the engine."""
+    srv = RemoteServer([tiny_dir, "--tensor-parallel-size", "2", "--max-model-len", "512"])
+    try:
+        (rank,) = _rank_pids(srv.proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.stop()
+
+
 def test_killed_rank_fails_requests_and_the_server_exits_nonzero(tiny_dir):
     srv = RemoteServer([tiny_dir, "--tensor-parallel-size", "2", "--api-key", API_KEY,
                         "--max-model-len", "4096", "--served-model-name", "m"])
