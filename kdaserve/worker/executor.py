@@ -88,11 +88,13 @@ def start_ranks(pc: ParallelConfig, ranks: list[int], master_port: int
     procs = {}
     first = pc.node_ranks.start
     for rank in ranks:
-        cmd = [sys.executable, "-m", "kdaserve.worker.rank", "--rank", str(rank),
-               "--local-rank", str(rank - first), "--world-size", str(pc.world_size),
-               "--master-addr", pc.master_addr, "--master-port", str(master_port)]
+        # torchrun's variables: the rank's place, read by `python -m kdaserve.worker.rank`
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank - first),
+                   WORLD_SIZE=str(pc.world_size), MASTER_ADDR=pc.master_addr,
+                   MASTER_PORT=str(master_port))
         procs[rank] = subprocess.Popen(
-            cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            [sys.executable, "-m", "kdaserve.worker.rank"], env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return procs
 
 
