@@ -260,8 +260,10 @@ class EngineCore:
 
         runner = self.model_runner
         args = self.engine_config.model_config.arch
+        tp = self.engine_config.parallel_config.tensor_parallel_size
+        # one rank's bytes: its weight shard (the model's tensors), its KDA heads
         return StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
-                                   state_bytes_per_slot(args, runner.dtype),
+                                   state_bytes_per_slot(args, runner.dtype, tp),
                                    measure_copy_bandwidth(runner.device))
 
     def _decode_context(self, so: SchedulerOutput) -> int | None:
