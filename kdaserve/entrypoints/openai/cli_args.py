@@ -134,6 +134,7 @@ MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, KeyType] = {"dummy_routing": one_of("v
 
 ADDITIONAL_CONFIG_KEYS: dict[str, KeyType] = {
     "num_state_slots": POSITIVE_INT,
+    "dist_timeout": POSITIVE_INT,
     "mirror_reasoning_content": BOOL,
     "max_request_body_bytes": POSITIVE_INT,
     "engine_startup_timeout": POSITIVE_FLOAT,
@@ -149,7 +150,7 @@ holds platform-specific ones). ENGINE_ADDITIONAL_KEYS are engine kwargs; the oth
 by the server from args.additional_config, which holds every key (ADDITIONAL_CONFIG_DEFAULTS
 for those not given)."""
 
-ENGINE_ADDITIONAL_KEYS = ("num_state_slots",)
+ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout")
 
 ADDITIONAL_CONFIG_DEFAULTS: dict[str, Any] = {
     "mirror_reasoning_content": True,
@@ -235,7 +236,18 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                         "Keys: " + ", ".join(MODEL_LOADER_EXTRA_CONFIG_KEYS) + " (" + DOCS
                         + ").")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
-                   help="Tensor-parallel ranks.")
+                   help="Tensor-parallel ranks (one process each; gloo on the CPU, NCCL on "
+                        "CUDA).")
+    g.add_argument("--nnodes", type=positive_int, default=None,
+                   help="Nodes the ranks are spread over (equal shares, node by node).")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="This node's index (0: the API server, scheduler and ranks 0..; the "
+                        "others run with --headless and only host ranks).")
+    g.add_argument("--master-addr", default=None,
+                   help="Node 0's address for torch.distributed's rendezvous (default: "
+                        "127.0.0.1).")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="Its port (default on one node: a free one; several nodes: required).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="Reuse KV blocks and KDA state of shared prefixes.")
     g.add_argument("--speculative-config", "-sc", type=json_dict, default=None,
@@ -270,6 +282,7 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                  "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
+                 "nnodes", "node_rank", "master_addr", "master_port",
                  "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",
                  "async_scheduling", "long_prefill_token_threshold")
@@ -371,6 +384,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="Log level of the server and of kdaserve's logging (default: info).")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="No access log line per HTTP request.")
+    s.add_argument("--headless", action="store_true",
+                   help="A worker node (--node-rank > 0): host this node's tensor-parallel "
+                        "ranks only, no API server; node 0's engine drives them.")
     add_engine_args(p, server=True)
     p.set_defaults(func=run_serve)
     return p
@@ -434,10 +450,15 @@ def run_serve(args: argparse.Namespace) -> int:
                         else "DEBUG", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_server_args(args)
-        check_port_free(args.host, args.port)
+        if not args.headless:
+            check_port_free(args.host, args.port)
         args.api_key = resolve_api_key(args)
         chat_template = load_chat_template(args.chat_template)
         model = resolve_model(args)
+        if args.headless:
+            from kdaserve.entrypoints.headless import run_headless
+
+            return run_headless(engine_kwargs_from_args(args, model))
         from kdaserve.entrypoints.openai.server import serve
 
         return asyncio.run(serve(args, model, engine_kwargs_from_args(args, model),
