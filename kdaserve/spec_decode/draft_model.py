@@ -419,7 +419,6 @@ class DraftModelProposer:
         return sample_drafts(logits, temps, self.sample_method)
 
     def _copy_slots(self, src: list[int], dst: list[int]) -> None:
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        s, d = self._tensor(src), self._tensor(dst)   # staged: no wait for the device
         for pool in (*self.caches.kda_recurrent, *self.caches.kda_conv):
             pool.index_copy_(0, d, pool.index_select(0, s))
