@@ -39,6 +39,7 @@ from kdaserve.config import EngineConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
 from kdaserve.core.sched_output import SchedulerOutput
 from kdaserve.core.scheduler import Scheduler
+from kdaserve.disagg.factory import make_connector_scheduler
 from kdaserve.engine.arg_utils import config_from_kwargs
 from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, CoreOutput,
                                          GetStats, InputMessage, OutputMessage, Outputs, Ready,
@@ -62,6 +63,9 @@ autotune stalls; elsewhere (the CPU reference path is slow by nature) at debug l
 
 _IDLE_POLL_MS = 1000
 _GRAMMAR_WAIT_S = 0.005
+_TRANSFER_WAIT_S = 0.002
+"""How long a step with nothing to schedule but KV transfers in flight (loads, requests held
+for a remote reader) sleeps before returning: the worker polls the transfers each step."""
 """How long a step with nothing to schedule waits for a grammar compilation before returning."""
 
 
@@ -104,9 +108,13 @@ class EngineCore:
         self.step_floor_ratio: float | None = None
         num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
         self.worker.initialize_cache(num_blocks, num_slots)
+        kv_worker = self.worker.kv_connector
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    num_slots, config.speculative_config,
-                                   max_model_len=config.model_config.max_model_len)
+                                   max_model_len=config.model_config.max_model_len,
+                                   connector=make_connector_scheduler(
+                                       config, [kv_worker.side_channel_port]
+                                       if kv_worker is not None else []))
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None
@@ -137,6 +145,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    def has_pending_transfers(self) -> bool:
+        """KV transfers to poll (loads in flight, requests held for a remote reader): the
+        loop keeps stepping for them, with short sleeps when nothing else is to do."""
+        return self.scheduler.has_pending_transfers()
 
     def unfinished_request_ids(self) -> list[str]:
         """The ids the front added (an n > 1 request's own id) that are still running here."""
@@ -174,6 +187,8 @@ class EngineCore:
             outputs += self._process(cur)
         if structured and so.is_empty and prev is None:
             self.structured_output.wait_for_compile(_GRAMMAR_WAIT_S)
+        elif so.is_empty and prev is None and self.scheduler.has_pending_transfers():
+            time.sleep(_TRANSFER_WAIT_S)
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -309,7 +324,7 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self.input_sock, zmq.POLLIN)
         while self.running:
-            busy = self.core.has_unfinished_requests()
+            busy = self.core.has_unfinished_requests() or self.core.has_pending_transfers()
             if poller.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain_inputs()
             if not self.running:
@@ -317,7 +332,7 @@ class EngineCoreProc:
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process died, exiting")
                 return
-            if self.core.has_unfinished_requests():
+            if self.core.has_unfinished_requests() or self.core.has_pending_transfers():
                 self._step()
 
     def _drain_inputs(self) -> None:
@@ -334,7 +349,7 @@ class EngineCoreProc:
                 self.core.add_request(Request(
                     msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling_params),
                     eos_token_ids=msg.eos_token_ids, arrival_time=msg.arrival_time,
-                    cache_salt=msg.cache_salt))
+                    cache_salt=msg.cache_salt, kv_transfer_params=msg.kv_transfer_params))
             except ValueError as e:
                 self.send(RequestFailed(msg.request_id, str(e), bad_request=True))
         elif isinstance(msg, AbortRequests):
@@ -389,6 +404,7 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
     try:
         proc.run()
     finally:
+        core.worker.shutdown()
         input_sock.close(linger=0)
         output_sock.close(linger=1000)
         ctx.term()
@@ -415,4 +431,5 @@ def _engine_info(core: EngineCore) -> dict[str, Any]:
         "num_total_state_slots": stats.num_total_state_slots,
         "eos_token_ids": config_eos_token_ids(cfg),
         "vocab_size": cfg.model_config.arch.vocab_size,
+        "kv_role": cfg.kv_transfer_config.kv_role if cfg.kv_transfer_config else None,
     }
