@@ -62,6 +62,8 @@ SLOW_STEP_S = 1.0
 autotune stalls; elsewhere (the CPU reference path is slow by nature) at debug level."""
 
 _IDLE_POLL_MS = 1000
+_TRANSFER_POLL_MS = 5
+"""Input wait of an idle loop that still has KV transfers to poll (held requests, loads)."""
 _GRAMMAR_WAIT_S = 0.005
 _TRANSFER_WAIT_S = 0.002
 """How long a step with nothing to schedule but KV transfers in flight (loads, requests held
@@ -324,8 +326,10 @@ class EngineCoreProc:
         poller = zmq.Poller()
         poller.register(self.input_sock, zmq.POLLIN)
         while self.running:
-            busy = self.core.has_unfinished_requests() or self.core.has_pending_transfers()
-            if poller.poll(0 if busy else _IDLE_POLL_MS):
+            busy = self.core.has_unfinished_requests()
+            transfers = not busy and self.core.has_pending_transfers()
+            timeout = 0 if busy else _TRANSFER_POLL_MS if transfers else _IDLE_POLL_MS
+            if poller.poll(timeout):
                 self._drain_inputs()
             if not self.running:
                 return
@@ -333,7 +337,7 @@ class EngineCoreProc:
                 logger.warning("engine core: parent process died, exiting")
                 return
             if self.core.has_unfinished_requests() or self.core.has_pending_transfers():
-                self._step()
+                self._step()   # with transfers only: the worker polls them
 
     def _drain_inputs(self) -> None:
         while self.running:

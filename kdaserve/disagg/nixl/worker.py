@@ -17,6 +17,7 @@ Acknowledgements may arrive before this side learns of the hold: they wait in `_
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import time
@@ -102,7 +103,11 @@ class NixlConnectorWorker(ConnectorWorker):
         self._early: dict[str, list] = {}
         """Producer: req id -> [first seen, acks, released] for news of a hold not known yet."""
         self._out = KVConnectorOutput()
+        self._tensors: list[torch.Tensor] = []
         self._reg = None
+        # NIXL crashes when an agent outlives the memory it registered (interpreter exit
+        # frees in any order): tear down first.
+        atexit.register(self.shutdown)
 
     # ------------------------------------------------------------------ set-up
     def register_caches(self, mla_kv: list[torch.Tensor], kda_recurrent: list[torch.Tensor],
@@ -115,6 +120,7 @@ class NixlConnectorWorker(ConnectorWorker):
             "VRAM" if dev.type == "cuda" else "DRAM", dev.index or 0, self.block_size,
             CacheRegion.of(mla_kv, num_blocks), CacheRegion.of(kda_recurrent, num_state_slots),
             CacheRegion.of(kda_conv, num_state_slots))
+        self._tensors = tensors   # registered: they must outlive the registration
         self._reg = self.agent.register_memory(tensors)
         if self.config.is_producer:
             port = self.config.kv_port + self.tp_rank if self.config.kv_port else 0
@@ -162,12 +168,29 @@ class NixlConnectorWorker(ConnectorWorker):
         return True
 
     def shutdown(self) -> None:
+        """In order: the side channel, the transfers, the peers, the registration, the agent
+        (while the registered tensors are still alive)."""
+        if self.agent is None:
+            return
         if self.side_channel is not None:
             self.side_channel.close()
         for load in self._loads.values():
             for handle in load.posted.values():
                 _release_handle(handle)
+        self._loads.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for remote in self._remotes.values():
+            if remote.layout is not None:
+                try:
+                    self.agent.remove_remote_agent(remote.agent_name)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        self._remotes.clear()
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+        self.agent = None
+        self._tensors = []
 
     # ------------------------------------------------------------------ consumer
     def _begin_load(self, spec: LoadSpec) -> None:
@@ -248,7 +271,7 @@ class NixlConnectorWorker(ConnectorWorker):
         if load.error is not None:
             # cancel what is in flight; report once nothing can land in the blocks anymore
             for r, handle in list(load.posted.items()):
-                if states.get(r) != "PROC" or _release_handle(handle):
+                if _release_handle(handle) or states.get(r) == "ERR":
                     del load.posted[r]
             if not load.posted:
                 del self._loads[rid]
