@@ -44,7 +44,7 @@ def serve_args(model: str, role: str, **extra) -> list[str]:
 
 
 class ProxyProcess:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 120.0):
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = f"/tmp/kdaserve-test-proxy-{self.port}.log"
@@ -87,8 +87,9 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def pd(tiny):
     """(prefill, decode, proxy) shared by the module's tests."""
-    prefill = RemoteServer(serve_args(tiny, "kv_producer", hold_timeout_s=60.0), env=UCX_ENV)
-    decode = RemoteServer(serve_args(tiny, "kv_consumer"), env=UCX_ENV)
+    # generous timeouts: a loaded CI machine must not turn a pull into a recompute here
+    prefill = RemoteServer(serve_args(tiny, "kv_producer", hold_timeout_s=300.0), env=UCX_ENV)
+    decode = RemoteServer(serve_args(tiny, "kv_consumer", load_timeout_s=120.0), env=UCX_ENV)
     proxy = ProxyProcess([prefill.url], [decode.url])
     yield prefill, decode, proxy
     proxy.stop()
@@ -131,7 +132,7 @@ def prompt(i: int) -> str:
 
 
 def request(i: int) -> tuple[str, dict]:
-    body = {"model": "tiny", "temperature": 0.0, "max_tokens": 4 + i % 5, "ignore_eos": True,
+    body = {"model": "tiny", "temperature": 0.0, "max_tokens": 4 + i % 4, "ignore_eos": True,
             "stream": i % 2 == 1}
     if i % 4 < 2:
         return "/v1/completions", body | {"prompt": prompt(i)}
@@ -161,7 +162,7 @@ async def call(client: httpx.AsyncClient, base: str, path: str, body: dict) -> s
 def run_all(base: str, reqs: list[tuple[str, dict]], concurrency: int = 16) -> list[str]:
     async def main():
         sem = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=600) as client:
             async def one(path, body):
                 async with sem:
                     return await call(client, base, path, body)
