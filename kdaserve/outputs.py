@@ -52,3 +52,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: RequestMetrics | None = None
+    kv_transfer_params: dict | None = None
+    """Set on a finished request whose KV blocks and KDA state a prefill instance holds for a
+    decode instance to pull (prefill/decode disaggregation)."""

@@ -55,6 +55,7 @@ class Request:
         parent_req_id: str | None = None,
         sample_index: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
@@ -83,6 +84,10 @@ class Request:
         self.sample_index = sample_index
         self.cache_salt = cache_salt
         """Enters the first block's hash: requests with different salts never share a prefix."""
+        self.kv_transfer_params = kv_transfer_params
+        """The client's KV-transfer request (vLLM's kv_transfer_params): do_remote_decode on a
+        prefill instance, the prefill's transfer parameters on a decode instance; read only
+        by the KV connector."""
         self.block_hashes: list[bytes] = []
         """Chained hashes of the leading full blocks (extended by the KVCacheManager; tokens are
         only appended, so they stay valid across preemption)."""

@@ -252,6 +252,95 @@ class SpeculativeConfig:
         return self.method is not None and self.num_speculative_tokens > 0
 
 
+KV_CONNECTORS = ("NixlConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+KV_CONNECTOR_EXTRA_DEFAULTS: dict[str, Any] = {
+    "hold_timeout_s": 120.0,
+    "load_timeout_s": 30.0,
+    "handshake_timeout_s": 5.0,
+    "backends": ["UCX"],
+}
+"""kv_connector_extra_config keys and their defaults. hold_timeout_s: how long a producer holds
+a finished request's KV blocks and KDA state slot for its consumer to pull them; load_timeout_s:
+how long a consumer waits for a pull before it recomputes the prompt (capped at half the
+producer's hold, so a pull never reads blocks the producer has freed); handshake_timeout_s: the
+side-channel exchange of agent metadata; backends: NIXL backends to create."""
+
+
+@dataclass
+class KVTransferConfig:
+    """vLLM's --kv-transfer-config: which connector moves the KV blocks and KDA state between
+    instances (prefill/decode disaggregation), and this instance's role."""
+
+    kv_connector: str
+    kv_role: str
+    engine_id: str | None = None
+    """Names this instance to its peers (None: a random id at start-up)."""
+    kv_ip: str = "127.0.0.1"
+    """Address of the producer's side channel (agent metadata, releases), as consumers reach it."""
+    kv_port: int = 0
+    """Side-channel port of TP rank 0 (rank r listens on kv_port + r); 0: a free port each."""
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    """Connector knobs (KV_CONNECTOR_EXTRA_DEFAULTS); unknown keys are an error."""
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got "
+                             f"{self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got "
+                             f"{self.kv_role!r}")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_port must be in 0..65535, got {self.kv_port!r}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError("kv_connector_extra_config must be a JSON object")
+        unknown = sorted(set(extra) - set(KV_CONNECTOR_EXTRA_DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}; valid keys: "
+                             f"{', '.join(KV_CONNECTOR_EXTRA_DEFAULTS)}")
+        self.kv_connector_extra_config = KV_CONNECTOR_EXTRA_DEFAULTS | extra
+        for key in ("hold_timeout_s", "load_timeout_s", "handshake_timeout_s"):
+            v = self.kv_connector_extra_config[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"kv_connector_extra_config {key!r} must be a number > 0, "
+                                 f"got {v!r}")
+        backends = self.kv_connector_extra_config["backends"]
+        if not (isinstance(backends, list) and backends
+                and all(isinstance(b, str) for b in backends)):
+            raise ValueError(f"kv_connector_extra_config 'backends' must be a non-empty list "
+                             f"of names, got {backends!r}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "KVTransferConfig":
+        """From the flag's JSON object; a missing or unknown key is a ValueError."""
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {data!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown kv_transfer_config keys {unknown}; valid keys: "
+                             f"{', '.join(sorted(names))}")
+        for key in ("kv_connector", "kv_role"):
+            if key not in data:
+                raise ValueError(f"kv_transfer_config needs {key!r}")
+        return cls(**data)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def extra(self, key: str) -> Any:
+        return self.kv_connector_extra_config[key]
+
+
 LOAD_FORMATS = ("auto", "safetensors", "fastsafetensors", "dummy")
 QUANTIZATIONS = ("mxfp4",)
 
@@ -341,6 +430,8 @@ class EngineConfig:
     """auto | cuda | cpu."""
     enforce_eager: bool = False
     max_logprobs: int = 20
+    kv_transfer_config: KVTransferConfig | None = None
+    """Prefill/decode disaggregation (None: this instance serves alone)."""
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -348,6 +439,16 @@ class EngineConfig:
 
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
+            if self.speculative_config.enabled:
+                raise ValueError("kv_transfer_config with speculative decoding is not "
+                                 "supported yet")
+            if self.parallel_config.world_size > 1:
+                raise ValueError("kv_transfer_config with tensor_parallel_size="
+                                 f"{self.parallel_config.tensor_parallel_size} (world size "
+                                 f"{self.parallel_config.world_size}) is not supported yet: "
+                                 "the connector runs on one rank")
         spec = self.speculative_config
         if spec.method == "mtp":   # the target's own MTP layers draft
             n = self.model_config.arch.num_nextn_predict_layers

@@ -20,6 +20,9 @@ class EngineCoreOutput:
     parent_req_id: str | None = None
     """For an n > 1 sample: the request the engine added; `sample_index` is its position."""
     sample_index: int = 0
+    kv_transfer_params: dict | None = None
+    """On a finished request's last output: what a consumer needs to pull its KV blocks and
+    KDA state (prefill/decode disaggregation), returned to the client."""
 
     @property
     def finished(self) -> bool:
@@ -60,3 +63,19 @@ class SchedulerStats:
     spec_kda_state_bytes_written: int = 0
     step_floor_ratio: float | None = None
     """Last decode step's time over its byte floor."""
+    kv_transfer_loads: int = 0
+    """Requests whose KV blocks and KDA state were pulled from a remote prefill."""
+    kv_transfer_bytes: int = 0
+    """Bytes pulled by those loads."""
+    kv_transfer_seconds: float = 0.0
+    """Sum of their latencies (pull start to completion)."""
+    kv_transfer_failures: int = 0
+    """Loads that failed or timed out (their requests recomputed the prompt)."""
+    kv_transfer_sends: int = 0
+    """Held requests whose consumer acknowledged or released them."""
+    kv_transfer_expired: int = 0
+    """Held requests freed by the hold timeout (no consumer came)."""
+    num_kv_transfer_held: int = 0
+    """Finished requests whose blocks and state slot are held for a remote reader now."""
+    num_kv_transfer_loading: int = 0
+    """Requests waiting for their remote KV blocks and KDA state now."""

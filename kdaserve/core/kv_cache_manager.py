@@ -150,6 +150,20 @@ class KVCacheManager:
                 self._cache_full_blocks(request, num_known)
         return new_blocks
 
+    def allocate_for_load(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Blocks for positions [0, num_tokens) of a request that holds none, whose KV a
+        connector will write (a remote prefill's). They are not entered in the prefix cache
+        until the request is scheduled after the load (allocate_slots does it then), so no
+        other request can hit them before they hold their KV. None when too few are free."""
+        if request.req_id in self._blocks:
+            raise RuntimeError(f"request {request.req_id!r} already holds blocks")
+        need = cdiv(num_tokens, self.block_size)
+        if need > self.block_pool.num_free_blocks:
+            return None
+        blocks = self.block_pool.allocate(need)
+        self._blocks[request.req_id] = list(blocks)
+        return list(blocks)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         req_id = request.req_id
         hashes = self._hashes(request, num_tokens)

@@ -100,10 +100,35 @@ class SchedulerOutput:
     """[rows, ceil(vocab_size / 32)] int32 host array (bit t of a row: token t allowed), 1 + its
     scheduled drafts rows per structured_output_request_ids entry; None when no structured
     request samples this step."""
+    kv_connector_metadata: Any = None
+    """The KV connector's per-step metadata for the workers (loads to start, finished
+    requests held for remote readers, releases); None without a connector."""
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker's KV connector reports after a step (request ids of the scheduler)."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    """Producer: held requests whose pulls are all acknowledged (or released by their
+    consumer): their blocks and state slot may be freed."""
+    finished_recving: set[str] = field(default_factory=set)
+    """Consumer: requests whose KV blocks and KDA state have fully arrived."""
+    failed_recving: set[str] = field(default_factory=set)
+    """Consumer: requests whose load failed or timed out (recomputed; their blocks and slot
+    hold nothing valid)."""
+    num_bytes_recved: int = 0
+    """Bytes of the loads finished this step."""
+    recv_seconds: float = 0.0
+    """Sum of the finished loads' latencies (start of the pull to its completion)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving)
 
 
 @dataclass
@@ -117,3 +142,5 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: req_id -> drafts to verify next step (for the scheduler's
     update_draft_token_ids; requests that finished meanwhile are ignored)."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """The KV connector's report for this step (None without a connector)."""

@@ -32,6 +32,15 @@ worst case stay with the request (it grows into them) and go back when it finish
 with penalties / logit_bias or a grammar get no placeholders (never drafted, or drafts checked
 on the host): the engine runs those steps one at a time.
 
+KV connector (prefill/decode disaggregation, kdaserve.disagg; optional): a request whose prompt
+state comes from a remote prefill gets that prefill's first token as its first output when it
+is added, then at admission takes blocks and a state slot for the load and waits outside the
+queues until the worker reports the load; done, it goes back to the front of the waiting queue
+with its prompt computed (failed: everything freed, it recomputes). A finished request the
+connector holds for a remote reader keeps its blocks and slot until the reader acknowledges or
+the hold expires. A request aborted during its load is freed when the load ends (the transfer
+still writes into its blocks until then).
+
 Call order (the engine): `add_request` ... then per step `schedule()` -> worker ->
 `update_from_output()`; `finish_requests()` at any time (stop strings, aborts).
 
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from kdaserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
@@ -58,11 +68,15 @@ from kdaserve.core.sched_output import (
     CachedRequestData,
     KDAStateCopy,
     DRAFT_PLACEHOLDER,
+    KVConnectorOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
 from kdaserve.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kdaserve.disagg.base import ConnectorScheduler
 
 # Proposers that write their own KV past the verified tokens need lookahead slots.
 _NO_LOOKAHEAD_METHODS = ("ngram",)
@@ -79,6 +93,7 @@ class Scheduler:
         num_state_slots: int,
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
+        connector: ConnectorScheduler | None = None,
     ) -> None:
         self.max_model_len = max_model_len or scheduler_config.max_model_len
         self.max_num_seqs = scheduler_config.max_num_seqs
@@ -125,6 +140,15 @@ class Scheduler:
         self.async_spec = False
         """Set by the engine: the worker proposes drafts on the device, so a request that
         samples gets placeholder drafts for the next step at once (see the module doc)."""
+        self.connector = connector
+        self._loading: dict[str, tuple[Request, int]] = {}
+        """Requests whose prompt state is being loaded -> the tokens the load brings."""
+        self._loaded: set[str] = set()
+        """Loaded requests back in the waiting queue (they hold their blocks and slot)."""
+        self._held: dict[str, Request] = {}
+        """Finished requests whose blocks and slot the connector holds for a remote reader."""
+        self._pending_outputs: list[EngineCoreOutput] = []
+        """Outputs made outside a step (a remote prefill's first token), sent with the next."""
         self.grammar_ready: Callable[[Request], bool] | None = None
         """Set by the engine: False while a waiting structured-output request's grammar is
         still compiling (it is passed over, not blocking the queue). None: all are ready."""
@@ -180,6 +204,8 @@ class Scheduler:
         for rid in [request.req_id] + child_ids:
             if rid in self.requests or rid in self._children or rid in self._child_ids:
                 raise ValueError(f"request id {rid!r} is already in use")
+        if self.connector is not None and n == 1 and self._take_remote_first_token(request):
+            return
         new = [request]
         if n > 1:
             self._children[request.req_id] = child_ids
@@ -189,6 +215,22 @@ class Scheduler:
         for r in new:
             self.requests[r.req_id] = r
             self.waiting.append(r)
+
+    def _take_remote_first_token(self, request: Request) -> bool:
+        """Append the first token a remote prefill sampled (reported with the next step's
+        outputs). True if that token already finishes the request (it is not queued)."""
+        first = self.connector.on_new_request(request)
+        if first is None:
+            return False
+        request.append_output_token_ids(first)
+        status = self._check_stop(request)
+        if status is not None:
+            request.status = status
+            self.connector.request_finished(request, [], None)
+        self._pending_outputs.append(EngineCoreOutput(
+            req_id=request.req_id, new_token_ids=[first], finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason))
+        return status is not None
 
     def finish_requests(self, req_ids: str | Iterable[str],
                         finished_status: RequestStatus) -> None:
@@ -210,10 +252,24 @@ class Scheduler:
             request.status = finished_status
             self._free_request(request)
 
-    def _free_request(self, request: Request) -> None:
-        """Release a finished request (already out of running/waiting) and forget it."""
+    def _free_request(self, request: Request) -> dict | None:
+        """Release a finished request (already out of running/waiting) and forget it. Returns
+        the connector's kv_transfer_params for the client (None without)."""
         self.prefix_cache.on_finish(request)
-        self.kv_cache_manager.free(request)
+        params = None
+        self._loaded.discard(request.req_id)
+        if request.req_id in self._loading:
+            pass    # its load still writes into its blocks: freed when the load ends
+        elif self.connector is not None:
+            kv = self.kv_cache_manager
+            hold, params = self.connector.request_finished(
+                request, kv.get_block_ids(request.req_id), request.state_slot)
+            if hold:
+                self._held[request.req_id] = request
+            else:
+                kv.free(request)
+        else:
+            self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.req_id)
         self._unsent.discard(request.req_id)
         del self.requests[request.req_id]
@@ -222,6 +278,7 @@ class Scheduler:
         if parent in self._children and all(
                 cid not in self.requests for cid in self._children[parent]):
             self._child_ids.difference_update(self._children.pop(parent))
+        return params
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -234,6 +291,11 @@ class Scheduler:
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
         self.prefix_cache.begin_step(out)
+        if self.connector is not None:
+            for rid in self.connector.take_expired():
+                held = self._held.pop(rid, None)
+                if held is not None:
+                    self.kv_cache_manager.free(held)
 
         # RUNNING first, oldest first.
         i = 0
@@ -272,21 +334,34 @@ class Scheduler:
                 weight = self._weight(request)
                 if num_seqs + weight > self.max_num_seqs:
                     break
-                if self.kv_cache_manager.num_free_slots < weight:
+                loaded = request.req_id in self._loaded   # holds its blocks and slot
+                if not loaded and self.kv_cache_manager.num_free_slots < weight:
                     break
-                hit = self.prefix_cache.find_hit(request, self._target(request) - 1)
-                request.num_computed_tokens = hit.num_tokens if hit is not None else 0
+                num_external = (self.connector.get_num_new_matched_tokens(request)
+                                if self.connector is not None and not loaded else 0)
+                if num_external:
+                    if not self._start_load(request, num_external):
+                        break
+                    self.waiting.popleft()
+                    continue
+                base = request.num_computed_tokens if loaded else 0
+                hit = None if loaded else self.prefix_cache.find_hit(
+                    request, self._target(request) - 1)
+                request.num_computed_tokens = hit.num_tokens if hit is not None else base
                 num_new = self._num_new_tokens(request, token_budget, input_budget - charge)
                 remaining = self._target(request) - request.num_computed_tokens
                 if num_new == 0 or (not self.enable_chunked_prefill and num_new < remaining):
-                    request.num_computed_tokens = 0
+                    request.num_computed_tokens = base
                     break
                 num_new = self.prefix_cache.split_chunk(request, num_new)
-                blocks = self._allocate_waiting(request, hit, num_new, out)
+                blocks = (self.kv_cache_manager.allocate_slots(request, num_new,
+                                                               self.num_lookahead_tokens)
+                          if loaded else self._allocate_waiting(request, hit, num_new, out))
                 if blocks is None:
-                    request.num_computed_tokens = 0
+                    request.num_computed_tokens = base
                     break
                 self.waiting.popleft()
+                self._loaded.discard(request.req_id)
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 if request.num_preemptions == 0:
@@ -303,6 +378,46 @@ class Scheduler:
 
         self._build_output(out, scheduled, new_blocks, preempted)
         return out
+
+    def _start_load(self, request: Request, num_external: int) -> bool:
+        """Blocks for the request's known tokens (the remote prompt and the first token) and a
+        state slot, handed to the connector for its load. False (nothing taken) when the
+        blocks do not suffice."""
+        kv = self.kv_cache_manager
+        blocks = kv.allocate_for_load(request, request.num_tokens)
+        if blocks is None:
+            return False
+        slot = kv.allocate_state_slot(request)
+        self.connector.update_state_after_alloc(request, blocks, slot, num_external)
+        self._loading[request.req_id] = (request, num_external)
+        return True
+
+    def _update_from_connector(self, output: KVConnectorOutput) -> None:
+        """Apply the workers' report: free what remote readers are done with; loaded
+        requests go back to the front of the waiting queue (in their order), computed up to
+        the loaded tokens, or, when their load failed, holding nothing (recompute)."""
+        kv = self.kv_cache_manager
+        for rid in output.finished_sending:
+            held = self._held.pop(rid, None)
+            if held is not None:
+                kv.free(held)
+        ended = [rid for rid in self._loading
+                 if rid in output.finished_recving or rid in output.failed_recving]
+        back = []
+        for rid in ended:
+            request, num_external = self._loading.pop(rid)
+            if RequestStatus.is_finished(request.status):
+                kv.free(request)    # aborted during its load
+                continue
+            if rid in output.failed_recving:
+                kv.free(request)
+                request.num_computed_tokens = 0
+            else:
+                request.num_computed_tokens = num_external
+                self._loaded.add(rid)
+            back.append(request)
+        self.waiting.extendleft(reversed(back))
+        self.connector.update_connector_output(output)
 
     def _waits_for_grammar(self, request: Request) -> bool:
         """A structured-output request whose grammar is not compiled yet (vLLM's
@@ -481,6 +596,8 @@ class Scheduler:
         out.preempted_req_ids = {r.req_id for r in preempted}
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
 
     # ------------------------------------------------------------------ after the forward
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -488,8 +605,10 @@ class Scheduler:
         """Append sampled tokens, roll back rejected drafts, check stop conditions and free
         finished requests. Returns one EngineCoreOutput per request that got tokens."""
         self.prefix_cache.end_step()
+        if self.connector is not None and runner_output.kv_connector_output is not None:
+            self._update_from_connector(runner_output.kv_connector_output)
         index = {rid: j for j, rid in enumerate(runner_output.req_ids)}
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         finished: list[Request] = []
         in_waiting = False    # a finished request was preempted: it sits in the waiting queue
         for rid in scheduler_output.num_scheduled_tokens:
@@ -538,8 +657,11 @@ class Scheduler:
             self.running = [r for r in self.running if id(r) not in done]
             if in_waiting:
                 self.waiting = deque(r for r in self.waiting if id(r) not in done)
+            by_id = {o.req_id: o for o in outputs}
             for request in finished:
-                self._free_request(request)
+                params = self._free_request(request)
+                if params is not None:
+                    by_id[request.req_id].kv_transfer_params = params
         return outputs
 
     def _check_runner_output(self, request: Request, generated: list[int],
@@ -587,14 +709,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self._pending_outputs
+                    or any(not RequestStatus.is_finished(r.status)
+                           for r, _ in self._loading.values()))
+
+    def has_pending_transfers(self) -> bool:
+        """Loads in flight or requests held for a remote reader: the engine keeps stepping
+        (the worker polls the transfers) even with nothing to schedule."""
+        return bool(self._loading or self._held)
 
     def has_finished_requests(self) -> bool:
         """Finished ids not yet reported to the worker (one more schedule() flushes them)."""
         return bool(self._finished_req_ids)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + sum(
+            not RequestStatus.is_finished(r.status) for r, _ in self._loading.values())
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash and KDA checkpoint (vLLM's reset_prefix_cache).
@@ -618,4 +748,7 @@ class Scheduler:
             num_kda_checkpoints=ckpt.num_ready,
             num_total_kda_checkpoint_slots=ckpt.num_slots,
             num_kda_checkpoint_exports=ckpt.num_exports,
+            num_kv_transfer_held=len(self._held),
+            num_kv_transfer_loading=len(self._loading),
+            **(self.connector.stats() if self.connector is not None else {}),
         )

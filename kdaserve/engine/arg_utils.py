@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, LoadConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, SpeculativeConfig)
+from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, KVTransferConfig,
+                             LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 
 
 def default_max_num_batched_tokens(device: str) -> int:
@@ -30,6 +31,7 @@ def config_from_kwargs(kwargs: dict) -> EngineConfig:
         names = {f.name for f in fields(cls)}
         groups[cls] = {k: kwargs.pop(k) for k in list(kwargs) if k in names
                        and (cls is not SchedulerConfig or k != "max_model_len")}
+    kv_transfer = kwargs.pop("kv_transfer_config", None)
     spec = kwargs.pop("speculative_config", None) or {}
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
@@ -50,4 +52,6 @@ def config_from_kwargs(kwargs: dict) -> EngineConfig:
         scheduler_config=SchedulerConfig(**sched),
         parallel_config=ParallelConfig(**groups[ParallelConfig]),
         speculative_config=SpeculativeConfig(**spec), load_config=LoadConfig(**load),
-        kernel_config=KernelConfig(**groups[KernelConfig]), **engine_kwargs)
+        kernel_config=KernelConfig(**groups[KernelConfig]),
+        kv_transfer_config=(KVTransferConfig.from_dict(kv_transfer)
+                            if kv_transfer is not None else None), **engine_kwargs)

@@ -200,15 +200,17 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, prompt: str | None = None,
-                       delta: bool = False,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       delta: bool = False, cache_salt: str | None = None,
+                       kv_transfer_params: dict | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs, one per engine step (merged if the consumer lags).
 
         delta=False: each output is cumulative (all text / tokens so far), as LLMEngine.step.
         delta=True: each output holds only what is new since the previous one.
         Raises ValueError if the engine rejects the request, EngineDeadError if it is gone (or
         shut down, or abort_all failed the request); RuntimeError if it was aborted otherwise
-        (abort(), a step failure, a consumer past stream_buffer_limit)."""
+        (abort(), a step failure, a consumer past stream_buffer_limit). kv_transfer_params:
+        prefill/decode disaggregation (see kdaserve.disagg.params)."""
         if self.dead_error is not None:
             raise self.dead_error
         if self.closed:
@@ -222,7 +224,8 @@ class AsyncEngine:
         collector = _RequestCollector(sampling_params.n, delta)
         self.collectors[request_id] = collector
         self._send(AddRequest(request_id, prompt_token_ids, core_sampling_params(sampling_params),
-                              arrival_time, self.eos_token_ids, cache_salt))
+                              arrival_time, self.eos_token_ids, cache_salt,
+                              kv_transfer_params))
         finished = False
         try:
             while not finished:

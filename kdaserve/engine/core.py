@@ -39,6 +39,7 @@ from kdaserve.config import EngineConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
 from kdaserve.core.sched_output import SchedulerOutput
 from kdaserve.core.scheduler import Scheduler
+from kdaserve.disagg.factory import make_connector_scheduler
 from kdaserve.engine.arg_utils import config_from_kwargs
 from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, CoreOutput,
                                          GetStats, InputMessage, OutputMessage, Outputs, Ready,
@@ -61,7 +62,12 @@ SLOW_STEP_S = 1.0
 autotune stalls; elsewhere (the CPU reference path is slow by nature) at debug level."""
 
 _IDLE_POLL_MS = 1000
+_TRANSFER_POLL_MS = 5
+"""Input wait of an idle loop that still has KV transfers to poll (held requests, loads)."""
 _GRAMMAR_WAIT_S = 0.005
+_TRANSFER_WAIT_S = 0.002
+"""How long a step with nothing to schedule but KV transfers in flight (loads, requests held
+for a remote reader) sleeps before returning: the worker polls the transfers each step."""
 """How long a step with nothing to schedule waits for a grammar compilation before returning."""
 
 
@@ -111,9 +117,13 @@ class EngineCore:
         self.step_floor_ratio: float | None = None
         num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
         self.worker.initialize_cache(num_blocks, num_slots)
+        kv_worker = self.worker.kv_connector
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    num_slots, config.speculative_config,
-                                   max_model_len=config.model_config.max_model_len)
+                                   max_model_len=config.model_config.max_model_len,
+                                   connector=make_connector_scheduler(
+                                       config, [kv_worker.side_channel_port]
+                                       if kv_worker is not None else []))
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None
@@ -146,6 +156,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+
+    def has_pending_transfers(self) -> bool:
+        """KV transfers to poll (loads in flight, requests held for a remote reader): the
+        loop keeps stepping for them, with short sleeps when nothing else is to do."""
+        return self.scheduler.has_pending_transfers()
 
     def unfinished_request_ids(self) -> list[str]:
         """The ids the front added (an n > 1 request's own id) that are still running here."""
@@ -195,6 +210,8 @@ class EngineCore:
             outputs += self._process(cur, next_scheduled=False)
         if structured and so.is_empty and prev is None:
             self.structured_output.wait_for_compile(_GRAMMAR_WAIT_S)
+        elif so.is_empty and prev is None and self.scheduler.has_pending_transfers():
+            time.sleep(_TRANSFER_WAIT_S)
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -343,15 +360,17 @@ class EngineCoreProc:
         poller.register(self.input_sock, zmq.POLLIN)
         while self.running:
             busy = self.core.has_unfinished_requests()
-            if poller.poll(0 if busy else _IDLE_POLL_MS):
+            transfers = not busy and self.core.has_pending_transfers()
+            timeout = 0 if busy else _TRANSFER_POLL_MS if transfers else _IDLE_POLL_MS
+            if poller.poll(timeout):
                 self._drain_inputs()
             if not self.running:
                 return
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process died, exiting")
                 return
-            if self.core.has_unfinished_requests():
-                self._step()
+            if self.core.has_unfinished_requests() or self.core.has_pending_transfers():
+                self._step()   # with transfers only: the worker polls them
 
     def _drain_inputs(self) -> None:
         while self.running:
@@ -367,7 +386,7 @@ class EngineCoreProc:
                 self.core.add_request(Request(
                     msg.request_id, msg.prompt_token_ids, SamplingParams(**msg.sampling_params),
                     eos_token_ids=msg.eos_token_ids, arrival_time=msg.arrival_time,
-                    cache_salt=msg.cache_salt))
+                    cache_salt=msg.cache_salt, kv_transfer_params=msg.kv_transfer_params))
             except ValueError as e:
                 self.send(RequestFailed(msg.request_id, str(e), bad_request=True))
         elif isinstance(msg, AbortRequests):
@@ -429,6 +448,7 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
     try:
         proc.run()
     finally:
+        core.worker.shutdown()
         input_sock.close(linger=0)
         output_sock.close(linger=1000)
         ctx.term()
@@ -461,4 +481,5 @@ def _engine_info(core: EngineCore) -> dict[str, Any]:
         "num_total_state_slots": stats.num_total_state_slots,
         "eos_token_ids": config_eos_token_ids(cfg),
         "vocab_size": cfg.model_config.arch.vocab_size,
+        "kv_role": cfg.kv_transfer_config.kv_role if cfg.kv_transfer_config else None,
     }

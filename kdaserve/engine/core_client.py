@@ -35,6 +35,8 @@ class AddRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     """The model's EOS ids and the front's tokenizer's (the core has no tokenizer)."""
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """The client's KV-transfer request (prefill/decode disaggregation)."""
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -79,6 +81,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     parent_req_id: str | None = None
     sample_index: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

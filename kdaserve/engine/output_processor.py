@@ -62,6 +62,7 @@ class _RequestState:
     metrics: RequestMetrics
     delta: bool
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -174,7 +175,7 @@ class OutputProcessor:
             result.request_outputs.append(RequestOutput(
                 request_id=rid, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                 outputs=outputs, finished=finished, num_cached_tokens=req.num_cached_tokens,
-                metrics=req.metrics))
+                metrics=req.metrics, kv_transfer_params=req.kv_transfer_params))
         return result
 
     def _apply(self, req: _RequestState, sample: _Sample, out: EngineCoreOutput,
@@ -185,6 +186,8 @@ class OutputProcessor:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
         req.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            req.kv_transfer_params = out.kv_transfer_params
         self.num_generation_tokens += len(out.new_token_ids)
         comp.token_ids.extend(out.new_token_ids)
         if comp.logprobs is not None and out.new_logprobs:

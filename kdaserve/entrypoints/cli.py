@@ -1,4 +1,4 @@
-"""`kdaserve` command line: serve | generate | bench | make-model.
+"""`kdaserve` command line: serve | generate | bench | make-model | proxy.
 
 Each subcommand lives in its own module, which exposes `add_parser(subparsers)`; the parser it
 adds sets `func` to the function that runs the command.
@@ -17,6 +17,7 @@ _SUBCOMMANDS = {
     "generate": "kdaserve.entrypoints.generate",
     "bench": "kdaserve.bench.cli",
     "make-model": "kdaserve.models.make_model",
+    "proxy": "kdaserve.entrypoints.disagg_proxy",
 }
 
 

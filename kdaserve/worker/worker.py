@@ -22,6 +22,8 @@ from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import EngineConfig, KernelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kdaserve.distributed.parallel_state import ParallelState
+from kdaserve.disagg.base import ConnectorWorker
+from kdaserve.disagg.factory import make_connector_worker
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
@@ -99,6 +101,8 @@ class Worker:
         self.model_runner = ModelRunner(config, self.model,
                                         Sampler(self.backends.sampler == "threshold"), spec,
                                         self.device, self.dtype)
+        self.kv_connector: ConnectorWorker | None = make_connector_worker(config)
+        """The KV connector's worker side (prefill/decode disaggregation), else None."""
 
     @property
     def spec(self) -> SpecDecoder | None:
@@ -190,6 +194,9 @@ class Worker:
                                              self.device, self.tp_size)
         runner = self.model_runner
         runner.bind_caches(caches, num_blocks, num_slots, num_ckpt)
+        if self.kv_connector is not None:
+            self.kv_connector.register_caches(caches.mla_kv, caches.kda_recurrent,
+                                              caches.kda_conv, num_blocks, num_slots)
         kv_tokens = num_blocks * self.block_size
         max_len = self.config.scheduler_config.max_model_len
         logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
@@ -230,10 +237,20 @@ class Worker:
     # -----------------------------------------------------------------------------------------
 
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        if self.kv_connector is not None:
+            self.kv_connector.start_step(so.kv_connector_metadata)
         return self.model_runner.launch(so)
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        return self.model_runner.collect(step)
+        """The step's output, with the KV connector's report of what finished meanwhile."""
+        out = self.model_runner.collect(step)
+        if self.kv_connector is not None:
+            out.kv_connector_output = self.kv_connector.get_finished()
+        return out
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(so)
+        return self.collect(self.launch(so))
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

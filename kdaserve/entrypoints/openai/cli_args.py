@@ -64,6 +64,18 @@ def json_dict(value: str) -> dict[str, Any]:
     return data
 
 
+def kv_transfer_config(value: str) -> dict[str, Any]:
+    """argparse type of --kv-transfer-config: a JSON object that KVTransferConfig accepts."""
+    from kdaserve.config import KVTransferConfig
+
+    data = json_dict(value)
+    try:
+        KVTransferConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return data
+
+
 def positive_int(value: str) -> int:
     try:
         n = int(value)
@@ -270,6 +282,13 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                         "\"kda_checkpoint_mode\": \"split\"}'. Keys: "
                         + ", ".join(OPTIMIZATION_CONFIG_KEYS) + " (types, defaults and "
                         "baselines: " + DOCS + ").")
+    if server:
+        g.add_argument("--kv-transfer-config", type=kv_transfer_config, default=None,
+                       metavar="JSON",
+                       help="Prefill/decode disaggregation (vLLM's flag), e.g. "
+                            "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": "
+                            "\"kv_producer\"}'; roles kv_producer | kv_consumer | kv_both; "
+                            "keys and kv_connector_extra_config: " + DOCS + ".")
     keys = ADDITIONAL_CONFIG_KEYS if server else ENGINE_ADDITIONAL_KEYS
     g.add_argument("--additional-config", type=additional_config if server
                    else engine_additional_config, default="{}", metavar="JSON",
@@ -285,7 +304,7 @@ _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "nnodes", "node_rank", "master_addr", "master_port",
                  "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",
-                 "async_scheduling", "long_prefill_token_threshold")
+                 "async_scheduling", "long_prefill_token_threshold", "kv_transfer_config")
 """Flag dests passed on as the engine kwarg of the same name (or its _RENAMED one). The keys of
 --optimization-config and --model-loader-extra-config, and ENGINE_ADDITIONAL_KEYS of
 --additional-config, are engine kwargs themselves."""

@@ -30,6 +30,10 @@ _GAUGES = [
     ("num_kda_checkpoints", "Ready KDA prefix checkpoints.", "num_kda_checkpoints"),
     ("num_total_kda_checkpoint_slots", "All KDA checkpoint slots.",
      "num_total_kda_checkpoint_slots"),
+    ("kv_transfer_num_held", "Finished requests whose KV blocks and KDA state are held for a "
+     "remote reader (prefill instance).", "num_kv_transfer_held"),
+    ("kv_transfer_num_loading", "Requests waiting for their prompt's KV blocks and KDA state "
+     "from a remote prefill (decode instance).", "num_kv_transfer_loading"),
 ]
 _COUNTERS = [
     ("prompt_tokens", "Prompt tokens admitted.", "num_prompt_tokens"),
@@ -45,6 +49,16 @@ _COUNTERS = [
     ("spec_decode_kda_state_bytes_written",
      "KDA state bytes written by verify steps and their commits (spec rows).",
      "spec_kda_state_bytes_written"),
+    ("kv_transfer_loads", "Prompt states (MLA KV blocks + KDA state) pulled from a remote "
+     "prefill.", "kv_transfer_loads"),
+    ("kv_transfer_bytes", "Bytes pulled from remote prefills.", "kv_transfer_bytes"),
+    ("kv_transfer_seconds", "Sum of the pulls' latencies (start to completion); over "
+     "kv_transfer_loads: the mean latency.", "kv_transfer_seconds"),
+    ("kv_transfer_failures", "Pulls that failed or timed out (the prompt was recomputed).",
+     "kv_transfer_failures"),
+    ("kv_transfer_sends", "Held requests acknowledged or released by their consumer.",
+     "kv_transfer_sends"),
+    ("kv_transfer_expired", "Held requests freed by the hold timeout.", "kv_transfer_expired"),
 ]
 
 

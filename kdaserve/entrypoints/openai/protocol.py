@@ -39,7 +39,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "logits_processors": ((None, []), "custom logits processors are not supported"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not "
                                                   "supported"),
-    "kv_transfer_params": ((None,), "KV transfer is not supported"),
     "vllm_xargs": ((None,), "vllm_xargs is not supported"),
     "thinking_token_budget": ((None,), "thinking_token_budget is not supported"),
     "functions": ((None,), "the legacy `functions` parameter is not supported; use `tools`"),
@@ -67,7 +66,6 @@ class VllmUnsupportedFields(OpenAIBaseModel):
     priority: int = 0
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool | None = None
-    kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     thinking_token_budget: int | None = None
 
@@ -357,6 +355,11 @@ class SamplingFields(VllmUnsupportedFields, StructuredOutputFields):
     truncation_side: Literal["left", "right"] | None = None
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     """vLLM: the id of the response (`<prefix>-<request_id>`)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM: prefill/decode disaggregation, on a server with --kv-transfer-config.
+    {"do_remote_decode": true} on a prefill instance (its response then carries the
+    parameters a decode instance pulls the prompt's state with); that response's
+    kv_transfer_params on the decode instance (kdaserve/disagg/params.py)."""
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -134,7 +134,8 @@ class OpenAIServingChat(OpenAIServing):
         engine_id = random_id("chatcmpl")
         request_id = engine_id if req.request_id is None else f"chatcmpl-{req.request_id}"
         gen = self.engine.generate(prompt_ids, params, engine_id, prompt=prompt_text,
-                                   delta=req.stream, cache_salt=req.cache_salt)
+                                   delta=req.stream, cache_salt=req.cache_salt,
+                                   kv_transfer_params=self.kv_transfer_params(req))
         first = await self.first_output(gen)
 
         states = [ChatOutputState(reasoning_cls(prompt_text) if reasoning_cls else None,
@@ -177,6 +178,8 @@ class OpenAIServingChat(OpenAIServing):
                                     out.num_cached_tokens)}
         if ctx.req.return_token_ids:
             body["prompt_token_ids"] = ctx.prompt_ids
+        if ctx.req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = out.kv_transfer_params
         return body
 
     async def _stream(self, ctx: "_ChatCall", first: RequestOutput,

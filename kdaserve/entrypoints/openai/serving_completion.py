@@ -61,6 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
                               f"at most {limit} per request", param="prompt")
         self.check_num_sequences(req.n, len(prompt_list))
         structured = await structured_outputs_of(req)
+        kv_params = self.kv_transfer_params(req, len(prompt_list))
         prompts = await asyncio.to_thread(self._tokenize, prompt_list, req)
         base_id = random_id("cmpl")
         params = [self.sampling_params(req, len(ids), req.requested_max_tokens, req.logprobs,
@@ -69,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for p in params:
             p.structured_outputs = structured
         gens = [self.engine.generate(ids, p, f"{base_id}-{i}", prompt=text, delta=req.stream,
-                                     cache_salt=req.cache_salt)
+                                     cache_salt=req.cache_salt, kv_transfer_params=kv_params)
                 for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         try:
             firsts = await asyncio.gather(*(self.first_output(g) for g in gens))
@@ -104,9 +105,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice["prompt_token_ids"] = prompt_ids
                     choice["token_ids"] = list(comp.token_ids)
                 choices.append(choice)
-        return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
+        body = {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
                 "model": ctx.model_name, "choices": choices,
                 "usage": usage_dict(ctx.num_prompt_tokens, num_generated, num_cached)}
+        if ctx.req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = finals[0].kv_transfer_params
+        return body
 
     async def _stream(self, ctx: "_CompletionCall", gens) -> AsyncIterator[str]:
         n = ctx.req.n

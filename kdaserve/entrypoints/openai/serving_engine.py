@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kdaserve.disagg.params import RemotePrefill
 from kdaserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kdaserve.entrypoints.openai.protocol import SamplingFields, StructuredOutputError
 from kdaserve.entrypoints.prompt_tokens import PromptTokenizer, PromptTooLongError
@@ -224,6 +225,35 @@ class OpenAIServing:
             out["text_offset"].append(text_offset)
             text_offset += len(s)
         return out
+
+    def kv_transfer_params(self, req: SamplingFields, num_prompts: int = 1) -> dict | None:
+        """The request's kv_transfer_params, checked against this server's KV role (a 400
+        naming the field when it cannot be honoured)."""
+        params = req.kv_transfer_params
+        if params is None:
+            return None
+        role = self.engine.info.get("kv_role")
+
+        def refuse(why: str) -> OpenAIError:
+            return OpenAIError(f"kv_transfer_params: {why}", param="kv_transfer_params")
+
+        if role is None:
+            raise refuse("this server was started without --kv-transfer-config")
+        if num_prompts != 1:
+            raise refuse("only one prompt per request can be transferred")
+        if params.get("do_remote_prefill"):
+            if role == "kv_producer":
+                raise refuse("a kv_producer instance does not pull remote prefills")
+            try:
+                RemotePrefill.from_params(params)
+            except ValueError as e:
+                raise refuse(str(e).removeprefix("kv_transfer_params ")) from e
+        elif params.get("do_remote_decode"):
+            if role == "kv_consumer":
+                raise refuse("a kv_consumer instance does not hold prefills for others")
+        else:
+            raise refuse("set do_remote_decode (prefill) or do_remote_prefill (decode)")
+        return params
 
     # ---------------------------------------------------------------------------- generation
 
