@@ -8,8 +8,10 @@ kernels <- attention, layers <- models <- spec_decode <- worker <- engine <- ent
 kernels; ``layers`` uses attention (never the sampler); ``spec_decode`` may read ``core``'s
 scheduler-output types. ``core/`` imports only config, request and sampling params and never
 touches ``torch.cuda``: it is pure scheduling and cache bookkeeping, unit-testable on CPU.
-``distributed`` (imports only config) and ``disagg`` (config, core, distributed) are used by
-worker / engine (and bench, entrypoints), never the reverse. No import cycles between packages.
+``distributed`` (process groups and the collectives; imports only config) is a leaf beside
+``kernels``: ``attention``, ``layers``, ``models``, ``spec_decode`` and everything above may
+import it. ``disagg`` (config, core, distributed) is used by worker / engine (and bench,
+entrypoints), never the reverse. No import cycles between packages.
 
 ``ALLOWED`` below is that rule as a table. Top-level modules (``config.py``, ``request.py``, ...)
 count as packages. The root module ``kdaserve/__init__.py`` re-exports ``LLM`` and
@@ -40,19 +42,20 @@ ALLOWED: dict[str, set[str]] = {
     "sampling_params": set(),
     "outputs": set(),
     "request": {"sampling_params"},
-    # 1.
+    # 1. (distributed: process groups and collectives, beside the kernels)
     "kernels": set(),
+    "distributed": {"config"},
     # 2.
-    "attention": {"kernels", "config", "sampling_params", "outputs"},
+    "attention": {"kernels", "config", "sampling_params", "outputs", "distributed"},
     "sample": {"kernels", "config", "sampling_params", "outputs"},
     "structured_output": {"kernels", "config", "sampling_params", "outputs"},
     # 3.
-    "layers": {"attention", "kernels", "config"},
+    "layers": {"attention", "kernels", "config", "distributed"},
     # 4.
-    "models": {"layers", "attention", "kernels", "config"},
+    "models": {"layers", "attention", "kernels", "config", "distributed"},
     # 5. (core: the scheduler-output types)
     "spec_decode": {"models", "layers", "attention", "sample", "structured_output", "kernels",
-                    "config", "sampling_params", "outputs", "core"},
+                    "config", "sampling_params", "outputs", "core", "distributed"},
     # 6.
     "worker": {"spec_decode", "models", "layers", "attention", "sample", "structured_output",
                "kernels", "config", "sampling_params", "outputs", "request", "core",
@@ -71,7 +74,6 @@ ALLOWED: dict[str, set[str]] = {
                     "outputs", "request", "core", "distributed", "disagg"},
     # beside the layers
     "core": {"config", "request", "sampling_params"},
-    "distributed": {"config"},
     "disagg": {"config", "core", "distributed"},
 }
 

@@ -137,13 +137,47 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
+    """vLLM's / SGLang's names. Ranks are laid out node by node: node n hosts ranks
+    n * ranks_per_node .. (n + 1) * ranks_per_node - 1; rank 0 (node 0) sits beside the
+    scheduler, worker nodes (node_rank > 0, `serve --headless`) only host ranks."""
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    """Node 0's address: torch.distributed's rendezvous (tcp://master_addr:master_port)."""
+    master_port: int | None = None
+    """None: a free port on node 0 (single node only; several nodes must agree on one)."""
+    dist_timeout: int = 600
+    """Seconds a collective of the tensor-parallel group may wait for a peer before it fails
+    (NCCL's and gloo's timeout); a dead rank fails the step sooner (engine/core.py)."""
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet "
-                "(only 1)")
+        for name in ("tensor_parallel_size", "nnodes", "dist_timeout"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks (tensor_parallel_size="
+                             f"{self.tensor_parallel_size}) do not split evenly over "
+                             f"nnodes={self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got "
+                             f"{self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_port (every node must use the same one)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node hosts."""
+        n = self.ranks_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
 
 
 SPEC_METHODS = ("ngram", "draft_model", "mtp", "dspark")

@@ -95,10 +95,17 @@ class _StepInFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        from kdaserve.worker.worker import Worker
+        from kdaserve.worker.executor import make_worker
 
         self.engine_config = config
-        self.worker = Worker(config)
+        self.worker = make_worker(config)
+        try:
+            self._start(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig) -> None:
         self.model_runner = self.worker.model_runner
         self.step_floor = self._make_step_floor()
         self.step_floor_ratio: float | None = None
@@ -142,6 +149,17 @@ class EngineCore:
         """The ids the front added (an n > 1 request's own id) that are still running here."""
         return list(dict.fromkeys(r.parent_req_id or r.req_id
                                   for r in self.scheduler.requests.values()))
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        stop = getattr(self.worker, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    @property
+    def lost_rank(self) -> str | None:
+        """Why the engine can no longer step (a tensor-parallel rank died), else None."""
+        return getattr(self.worker, "dead", None)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached KV block and KDA checkpoint not held by a running request;
@@ -355,6 +373,9 @@ class EngineCoreProc:
             request_ids = self.core.unfinished_request_ids()
             self.send(CoreFailed(message.strip().splitlines()[-1], request_ids))
             self.core.abort_requests(request_ids)
+            if self.core.lost_rank is not None:   # no further step can run: exit non-zero
+                logger.error("engine core: %s; exiting", self.core.lost_rank)
+                raise SystemExit(1)
             return
         if outputs:
             self.send(Outputs([CoreOutput(**vars(o)) for o in outputs]))
@@ -384,6 +405,10 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
         output_sock.close(linger=2000)
         ctx.term()
         return
+    if hasattr(core.worker, "on_rank_death"):   # tensor parallel: never outlive a lost rank
+        from kdaserve.worker.executor import exit_now
+
+        core.worker.on_rank_death = exit_now
     output_sock.send(encoder.encode(Ready(_engine_info(core))))
     proc = EngineCoreProc(core, input_sock, output_sock, parent_pid)
     try:
@@ -392,6 +417,7 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
         input_sock.close(linger=0)
         output_sock.close(linger=1000)
         ctx.term()
+        core.shutdown()
 
 
 def _exit_on_sigterm(signum, frame) -> None:

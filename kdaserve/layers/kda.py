@@ -13,10 +13,12 @@ from torch import nn
 from kdaserve.attention import kda_backend
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.kernels import reference as ref
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear
+from kdaserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, ShardSpec, divide
 from kdaserve.layers.norm import RMSNormGated
 
 MAX_FUSED_ROWS = 1024
@@ -25,15 +27,22 @@ captured graph) get a zeroed buffer per launch."""
 
 
 class ForgetGate(nn.Module):
-    def __init__(self, args: KimiLinearArgs) -> None:
+    """Under TP the rank holds its heads: f_b_proj's rows, dt_bias and A_log split by head;
+    the low-rank f_a_proj is replicated."""
+
+    def __init__(self, args: KimiLinearArgs, tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
-        h, d = args.linear_num_heads, args.linear_head_dim
+        h = divide(args.linear_num_heads, tp.size, "linear_num_heads (KDA heads)")
+        d = args.linear_head_dim
         self.num_heads, self.head_dim = h, d
         self.lower_bound = args.gate_lower_bound
         self.f_a_proj = nn.Linear(args.hidden_size, d, bias=False)
-        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.f_b_proj = ColumnParallelLinear(d, args.linear_num_heads * d, tp)
         self.dt_bias = nn.Parameter(torch.zeros(h * d, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1, dtype=torch.float32))
+
+    def tp_shards(self) -> dict[str, ShardSpec]:
+        return {"dt_bias": ShardSpec(0), "A_log": ShardSpec(2)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, D] -> fp32 log decay [T, H, K]."""
@@ -46,36 +55,51 @@ class ForgetGate(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    """Under TP (tp.size > 1) the rank holds linear_num_heads / tp heads: their rows of q, k,
+    v, g (g_b), f_b, beta and the conv channels, their dt_bias / A_log, their state in the
+    caches; o_proj is row-parallel (one all-reduce). The low-rank f_a / g_a and the per-head-
+    dim o_norm are replicated."""
+
     def __init__(self, args: KimiLinearArgs, kda_index: int,
-                 backends: LayerBackends = LayerBackends()) -> None:
+                 backends: LayerBackends = LayerBackends(),
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
         self.kda_index = kda_index
         self.gemv = backends.gemv
-        h, d, w = args.linear_num_heads, args.linear_head_dim, args.linear_conv_kernel_dim
+        self.tp = tp
+        h = divide(args.linear_num_heads, tp.size, "linear_num_heads (KDA heads)")
+        d, w = args.linear_head_dim, args.linear_conv_kernel_dim
         self.num_heads, self.head_dim, self.conv_kernel = h, d, w
-        p = h * d
-        self.q_proj = nn.Linear(args.hidden_size, p, bias=False)
-        self.k_proj = nn.Linear(args.hidden_size, p, bias=False)
-        self.v_proj = nn.Linear(args.hidden_size, p, bias=False)
+        p, full_p, hidden = h * d, args.linear_num_heads * d, args.hidden_size
+        self.q_proj = ColumnParallelLinear(hidden, full_p, tp)
+        self.k_proj = ColumnParallelLinear(hidden, full_p, tp)
+        self.v_proj = ColumnParallelLinear(hidden, full_p, tp)
         # Depthwise causal conv over q|k|v channels; HF's Conv1d weight layout [3P, 1, W].
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(3 * p, 1, w))
-        self.forget_gate = ForgetGate(args)
-        self.b_proj = nn.Linear(args.hidden_size, h, bias=False)
+        self.forget_gate = ForgetGate(args, tp)
+        self.b_proj = ColumnParallelLinear(hidden, args.linear_num_heads, tp)
         self.full_rank_gate = args.kda_full_rank_gate
         if self.full_rank_gate:
-            self.g_proj = nn.Linear(args.hidden_size, p, bias=False)
+            self.g_proj = ColumnParallelLinear(hidden, full_p, tp)
         else:
-            self.g_a_proj = nn.Linear(args.hidden_size, d, bias=False)
-            self.g_b_proj = nn.Linear(d, p, bias=False)
+            self.g_a_proj = nn.Linear(hidden, d, bias=False)
+            self.g_b_proj = ColumnParallelLinear(d, full_p, tp)
         self.o_norm = RMSNormGated(d, eps=args.rms_norm_eps)
-        self.o_proj = nn.Linear(p, args.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(full_p, hidden, tp)
         fusable = (self.forget_gate.lower_bound is None and not self.full_rank_gate
                    and 8 <= d <= 128 and not d & (d - 1))
         self.fused_decode = backends.kda == "fla_fused_decode" and fusable
         """Decode-only steps run the one-launch decode kernel (it takes the unbounded low-rank
         gate and a power-of-two head_dim <= 128)."""
         self.state_prefetch = backends.kda_state_prefetch
+
+    def tp_shards(self) -> dict[str, ShardSpec]:
+        return {"conv1d.weight": ShardSpec(0, blocks=3)}   # q | k | v channels, by head
+
+    def _out(self, o: torch.Tensor, pdl: bool) -> torch.Tensor:
+        """o [T, P_rank] -> [T, D]: o_proj, all-reduced over the TP ranks."""
+        return self.tp.all_reduce(linear(o, self.o_proj.weight, self.gemv, pdl=pdl))
 
     def process_weights_after_loading(self) -> None:
         if self.full_rank_gate:
@@ -104,7 +128,7 @@ class KimiDeltaAttention(nn.Module):
         proj = linear(x, self.in_weight, self.gemv, pdl=pdl)              # [T, 3P + 2d + H]
         if self.fused_decode and ctx.plan.decode_only and x.is_cuda:
             o = self._fused_decode(proj, md, caches, pdl)                     # [T, P]
-            return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
+            return self._out(o, pdl)
         p = 3 * h * d
         if self.full_rank_gate:
             return self._forward_full_rank_gate(x, proj, ctx)
@@ -120,7 +144,7 @@ class KimiDeltaAttention(nn.Module):
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         gate = f_g[1]                                                # [T, P]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d), pdl=pdl).view(T, h * d)
-        return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
+        return self._out(o, pdl)
 
     def _forward_full_rank_gate(self, x: torch.Tensor, proj: torch.Tensor,
                                 ctx: ForwardContext) -> torch.Tensor:
@@ -137,7 +161,7 @@ class KimiDeltaAttention(nn.Module):
         o = kda_backend.delta_rule(q, k, v, g_raw, b, self.forget_gate, md,
                                    caches.kda_recurrent[self.kda_index])  # [T, H, V]
         o = self.o_norm(o.reshape(T * h, d), gate.reshape(T * h, d), pdl=pdl).view(T, h * d)
-        return linear(o, self.o_proj.weight, self.gemv, pdl=pdl)
+        return self._out(o, pdl)
 
     def _fused_decode(self, proj: torch.Tensor, md, caches, pdl: bool) -> torch.Tensor:
         from kdaserve.kernels.kda.decode_fused import kda_decode_fused

@@ -10,6 +10,11 @@ routed_expert_up_proj. The norm + up projection is the "latent tail": the MXFP4 
 fuse the top-k sum into it (no [T, L] round trip). Parameter names follow the K3 checkpoints
 under `mlp.` (`block_sparse_moe.` there).
 
+Tensor parallelism: the router, routed_expert_down_proj, the norm and routed_expert_up_proj are
+replicated; the routed experts and the shared experts hold the rank's intermediate columns. The
+routed partial sum [T, L] is all-reduced before the norm (which needs the whole sum), the shared
+experts' partial [T, H] after; the fused tail (which sums inside the norm) runs at TP=1 only.
+
 Backends (layers/backends.py latent_moe): reference (the CPU twins); unfused (experts, top-k
 sum, norm, up projection as separate ops); fused_tail on CUDA (kernels/moe/mxfp4_moe.py: the
 expert GEMMs read MXFP4 or bf16 weights directly and return each routing entry's output; one
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.layers.activation import gated_act
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.linear import linear
@@ -32,21 +38,23 @@ from kdaserve.layers.norm import RMSNorm
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends(),
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
+        self.tp = tp
         h, lat = args.hidden_size, args.routed_expert_hidden_size
         act = gated_act(args)
         self.gemv = backends.gemv
         self.gate = TopkRouter(args, backends)
         self.routed_expert_down_proj = nn.Linear(h, lat, bias=False)
         self.experts = Experts(args.num_experts, lat, args.moe_intermediate_size,
-                               args.expert_quantization, act)
+                               args.expert_quantization, act, tp)
         self.routed_expert_norm = (RMSNorm(lat, args.rms_norm_eps) if args.latent_moe_use_norm
                                    else None)
         self.routed_expert_up_proj = nn.Linear(lat, h, bias=False)
         self.shared_experts = MLP(h, args.moe_intermediate_size * args.num_shared_experts,
-                                  backends, act)
-        self.fused_tail = backends.latent_moe == "fused_tail"
+                                  backends, act, tp)
+        self.fused_tail = backends.latent_moe == "fused_tail" and tp.size == 1
 
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
@@ -54,7 +62,7 @@ class LatentMoE(nn.Module):
         latent = linear(x, self.routed_expert_down_proj.weight, self.gemv, pdl=pdl)  # [T, L]
         if self.fused_tail and x.is_cuda:
             return self._fused_tail(x, latent, topk_weights, topk_ids, pdl)
-        routed = self.experts(latent, topk_weights, topk_ids)               # [T, L]
+        routed = self.tp.all_reduce(self.experts(latent, topk_weights, topk_ids))  # [T, L]
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
         out = linear(routed, self.routed_expert_up_proj.weight, self.gemv, pdl=pdl)  # [T, H]

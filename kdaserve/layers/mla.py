@@ -13,21 +13,30 @@ from torch import nn
 from kdaserve.attention import mla_backend
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.kernels.linear.gemv import gemv_batched
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.fuse import merge_rows
 from kdaserve.layers.linear import linear, use_gemv
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, divide
 
 
 class MLAttention(nn.Module):
+    """Under TP (tp.size > 1) the rank holds num_attention_heads / tp query heads: their rows
+    of q (q_b), kv_b and the output gate; o_proj is row-parallel (one all-reduce). The latent
+    path (q_a and its norm, kv_a and its norm) and so the latent KV cache are replicated."""
+
     def __init__(self, args: KimiLinearArgs, mla_index: int,
-                 backends: LayerBackends = LayerBackends()) -> None:
+                 backends: LayerBackends = LayerBackends(),
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
         self.mla_index = mla_index
         self.gemv = backends.gemv
         self.absorb_gemv = backends.mla == "triton_absorb_gemv"
-        self.num_heads = args.num_attention_heads
+        self.tp = tp
+        full_h = args.num_attention_heads
+        self.num_heads = divide(full_h, tp.size, "num_attention_heads (MLA heads)")
         self.nope_dim, self.rope_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.v_dim, self.kv_lora_rank = args.v_head_dim, args.kv_lora_rank
         self.qk_dim = self.nope_dim + self.rope_dim
@@ -35,20 +44,21 @@ class MLAttention(nn.Module):
         h = self.num_heads
         self.q_lora_rank = args.q_lora_rank
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(args.hidden_size, h * self.qk_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(args.hidden_size, full_h * self.qk_dim, tp)
         else:
             self.q_a_proj = nn.Linear(args.hidden_size, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=args.rms_norm_eps)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, full_h * self.qk_dim, tp)
         self.output_gate = args.mla_use_output_gate
         if self.output_gate:
-            self.g_proj = nn.Linear(args.hidden_size, h * self.v_dim, bias=False)
+            self.g_proj = ColumnParallelLinear(args.hidden_size, full_h * self.v_dim, tp)
         self.kv_a_proj_with_mqa = nn.Linear(args.hidden_size, self.kv_lora_rank + self.rope_dim,
                                             bias=False)
         # HF builds this norm without passing rms_norm_eps: its default 1e-6 is what runs.
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, args.hidden_size, bias=False)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
+                                              full_h * (self.nope_dim + self.v_dim), tp)
+        self.o_proj = RowParallelLinear(full_h * self.v_dim, args.hidden_size, tp)
         self.w_uk_t: torch.Tensor | None = None
         """W_UK as [H, rank, nope] (CUDA, after loading): the batched GEMV's weight rows."""
 
@@ -117,7 +127,8 @@ class MLAttention(nn.Module):
         out = self._attend(q.reshape(T, h, self.qk_dim), ckv, kv_cache, md, pdl)  # [T, H, v]
         if self.output_gate:
             out = out * torch.sigmoid(q_ckv[:, nq + nc:]).view(T, h, self.v_dim)
-        return linear(out.reshape(T, h * self.v_dim), self.o_proj.weight, self.gemv, pdl=pdl)
+        return self.tp.all_reduce(linear(out.reshape(T, h * self.v_dim), self.o_proj.weight,
+                                         self.gemv, pdl=pdl))
 
     def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,
                 md, pdl: bool) -> torch.Tensor:

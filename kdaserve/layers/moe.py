@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.kernels import reference as ref
 from kdaserve.layers.activation import SILU, GatedAct, gated_act
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.linear import linear
 from kdaserve.layers.mlp import MLP
+from kdaserve.layers.parallel import ShardSpec, divide
 
 
 class TopkRouter(nn.Module):
@@ -56,12 +58,23 @@ class Experts(nn.Module):
     latent). Model dtype: gate_up_proj [E, 2I, D] (gate rows, then up rows), down_proj
     [E, D, I]. MXFP4 (quant="mxfp4", kernels/mxfp4/format.py): uint8 buffers
     gate_up_proj_packed [E, 2I, D/2] + gate_up_proj_scale [E, 2I, D/32] and down_proj_packed
-    [E, D, I/2] + down_proj_scale [E, D, I/32], never dequantised in memory."""
+    [E, D, I/2] + down_proj_scale [E, D, I/32], never dequantised in memory.
+
+    Under TP every rank holds every expert's I / tp intermediate columns (gate and up rows,
+    down columns; `forward` returns this rank's partial sum, the caller all-reduces); MXFP4
+    experts split on whole 32-element scale groups."""
 
     def __init__(self, num_experts: int, in_size: int, inter_size: int,
-                 quant: str | None = None, act: GatedAct = SILU) -> None:
+                 quant: str | None = None, act: GatedAct = SILU,
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
-        e, d, i = num_experts, in_size, inter_size
+        e, d = num_experts, in_size
+        i = divide(inter_size, tp.size, "moe_intermediate_size (expert columns)")
+        if quant == "mxfp4" and tp.size > 1 and i % MXFP4_BLOCK:
+            raise ValueError(
+                f"moe_intermediate_size={inter_size} does not split into "
+                f"tensor_parallel_size={tp.size} shards of whole {MXFP4_BLOCK}-element MXFP4 "
+                f"scale groups ({inter_size} / {tp.size} = {i})")
         self.quant, self.act = quant, act
         if quant == "mxfp4":
             for name, shape in (("gate_up_proj_packed", (e, 2 * i, d // 2)),
@@ -75,9 +88,18 @@ class Experts(nn.Module):
         else:
             raise ValueError(f"unknown expert quantization {quant!r}; known: None, mxfp4")
 
+    def tp_shards(self) -> dict[str, ShardSpec]:
+        suffixes = ("_packed", "_scale") if self.quant == "mxfp4" else ("",)
+        out = {}
+        for suffix in suffixes:   # gate | up rows of each expert, down columns
+            out["gate_up_proj" + suffix] = ShardSpec(1, blocks=2)
+            out["down_proj" + suffix] = ShardSpec(2)
+        return out
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        """x: [N, D]; topk_*: [N, k] -> sum_j w[n, j] * expert_j(x[n]), [N, D]."""
+        """x: [N, D]; topk_*: [N, k] -> sum_j w[n, j] * expert_j(x[n]), [N, D] (this rank's
+        partial sum under TP)."""
         if self.quant == "mxfp4" and x.is_cuda and x.shape[1] % 32 == 0:
             from kdaserve.kernels.moe.mxfp4_moe import moe_partials
 
@@ -101,10 +123,15 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """On CUDA with one shared expert, the shared expert is folded into the fused MoE as expert
-    E with weight 1 for every token: one grouped kernel pass computes routed + shared."""
+    E with weight 1 for every token: one grouped kernel pass computes routed + shared.
 
-    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
+    Under TP the router is replicated, routed and shared experts hold the rank's intermediate
+    columns; their partial sums are added, then all-reduced once."""
+
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends(),
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
+        self.tp = tp
         self.num_experts = args.num_experts
         act = gated_act(args)
         self.fold_shared = (backends.moe == "triton" and act.is_silu
@@ -112,10 +139,10 @@ class SparseMoE(nn.Module):
         """Fold the shared expert into the fused MoE as expert E (when its width matches)."""
         self.gate = TopkRouter(args, backends)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
-                               args.expert_quantization, act)
+                               args.expert_quantization, act, tp)
         self.shared_experts = MLP(args.hidden_size,
                                   args.moe_intermediate_size * args.num_shared_experts, backends,
-                                  act)
+                                  act, tp)
         self.w13_all: torch.Tensor | None = None
         self.w2_all: torch.Tensor | None = None
 
@@ -151,6 +178,7 @@ class SparseMoE(nn.Module):
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
             w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32, pdl=pdl)  # [N, k + 1]
-            return fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=pdl)
+            return self.tp.all_reduce(fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=pdl))
         topk_weights, topk_ids = self.gate(x, pdl=pdl)
-        return self.experts(x, topk_weights, topk_ids) + self.shared_experts(x, pdl)
+        return self.tp.all_reduce(self.experts(x, topk_weights, topk_ids)
+                                  + self.shared_experts.partial(x, pdl))

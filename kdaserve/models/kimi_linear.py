@@ -8,6 +8,11 @@ AttnRes in place of the residual stream (layers/attn_res.py), the latent MoE
 gate. The MTP layers of a checkpoint are a separate module (models/mtp.py: the "mtp" drafter),
 which reads this model's pre-final-norm hidden states (forward with return_prenorm); the
 "dspark" drafter (models/dspark.py) reads the outputs of chosen layers (forward with aux_layers).
+
+Tensor parallelism (tp, a GroupComm of the TP ranks): every layer holds its rank's heads and
+columns (layers/parallel.py and each layer's docstring); the hidden states between layers, the
+norms and AttnRes are replicated, so every rank sees the same [T, D] activations, the embedding
+and LM head split the vocabulary, and compute_logits returns the full logits on every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.layers.activation import gated_act
 from kdaserve.layers.attn_res import DepthState, attn_res_read
 from kdaserve.layers.backends import LayerBackends
@@ -26,22 +32,26 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: KimiLinearArgs, layer_idx: int, backends: LayerBackends) -> None:
+    def __init__(self, args: KimiLinearArgs, layer_idx: int, backends: LayerBackends,
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
         self.is_kda = args.layer_types[layer_idx] == "linear_attention"
         if self.is_kda:
             self.self_attn = KimiDeltaAttention(args, args.kda_layer_ids.index(layer_idx),
-                                                backends)
+                                                backends, tp)
         else:
-            self.self_attn = MLAttention(args, args.mla_layer_ids.index(layer_idx), backends)
+            self.self_attn = MLAttention(args, args.mla_layer_ids.index(layer_idx), backends,
+                                         tp)
         if args.mlp_layer_types[layer_idx] == "sparse":
-            self.mlp = LatentMoE(args, backends) if args.is_latent_moe else SparseMoE(args,
-                                                                                      backends)
+            moe = LatentMoE if args.is_latent_moe else SparseMoE
+            self.mlp = moe(args, backends, tp)
         else:
-            self.mlp = MLP(args.hidden_size, args.intermediate_size, backends, gated_act(args))
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, backends, gated_act(args),
+                           tp)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.layer_idx = layer_idx
@@ -92,10 +102,11 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearModel(nn.Module):
-    def __init__(self, args: KimiLinearArgs, backends: LayerBackends) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends,
+                 tp: GroupComm = GroupComm.single()) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, backends)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(args, i, backends, tp)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.num_attn_res_blocks = args.num_attn_res_blocks
@@ -139,14 +150,17 @@ class KimiLinearModel(nn.Module):
 
 
 class KimiLinearForCausalLM(nn.Module):
-    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
+    def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends(),
+                 tp: GroupComm = GroupComm.single()) -> None:
         """backends: each layer kind's kernel backend (layers/backends.py select_backends),
-        fixed for the model's lifetime."""
+        fixed for the model's lifetime. tp: the tensor-parallel group (size 1: the whole
+        model on this rank)."""
         super().__init__()
         self.args = args
         self.backends = backends
-        self.model = KimiLinearModel(args, backends)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tp = tp
+        self.model = KimiLinearModel(args, backends, tp)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, tp)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

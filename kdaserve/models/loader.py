@@ -22,6 +22,12 @@ on a bf16 checkpoint) are quantised on the way in (kernels/mxfp4/format.py quant
 
 Every checkpoint tensor is copied straight into its slice of the destination parameter, on the
 parameter's device and in its dtype; no stacked temporaries are built.
+
+Tensor parallelism (a model built with a TP group of size > 1): each split tensor (the
+modules' `tp_shards()`, layers/parallel.py) receives this rank's slice of the full tensor, for
+checkpoints (each checkpoint tensor, or piece, is cut before it is copied) and dummy weights
+alike (the full tensor is drawn as at TP=1, then cut), so the ranks together hold exactly the
+TP=1 weights.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch import nn
 from kdaserve.config import LoadConfig
 from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
 from kdaserve.kernels.mxfp4.format import quantize_mxfp4
+from kdaserve.layers.parallel import ShardSpec, full_shape, model_shard_specs, shard
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +238,34 @@ def _squeeze_shape(shape) -> tuple[int, ...]:
     return tuple(s for s in shape if s != 1)
 
 
+def piece_spec(spec: ShardSpec, piece: tuple) -> ShardSpec:
+    """How a checkpoint tensor that fills `piece` (WeightTarget.piece) of a parameter split
+    by `spec` is split, in the checkpoint tensor's own coordinates. A piece that is one of the
+    spec's blocks (q_conv1d of conv1d, w1 of gate_up) is split whole; otherwise the split dim
+    moves to the piece's coordinates (an expert's slice drops dim 0)."""
+    if not piece:
+        return spec
+    kind = piece[0]
+    drops = 1 if kind in ("expert", "expert_rows") else 0     # the expert index dim
+    if kind == "expert" and spec.dim == 0:
+        raise ValueError("experts are not split by expert")
+    piece_dim = 1 if kind == "expert_rows" else 0
+    if kind != "expert" and spec.dim == piece_dim:
+        if spec.blocks != piece[-1]:
+            raise ValueError(f"a {piece[-1]}-block piece of a tensor split in {spec.blocks} "
+                             "block(s) along the same dim")
+        return ShardSpec(piece_dim - drops)
+    return ShardSpec(spec.dim - drops, spec.blocks)
+
+
+def _tp(model: nn.Module) -> tuple[dict[str, ShardSpec], int, int]:
+    """(shard specs, rank, size) of a model's TP split; ({}, 0, 1) when it is not split."""
+    tp = getattr(model, "tp", None)
+    if tp is None or tp.size == 1:
+        return {}, 0, 1
+    return model_shard_specs(model), tp.rank, tp.size
+
+
 # ----------------------------------------------------------------------------------------------
 # Safetensors walk
 # ----------------------------------------------------------------------------------------------
@@ -311,12 +346,24 @@ def load_safetensors_weights(model: nn.Module, model_path: str,
     files = checkpoint_files(model_path)
     args = getattr(model, "args", None)
     tensors = _loadable_tensors(model)
+    specs, tp_rank, tp_size = _tp(model)
     # Aliases (tied weights) share one storage: loading any name covers all of them.
     alias_key = {n: (t.data_ptr(), t.dtype, tuple(t.shape)) if t.device.type != "meta" else n
                  for n, t in tensors.items()}
     filled: dict[object, int] = {}  # alias key -> elements loaded
     pieces_seen: set[tuple[str, tuple]] = set()
     skipped: dict[str, int] = {}
+
+    def cut(param_name: str, target: WeightTarget, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (the tensor itself when not split)."""
+        spec = specs.get(param_name)
+        if spec is None:
+            return loaded
+        split = piece_spec(spec, target.piece)
+        want = full_shape(target.view(tensors[param_name].data).shape, split, tp_size)
+        if tuple(loaded.shape) != want and _squeeze_shape(loaded.shape) == _squeeze_shape(want):
+            loaded = loaded.reshape(want)   # e.g. K3's flat A_log [H] for [1, 1, H, 1]
+        return shard(loaded, split, tp_rank, tp_size)
 
     def fill(ckpt_name: str, param_name: str, target: WeightTarget,
              loaded: torch.Tensor) -> None:
@@ -351,7 +398,8 @@ def load_safetensors_weights(model: nn.Module, model_path: str,
             packed_name = _resolve_param_name(target.param_name + "_packed", tensors)
             if param_name is None and packed_name is not None and loaded.is_floating_point():
                 # a model-dtype expert weight into MXFP4 experts: quantise it on the way in
-                packed, scale = quantize_mxfp4(loaded)
+                # (this rank's columns: MXFP4 splits on whole scale groups)
+                packed, scale = quantize_mxfp4(cut(packed_name, target, loaded))
                 scale_name = packed_name.removesuffix("_packed") + "_scale"
                 fill(ckpt_name, packed_name, target, packed)
                 fill(ckpt_name, scale_name, target, scale)
@@ -362,7 +410,7 @@ def load_safetensors_weights(model: nn.Module, model_path: str,
                 raise ValueError(
                     f"checkpoint tensor {ckpt_name!r} (-> {target.param_name!r}) matches no "
                     f"parameter of the model{hint}")
-            fill(ckpt_name, param_name, target, loaded)
+            fill(ckpt_name, param_name, target, cut(param_name, target, loaded))
 
     for reason, count in sorted(skipped.items()):
         logger.info("skipped %d checkpoint tensor(s) of the %s %s", count,
@@ -407,10 +455,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
     MXFP4 experts (`*_packed` + `*_scale`) hold the MXFP4 packing of exactly the values the
     same model with model-dtype experts gets (same seed, same draw), so `--quantization mxfp4`
     on dummy weights is the quantised twin of the dummy bf16 model.
+    Under TP a split tensor is drawn whole (the TP=1 values), then this rank's slice is kept.
     """
     if dummy_routing not in ("vllm", "spread"):
         raise ValueError(f"dummy_routing must be vllm or spread, got {dummy_routing!r}")
     seen: set[int] = set()
+    specs, tp_rank, tp_size = _tp(model)
     with torch.no_grad():
         tensors = _loadable_tensors(model)
         float_dtype = next((t.dtype for n, t in tensors.items() if t.is_floating_point()
@@ -420,7 +470,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
             if name.endswith("_packed") and data.device.type != "meta":
                 base = name.removesuffix("_packed")
                 _fill_mxfp4_dummy(data, tensors[base + "_scale"].data, tensor_seed(seed, base),
-                                  float_dtype)
+                                  float_dtype, specs.get(name), tp_rank, tp_size)
                 continue
             if not data.is_floating_point() or data.device.type == "meta":
                 continue
@@ -428,22 +478,32 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, dummy_routing: str = "vl
                 continue
             seen.add(data.data_ptr())
             s = tensor_seed(seed, name)
+            spec = specs.get(name)
+            whole = data if spec is None else torch.empty(
+                full_shape(data.shape, spec, tp_size), dtype=data.dtype, device=data.device)
             if dummy_routing == "spread" and name.endswith(".mlp.gate.e_score_correction_bias"):
-                data.zero_()
+                whole.zero_()
             elif dummy_routing == "spread" and name.endswith(".mlp.gate.weight"):
-                _fill(data, s, lambda x, g: x.normal_(0.0, SPREAD_ROUTER_STD, generator=g))
+                _fill(whole, s, lambda x, g: x.normal_(0.0, SPREAD_ROUTER_STD, generator=g))
             else:
-                _fill(data, s, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
+                _fill(whole, s, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
+            if spec is not None:
+                data.copy_(shard(whole, spec, tp_rank, tp_size))
 
 
 def _fill_mxfp4_dummy(packed: torch.Tensor, scale: torch.Tensor, seed: int,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype, spec: ShardSpec | None = None, tp_rank: int = 0,
+                      tp_size: int = 1) -> None:
     """packed [E, N, K/2], scale [E, N, K/32] <- quantize_mxfp4 of the [E, N, K] tensor in
     dtype that the model-dtype experts' dummy fill draws with this seed (quantised one expert
-    at a time)."""
-    n, k = packed.shape[-2], packed.shape[-1] * 2
-    w = torch.empty(packed.shape[0], n, k, dtype=dtype, device=packed.device)
+    at a time); with spec, packed / scale are this rank's part and the whole tensor is drawn,
+    then cut on 32-element groups before quantising."""
+    shape = tuple(packed.shape) if spec is None else full_shape(packed.shape, spec, tp_size)
+    n, k = shape[-2], shape[-1] * 2
+    w = torch.empty(shape[0], n, k, dtype=dtype, device=packed.device)
     _fill(w, seed, lambda x, g: x.uniform_(DUMMY_LOW, DUMMY_HIGH, generator=g))
+    if spec is not None:
+        w = shard(w, spec, tp_rank, tp_size)
     for e in range(packed.shape[0]):
         p, s = quantize_mxfp4(w[e])
         packed[e].copy_(p)

@@ -7,6 +7,7 @@ from torch import nn
 
 from kdaserve.config import KernelConfig
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.layers.backends import LayerBackends, select_backends
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
@@ -28,17 +29,18 @@ def resolve_architecture(hf_config: dict) -> type[nn.Module]:
 
 def build_model(args: KimiLinearArgs, dtype: torch.dtype, device: torch.device | str,
                 cls: type[nn.Module] = KimiLinearForCausalLM,
-                backends: LayerBackends | None = None) -> nn.Module:
+                backends: LayerBackends | None = None, tp: GroupComm | None = None) -> nn.Module:
     """Build on the meta device, then allocate uninitialised storage on `device`: parameters
     declared fp32 (router, gate biases) stay fp32, the rest take `dtype`. The loader fills them.
-    backends: the layers' kernel backends (default: the baseline set for `device`)."""
+    backends: the layers' kernel backends (default: the baseline set for `device`). tp: the
+    tensor-parallel group the model is split over (None: not split; cls must take it)."""
     if backends is None:
         backends = select_backends(KernelConfig.baseline(), device)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(args, backends)
+            model = cls(args, backends) if tp is None else cls(args, backends, tp)
     finally:
         torch.set_default_dtype(old)
     model = model.to_empty(device=device)

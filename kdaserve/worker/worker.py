@@ -1,5 +1,11 @@
 """The worker: one rank's start-up (device, model load, kernel backends, cache sizing and
-allocation, warm-up, graph capture) and its model runner, which runs the steps."""
+allocation, warm-up, graph capture) and its model runner, which runs the steps.
+
+Under tensor parallelism every rank runs one Worker with its ParallelState (worker/executor.py
+starts the ranks and drives them): the model holds the rank's shard, the KDA state its heads,
+the cache sizes are the minimum over the ranks, and every rank runs the same steps (the same
+sampling included: the logits are gathered on every rank and the random generators seeded
+alike), so the collectives inside the forward always meet."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import EngineConfig, KernelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kdaserve.distributed.parallel_state import ParallelState
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
@@ -60,9 +67,15 @@ class Worker:
     """Start-up in order: Worker(config) loads the model; determine_num_blocks_and_slots()
     profiles; initialize_cache() allocates, warms up and captures. Then launch / collect."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelState | None = None) -> None:
+        """parallel: this rank's place (None: the only rank)."""
         self.config = config
+        self.parallel = parallel or ParallelState.single()
+        self.tp_size = self.parallel.tp_size
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.parallel.world_size > 1:
+            self.device = torch.device("cuda", self.parallel.local_rank)
+            torch.cuda.set_device(self.device)
         mc = config.model_config
         self.args = mc.arch
         self.dtype = mc.torch_dtype(self.device.type)
@@ -73,7 +86,8 @@ class Worker:
         self.backends = select_backends(self.kernel_config, self.device)
         t0 = time.perf_counter()
         self.model = build_model(self.args, self.dtype, self.device,
-                                 resolve_architecture(mc.hf_config), self.backends)
+                                 resolve_architecture(mc.hf_config), self.backends,
+                                 self.parallel.tp if self.tp_size > 1 else None)
         load_weights(self.model, mc.model, config.load_config)
         logger.info("model loaded in %.2f s (%s, %s; backends %s)", time.perf_counter() - t0,
                     self.dtype, self.device, self.backends)
@@ -100,7 +114,18 @@ class Worker:
 
     def determine_num_blocks_and_slots(self) -> tuple[int, int]:
         """CPU: explicit sizes or defaults. CUDA: profile the largest step, then split the free
-        memory under gpu_memory_utilization between KDA slots (max_num_seqs of them) and KV."""
+        memory under gpu_memory_utilization between KDA slots (max_num_seqs of them) and KV.
+        Several ranks: every rank sizes its own, then all take the minimum (a collective:
+        every rank calls this once, in the same place of its start-up)."""
+        num_blocks, num_slots = self._num_blocks_and_slots()
+        if self.parallel.world_size == 1:
+            return num_blocks, num_slots
+        cc = self.config.cache_config
+        num_blocks, num_slots, cc.num_kda_checkpoint_slots = self.parallel.world.all_reduce_min(
+            [num_blocks, num_slots, cc.num_kda_checkpoint_slots])
+        return num_blocks, num_slots
+
+    def _num_blocks_and_slots(self) -> tuple[int, int]:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         num_slots = cc.num_state_slots or sc.max_num_seqs + 8
         if self.device.type != "cuda":
@@ -119,7 +144,7 @@ class Worker:
         # them (reserved-but-unused fragments cannot), less room for the activation peak.
         activations = peak - torch.cuda.memory_allocated()
         budget = min(budget, free - activations - (256 << 20))
-        slot_bytes = cache_sizes.state_bytes_per_slot(self.args, self.dtype)
+        slot_bytes = cache_sizes.state_bytes_per_slot(self.args, self.dtype, self.tp_size)
         block_bytes = cache_sizes.kv_bytes_per_block(self.args, self.block_size, self.dtype)
         if cc.num_state_slots is None:
             num_slots = sc.max_num_seqs
@@ -144,7 +169,7 @@ class Worker:
         n = min(sc.max_num_batched_tokens, sc.max_model_len)
         nb = (n + self.block_size - 1) // self.block_size
         caches = cache_sizes.allocate_caches(self.args, nb, self.block_size, 1, self.dtype,
-                                             self.device)
+                                             self.device, self.tp_size)
         md = build_metadata([n], [0], [list(range(nb))], [0], self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -162,26 +187,29 @@ class Worker:
         extra_rows = num_slots * self._spec_rows_per_slot()
         caches = cache_sizes.allocate_caches(self.args, num_blocks, self.block_size,
                                              num_slots + num_ckpt + 1 + extra_rows, self.dtype,
-                                             self.device)
+                                             self.device, self.tp_size)
         runner = self.model_runner
         runner.bind_caches(caches, num_blocks, num_slots, num_ckpt)
         kv_tokens = num_blocks * self.block_size
         max_len = self.config.scheduler_config.max_model_len
         logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
                     kv_tokens, checkpoints.capacity_line(
-                        num_slots, num_ckpt, cache_sizes.state_bytes_per_slot(self.args,
-                                                                             self.dtype)),
+                        num_slots, num_ckpt, cache_sizes.state_bytes_per_slot(
+                            self.args, self.dtype, self.tp_size)),
                     min(num_slots, kv_tokens / max_len))
         if self.spec is not None:
             logger.info("%s", self.spec.memory_line())
-        if self.device.type != "cuda":
-            return
-        warmup_steps(runner, self.config.scheduler_config)
-        warmup_sampler(runner.sampler, self.args.vocab_size, self.device)
-        if self.spec is not None:
-            self.spec.warmup()
-        if not self.config.enforce_eager:
-            self._capture_graphs()
+        if self.device.type == "cuda":
+            warmup_steps(runner, self.config.scheduler_config)
+            warmup_sampler(runner.sampler, self.args.vocab_size, self.device)
+            if self.spec is not None:
+                self.spec.warmup()
+            if not self.config.enforce_eager:
+                self._capture_graphs()
+        if self.parallel.world_size > 1:
+            # Unseeded sampling draws from the default generators: the same seed on every
+            # rank keeps the ranks' samples (and so their next inputs) identical.
+            torch.manual_seed(self.config.model_config.seed)
 
     def _capture_graphs(self) -> None:
         """Decode graphs, then the spec decoder's (verification, draft model), all in one
