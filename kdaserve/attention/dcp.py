@@ -27,17 +27,11 @@ are not here to expand them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.kernels import reference as ref
-
-
-# torch >= 2.13 names it all_gather_single (all_gather_into_tensor warns there)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -47,14 +41,21 @@ class DCPGroup:
     size: int
     rank: int
     interleave: int = 1
-    group: Any = None
-    """The torch.distributed process group of the DCP ranks (None: the default group)."""
+    comm: GroupComm | None = None
+    """The DCP ranks' collectives (distributed/comm.py; ParallelState.dcp). None: layout only
+    (metadata tests)."""
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"DCP rank {self.rank} outside a group of size {self.size}")
         if self.interleave < 1:
             raise ValueError(f"dcp_kv_cache_interleave_size must be >= 1, got {self.interleave}")
+        if self.comm is not None and (self.comm.size, self.comm.rank) != (self.size, self.rank):
+            raise ValueError(f"DCP rank {self.rank}/{self.size} but its group is {self.comm}")
+
+    @classmethod
+    def of(cls, comm: GroupComm, interleave: int) -> "DCPGroup":
+        return cls(comm.size, comm.rank, interleave, comm)
 
     # ---- layout (numpy or python ints) ----
     def owner(self, pos):
@@ -77,17 +78,11 @@ class DCPGroup:
     # ---- collectives over the group ----
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[...] from each rank -> [size, ...] in rank order."""
-        x = x.contiguous()
-        out = x.new_empty((self.size * x.shape[0], *x.shape[1:]))    # ranks along dim 0
-        _all_gather(out, x, group=self.group)
-        return out.view(self.size, *x.shape)
+        return self.comm.all_gather(x, dim=0).view(self.size, *x.shape)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [size, ...]: x[j] goes to rank j; returns [size, ...] with row j from rank j."""
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=self.group)
-        return out
+        return self.comm.all_to_all(x)
 
 
 def check_layout(block_size: int, dcp_size: int, interleave: int) -> None:

@@ -576,6 +576,7 @@ class Scheduler:
             kv_cache_usage=kv.block_pool.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_gpu_blocks,
+            num_total_kv_tokens=kv.num_gpu_blocks * self.block_size,
             num_free_state_slots=kv.num_free_slots,
             num_total_state_slots=kv.num_state_slots,
             num_preemptions=self.num_preemptions,

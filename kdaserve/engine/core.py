@@ -111,9 +111,10 @@ class EngineCore:
         self.step_floor_ratio: float | None = None
         num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
         self.worker.initialize_cache(num_blocks, num_slots)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   num_slots, config.speculative_config,
-                                   max_model_len=config.model_config.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, num_slots,
+            config.speculative_config, max_model_len=config.model_config.max_model_len,
+            decode_context_parallel_size=config.parallel_config.decode_context_parallel_size)
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None

@@ -18,6 +18,7 @@ import torch
 
 from kdaserve.attention import caches as cache_sizes
 from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import EngineConfig, KernelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -96,9 +97,12 @@ class Worker:
             spec = SpecDecoder(config, self.args, self.device, self.dtype,
                                threshold_kernel=self.backends.sampler == "threshold",
                                target_model=self.model)
+        self.dcp_size = self.parallel.dcp_size
+        dcp = (DCPGroup.of(self.parallel.dcp, config.parallel_config.dcp_kv_cache_interleave_size)
+               if self.dcp_size > 1 else None)
         self.model_runner = ModelRunner(config, self.model,
                                         Sampler(self.backends.sampler == "threshold"), spec,
-                                        self.device, self.dtype)
+                                        self.device, self.dtype, dcp=dcp)
 
     @property
     def spec(self) -> SpecDecoder | None:
@@ -190,13 +194,18 @@ class Worker:
                                              self.device, self.tp_size)
         runner = self.model_runner
         runner.bind_caches(caches, num_blocks, num_slots, num_ckpt)
-        kv_tokens = num_blocks * self.block_size
+        kv_tokens = num_blocks * self.block_size * self.dcp_size   # DCP: 1/dcp on each rank
         max_len = self.config.scheduler_config.max_model_len
         logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
                     kv_tokens, checkpoints.capacity_line(
                         num_slots, num_ckpt, cache_sizes.state_bytes_per_slot(
                             self.args, self.dtype, self.tp_size)),
                     min(num_slots, kv_tokens / max_len))
+        if self.dcp_size > 1:
+            logger.info("MLA KV sharded over %d decode-context-parallel ranks: %d blocks of %d "
+                        "tokens on each, interleave %d", self.dcp_size, num_blocks,
+                        self.block_size,
+                        self.config.parallel_config.dcp_kv_cache_interleave_size)
         if self.spec is not None:
             logger.info("%s", self.spec.memory_line())
         if self.device.type == "cuda":

@@ -17,6 +17,7 @@ from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.distributed.comm import GroupComm
 from kdaserve.layers.mla import MLAttention
 
 WORLD = 2
@@ -116,7 +117,8 @@ def _worker(rank: int, port: int) -> None:
 
             for interleave in (1, 2, 4):
                 cache = torch.zeros(97, BLOCK, d)
-                got = _run(part, cache, DCPGroup(WORLD, rank, interleave), k3, tp_sum)
+                dcp = DCPGroup(WORLD, rank, interleave, GroupComm(dist.group.WORLD, rank, WORLD))
+                got = _run(part, cache, dcp, k3, tp_sum)
                 for s, (a, b) in enumerate(zip(got, want)):
                     err = ((a - b).norm() / b.norm()).item()
                     assert err < 1e-5, f"k3={k3} interleave={interleave} step {s}: {err:.2e}"
