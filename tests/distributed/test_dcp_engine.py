@@ -1,0 +1,145 @@
+"""Decode context parallelism end to end on the CPU (gloo, two rank processes): TP=2 with DCP=2
+computes what TP=1 does, and holds twice the KV tokens of TP=2 in the same blocks.
+
+Both families (the tiny Kimi Linear preset and kimi-k3-tiny with MXFP4 experts), prompts that
+span several blocks on each rank, chunked prefill (chunks on top of a sharded cached context),
+decodes; token- and block-level interleave; a second turn through the prefix cache; sizes and
+combinations DCP refuses, named in the error."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from kdaserve import LLM, SamplingParams
+from tests.engine.conftest import assert_pools_free
+
+pytestmark = pytest.mark.timeout(900)
+
+BLOCK = 16
+# 150 / 96 / 70 tokens: 5 / 3 / 3 logical blocks of 32 at DCP=2 (75 / 48 / 35 tokens per rank)
+PROMPTS = [list(range(10, 160)), [4, 4, 8, 100, 12, 3] * 16, [1, 5, 9, 33, 7] * 14]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+SMALL = {"max_model_len": 512, "num_gpu_blocks": 64, "block_size": BLOCK,
+         "max_num_batched_tokens": 48}          # chunked prefill: 48-token chunks
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    from kdaserve.models.make_model import make_model
+
+    return make_model(str(tmp_path_factory.mktemp("dcp_tiny")), preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory) -> str:
+    """kimi-k3-tiny with moe_intermediate_size 64 (32 per rank at TP=2: whole MXFP4 scale
+    groups), its checkpoint in the K3 scheme with MXFP4 experts."""
+    from safetensors.torch import save_file
+
+    from kdaserve.config.model_args import KimiLinearArgs
+    from kdaserve.models import make_k3
+    from kdaserve.models.make_model import make_model
+
+    path = make_model(str(tmp_path_factory.mktemp("dcp_k3")), preset="kimi-k3-tiny")
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["text_config"]["moe_intermediate_size"] = 64
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    save_file(make_k3.k3_checkpoint(KimiLinearArgs.from_hf_config(cfg), 0),
+              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(model: str, turns: list[list[list[int]]], **kwargs):
+    """Greedy outputs of each turn (a list of prompts, generated one turn after the other on the
+    same engine): ([token ids], [logprobs]) per prompt, the engine's final stats. Its pools end
+    free and its rank processes are shut down."""
+    llm = LLM(model, **{**SMALL, **kwargs})
+    try:
+        tokens, logprobs = [], []
+        for prompts in turns:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                use_tqdm=False)
+            tokens += [o.outputs[0].token_ids for o in outs]
+            logprobs += [o.outputs[0].logprobs for o in outs]
+        assert_pools_free(llm.llm_engine)
+        return tokens, logprobs, llm.llm_engine.get_stats()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def close_logprobs(a, b, tol=1e-4) -> bool:
+    """The chosen tokens' logprobs agree (partial sums add in another order)."""
+    for ra, rb in zip(a, b):
+        for pa, pb in zip(ra, rb):
+            for tok, lp in pa.items():
+                if tok in pb and not math.isclose(lp.logprob, pb[tok].logprob, abs_tol=tol):
+                    return False
+    return True
+
+
+@pytest.mark.parametrize("family", ["tiny", "k3"])
+def test_dcp2_greedy_equals_tp1_and_doubles_capacity(family, tiny_dir, k3_dir):
+    model = tiny_dir if family == "tiny" else k3_dir
+    ref, ref_lp, ref_stats = run(model, [PROMPTS])
+    tp2, _, tp2_stats = run(model, [PROMPTS], tensor_parallel_size=2)
+    got, got_lp, stats = run(model, [PROMPTS], tensor_parallel_size=2,
+                             decode_context_parallel_size=2)
+    assert got == ref
+    assert close_logprobs(got_lp, ref_lp)
+    assert tp2 == ref
+    assert stats.num_total_blocks == tp2_stats.num_total_blocks == 64
+    assert tp2_stats.num_total_kv_tokens == ref_stats.num_total_kv_tokens == 64 * BLOCK
+    assert stats.num_total_kv_tokens == 2 * tp2_stats.num_total_kv_tokens
+
+
+def test_dcp2_block_interleave_and_prefix_hit_equal_tp1(tiny_dir):
+    """Block-level interleave (positions in runs of block_size per rank), and a second turn
+    that extends the first turn's prompts: it hits the prefix cache (shared logical blocks and
+    a KDA checkpoint) and still matches TP=1."""
+    second = [p + [7, 8, 9] * 5 for p in PROMPTS[:2]]
+    ref, ref_lp, _ = run(tiny_dir, [PROMPTS[:2], second])
+    got, got_lp, stats = run(tiny_dir, [PROMPTS[:2], second], tensor_parallel_size=2,
+                             decode_context_parallel_size=2,
+                             dcp_kv_cache_interleave_size=BLOCK)
+    assert stats.prefix_cache_hits > 0
+    assert got == ref
+    assert close_logprobs(got_lp, ref_lp)
+
+
+def test_dcp_refusals_name_the_values(tiny_dir):
+    from kdaserve.config import ParallelConfig
+    from kdaserve.engine.arg_utils import config_from_kwargs
+
+    with pytest.raises(ValueError, match="decode_context_parallel_size=3 must divide "
+                                         "tensor_parallel_size=2"):
+        ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=3)
+    with pytest.raises(ValueError, match="decode_context_parallel_size must be >= 1, got 0"):
+        ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=0)
+    with pytest.raises(ValueError, match="dcp_kv_cache_interleave_size=3 must divide "
+                                         "block_size=16"):
+        config_from_kwargs(dict(model=tiny_dir, tensor_parallel_size=2, block_size=16,
+                                decode_context_parallel_size=2,
+                                dcp_kv_cache_interleave_size=3))
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2 with speculative "
+                                         "decoding \\(method 'ngram'\\) is not supported"):
+        config_from_kwargs(dict(model=tiny_dir, tensor_parallel_size=2,
+                                decode_context_parallel_size=2,
+                                speculative_config={"method": "ngram",
+                                                    "num_speculative_tokens": 2}))
