@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kdaserve.attention.forward_context import ForwardContext
-from kdaserve.config.model_args import KimiLinearArgs
+from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
 from kdaserve.distributed.comm import GroupComm
 from kdaserve.layers.activation import gated_act
 from kdaserve.layers.attn_res import DepthState, attn_res_read
@@ -32,7 +32,30 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.moe import SparseMoE
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding
+from kdaserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding, divide
+
+
+def check_tensor_parallel(args: KimiLinearArgs, tp_size: int) -> None:
+    """ValueError naming the first head count or size of `args` that does not split over
+    tp_size ranks (the layers check the same when they are built; this runs before any rank
+    process starts)."""
+    types = set(args.mlp_layer_types)
+    sizes = [("vocab_size", args.vocab_size, True),
+             ("linear_num_heads (KDA heads)", args.linear_num_heads, bool(args.kda_layer_ids)),
+             ("num_attention_heads (MLA heads)", args.num_attention_heads,
+              bool(args.mla_layer_ids)),
+             ("intermediate_size", args.intermediate_size, "dense" in types),
+             ("moe_intermediate_size", args.moe_intermediate_size, "sparse" in types)]
+    for what, n, used in sizes:
+        if used:
+            divide(n, tp_size, what)
+    inter = args.moe_intermediate_size // tp_size
+    if (tp_size > 1 and "sparse" in types and args.expert_quantization == "mxfp4"
+            and inter % MXFP4_BLOCK):
+        raise ValueError(
+            f"moe_intermediate_size={args.moe_intermediate_size} does not split into "
+            f"tensor_parallel_size={tp_size} shards of whole {MXFP4_BLOCK}-element MXFP4 "
+            f"scale groups ({args.moe_intermediate_size} / {tp_size} = {inter})")
 
 
 class DecoderLayer(nn.Module):

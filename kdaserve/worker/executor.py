@@ -43,6 +43,7 @@ from kdaserve.config import EngineConfig, ParallelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kdaserve.distributed.parallel_state import (destroy_process_groups, init_parallel_state,
                                                  init_world)
+from kdaserve.models.kimi_linear import check_tensor_parallel
 from kdaserve.worker.input_batch import LaunchedStep
 from kdaserve.worker.worker import Worker
 
@@ -114,6 +115,7 @@ class DriverWorker:
         if pc.node_rank != 0:
             raise ValueError("the engine (rank 0) runs on node 0; worker nodes run "
                              "`kdaserve serve ... --headless`")
+        check_tensor_parallel(config.model_config.arch, pc.tensor_parallel_size)
         port = pc.master_port or free_port(pc.master_addr)
         self.procs = start_ranks(pc, [r for r in pc.node_ranks if r != 0], port)
         self._finalizer = weakref.finalize(self, _stop, self.procs, 0.0)
@@ -126,16 +128,19 @@ class DriverWorker:
         self._watchdog = threading.Thread(target=self._watch, name="kdaserve-rank-watchdog",
                                           daemon=True)
         self._watchdog.start()
+        self._stepping = False
+        """The ranks are in their command loop (start-up done): shutdown may broadcast."""
         try:
             self.world = init_world(pc, 0, port)
             self.world.broadcast_object(config)
             self.parallel = init_parallel_state(pc, self.world, 0, config.device)
             self.worker = Worker(config, self.parallel)
         except Exception as e:
-            self._raise_if_dead(e)
             self.shutdown()
+            if isinstance(e, ValueError):   # a configuration every rank refuses alike
+                raise
+            self._raise_if_dead(e)
             raise
-        self._pending = 0
 
     # The Worker's interface -----------------------------------------------------------------
 
@@ -156,6 +161,7 @@ class DriverWorker:
 
     def initialize_cache(self, num_blocks: int, num_slots: int) -> None:
         self._guarded(self.worker.initialize_cache, num_blocks, num_slots)
+        self._stepping = True
 
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         def run() -> LaunchedStep:
@@ -183,12 +189,17 @@ class DriverWorker:
         self._raise_if_dead(None)
 
     def _guarded(self, fn, *args):
+        """fn(*args); any failure leaves the ranks out of step (a collective that some rank
+        never reached), so it is final: RankDiedError naming the dead rank, or the error
+        itself with `dead` set."""
         self.check_alive()
         try:
             return fn(*args)
         except Exception as e:
             time.sleep(0.2)   # a peer's failure reaches its socket before its exit status
             self._raise_if_dead(e)
+            self.dead = f"rank 0 failed ({type(e).__name__}: {e}); the ranks are out of step"
+            self._reported = True
             raise
 
     def _raise_if_dead(self, cause: BaseException | None) -> None:
@@ -221,13 +232,15 @@ class DriverWorker:
     def shutdown(self) -> None:
         """Tell the ranks to exit, wait for them (killed after a while), leave the groups."""
         self._stopping.set()
-        world = getattr(self, "world", None)
-        if world is not None and not self.dead_ranks() and self.dead is None:
+        clean = self._stepping and not self.dead_ranks() and self.dead is None
+        if clean:
             try:
-                world.broadcast_object(("shutdown",))
+                self.world.broadcast_object(("shutdown",))
             except Exception as e:  # noqa: BLE001 - the ranks are killed below anyway
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)
-        _stop(self.procs, _SHUTDOWN_WAIT_S)
+                clean = False
+        self._stepping = False
+        _stop(self.procs, _SHUTDOWN_WAIT_S if clean else 0.0)
         destroy_process_groups()
 
 

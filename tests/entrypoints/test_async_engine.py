@@ -119,8 +119,8 @@ def test_dead_core_is_detected(tiny_model):
 
 
 def test_startup_error_names_the_problem(tiny_model):
-    with pytest.raises(EngineStartupError, match="tensor_parallel_size"):
-        run(_start(tiny_model, tensor_parallel_size=2))
+    with pytest.raises(EngineStartupError, match="not divisible by tensor_parallel_size=3"):
+        run(_start(tiny_model, tensor_parallel_size=3))
 
 
 def test_a_consumer_that_stops_taking_is_aborted(tiny_model):

@@ -144,10 +144,11 @@ def _run_cli(*argv, timeout=120, env=None):
                                    **(env or {})))
 
 
-def test_unsupported_tensor_parallel_is_a_startup_error(tiny_model):
-    r = _run_cli("serve", tiny_model, "--tensor-parallel-size", "2", "--port", "1")
+def test_indivisible_tensor_parallel_is_a_startup_error(tiny_model):
+    """The tiny model's 2 KDA heads do not split over 3 ranks: named, before any rank runs."""
+    r = _run_cli("serve", tiny_model, "--tensor-parallel-size", "3", "--port", "1")
     assert r.returncode == 2
-    assert "tensor_parallel_size=2" in r.stderr
+    assert "linear_num_heads (KDA heads)=2 is not divisible by tensor_parallel_size=3" in r.stderr
 
 
 def test_missing_model_folder_is_a_startup_error(tmp_path):

@@ -234,7 +234,21 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                         "Keys: " + ", ".join(MODEL_LOADER_EXTRA_CONFIG_KEYS) + " (" + DOCS
                         + ").")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
-                   help="Tensor-parallel ranks.")
+                   help="Tensor-parallel ranks (one process each; gloo on the CPU, NCCL on "
+                        "CUDA).")
+    g.add_argument("--nnodes", type=positive_int, default=None,
+                   help="Nodes the ranks are spread over (equal shares, node by node).")
+    g.add_argument("--node-rank", type=int, default=None,
+                   help="This node's index (0: the API server, scheduler and ranks 0..; the "
+                        "others run with --headless and only host ranks).")
+    g.add_argument("--master-addr", default=None,
+                   help="Node 0's address for torch.distributed's rendezvous (default: "
+                        "127.0.0.1).")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="Its port (default on one node: a free one; several nodes: required).")
+    g.add_argument("--dist-timeout", type=positive_int, default=None,
+                   help="Seconds a tensor-parallel collective may wait for a peer (default "
+                        "600).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="Reuse KV blocks and KDA state of shared prefixes.")
     g.add_argument("--speculative-config", "-sc", type=json_dict, default=None,
@@ -269,6 +283,7 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                  "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
+                 "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout",
                  "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",
                  "async_scheduling", "long_prefill_token_threshold")
@@ -370,6 +385,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="Log level of the server and of kdaserve's logging (default: info).")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="No access log line per HTTP request.")
+    s.add_argument("--headless", action="store_true",
+                   help="A worker node (--node-rank > 0): host this node's tensor-parallel "
+                        "ranks only, no API server; node 0's engine drives them.")
     add_engine_args(p, server=True)
     p.set_defaults(func=run_serve)
     return p
@@ -433,10 +451,15 @@ def run_serve(args: argparse.Namespace) -> int:
                         else "DEBUG", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_server_args(args)
-        check_port_free(args.host, args.port)
+        if not args.headless:
+            check_port_free(args.host, args.port)
         args.api_key = resolve_api_key(args)
         chat_template = load_chat_template(args.chat_template)
         model = resolve_model(args)
+        if args.headless:
+            from kdaserve.entrypoints.headless import run_headless
+
+            return run_headless(engine_kwargs_from_args(args, model))
         from kdaserve.entrypoints.openai.server import serve
 
         return asyncio.run(serve(args, model, engine_kwargs_from_args(args, model),
