@@ -8,9 +8,7 @@ combinations DCP refuses, named in the error."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import pytest
 
@@ -25,45 +23,6 @@ PROMPTS = [list(range(10, 160)), [4, 4, 8, 100, 12, 3] * 16, [1, 5, 9, 33, 7] * 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
 SMALL = {"max_model_len": 512, "num_gpu_blocks": 64, "block_size": BLOCK,
          "max_num_batched_tokens": 48}          # chunked prefill: 48-token chunks
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    from kdaserve.models.make_model import make_model
-
-    return make_model(str(tmp_path_factory.mktemp("dcp_tiny")), preset="tiny")
-
-
-@pytest.fixture(scope="module")
-def k3_dir(tmp_path_factory) -> str:
-    """kimi-k3-tiny with moe_intermediate_size 64 (32 per rank at TP=2: whole MXFP4 scale
-    groups), its checkpoint in the K3 scheme with MXFP4 experts."""
-    from safetensors.torch import save_file
-
-    from kdaserve.config.model_args import KimiLinearArgs
-    from kdaserve.models import make_k3
-    from kdaserve.models.make_model import make_model
-
-    path = make_model(str(tmp_path_factory.mktemp("dcp_k3")), preset="kimi-k3-tiny")
-    cfg_path = os.path.join(path, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["text_config"]["moe_intermediate_size"] = 64
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    save_file(make_k3.k3_checkpoint(KimiLinearArgs.from_hf_config(cfg), 0),
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run(model: str, turns: list[list[list[int]]], **kwargs):
@@ -95,8 +54,10 @@ def close_logprobs(a, b, tol=1e-4) -> bool:
 
 
 @pytest.mark.parametrize("family", ["tiny", "k3"])
-def test_dcp2_greedy_equals_tp1_and_doubles_capacity(family, tiny_dir, k3_dir):
-    model = tiny_dir if family == "tiny" else k3_dir
+def test_dcp2_greedy_equals_tp1_and_doubles_capacity(family, tiny_dir, k3_tp_dir):
+    """tiny_dir, k3_tp_dir: tests/distributed/conftest.py (kimi-k3-tiny with its MXFP4 experts
+    split on whole scale groups at TP=2)."""
+    model = tiny_dir if family == "tiny" else k3_tp_dir
     ref, ref_lp, ref_stats = run(model, [PROMPTS])
     tp2, _, tp2_stats = run(model, [PROMPTS], tensor_parallel_size=2)
     got, got_lp, stats = run(model, [PROMPTS], tensor_parallel_size=2,
@@ -143,3 +104,22 @@ def test_dcp_refusals_name_the_values(tiny_dir):
                                 decode_context_parallel_size=2,
                                 speculative_config={"method": "ngram",
                                                     "num_speculative_tokens": 2}))
+
+
+def test_serve_and_bench_flags_reach_the_engine():
+    from kdaserve.bench.launch import ServerProcess
+    from kdaserve.entrypoints.cli import build_parser
+    from kdaserve.entrypoints.openai.cli_args import engine_kwargs_from_args
+
+    args = build_parser("serve").parse_args(["serve", "/m", "-tp", "4", "-dcp", "2",
+                                             "--dcp-kv-cache-interleave-size", "8"])
+    assert engine_kwargs_from_args(args, "/m") == {
+        "model": "/m", "tensor_parallel_size": 4, "decode_context_parallel_size": 2,
+        "dcp_kv_cache_interleave_size": 8}
+    long = build_parser("serve").parse_args(["serve", "/m", "--decode-context-parallel-size",
+                                             "2"])
+    assert long.decode_context_parallel_size == 2
+    server = ServerProcess("/m", [], "/dev/null", port=1, tensor_parallel_size=2,
+                           decode_context_parallel_size=2)
+    assert server.cmd[-4:] == ["--tensor-parallel-size", "2", "--decode-context-parallel-size",
+                               "2"]

@@ -236,6 +236,14 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help="Tensor-parallel ranks (one process each; gloo on the CPU, NCCL on "
                         "CUDA).")
+    g.add_argument("--decode-context-parallel-size", "-dcp", type=positive_int, default=None,
+                   help="Decode context parallelism: MLA's latent KV sharded along the sequence "
+                        "over this many consecutive tensor-parallel ranks (divides "
+                        "--tensor-parallel-size); each stores 1/dcp of every context, so the "
+                        "KV capacity grows dcp times. Not with speculative decoding.")
+    g.add_argument("--dcp-kv-cache-interleave-size", type=positive_int, default=None,
+                   help="With DCP, position p is stored on DCP rank (p // N) %% dcp (default 1: "
+                        "token round robin; must divide --block-size).")
     g.add_argument("--nnodes", type=positive_int, default=None,
                    help="Nodes the ranks are spread over (equal shares, node by node).")
     g.add_argument("--node-rank", type=int, default=None,
@@ -283,6 +291,7 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                  "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
+                 "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
                  "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout",
                  "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",
