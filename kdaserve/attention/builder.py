@@ -61,7 +61,7 @@ def build_metadata(query_lens: list[int], num_computed: list[int],
     dcp_md = None
     if dcp is not None:
         local = torch.from_numpy(dcp.local_len(seq_lens.astype(np.int64)).astype(np.int32))
-        dcp_md = DCPMetadata(dcp, local.to(device), local)
+        dcp_md = DCPMetadata(dcp, local.to(device))
     return AttentionMetadata(
         num_reqs=n,
         num_decodes=num_decodes,

@@ -107,7 +107,6 @@ class DCPMetadata:
 
     group: DCPGroup
     local_seq_lens: torch.Tensor      # [num_reqs] int32, device: this rank's share of seq_lens
-    local_seq_lens_cpu: torch.Tensor  # [num_reqs] int32, host
 
 
 def _attend_with_lse(q, kv_cache, block_table, seq_lens, scale: float, rank: int, pdl: bool):

@@ -227,7 +227,7 @@ class Worker:
         graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
         pad_slot = runner.num_slots
         decode = DecodeGraphs(graphs, self.model, runner.caches, pad_slot, self.block_size,
-                              sc.max_model_len, self.device)
+                              sc.max_model_len, self.device, dcp=runner.dcp)
         decode.capture()
         if self.spec is not None:
             self.spec.capture_graphs(graphs, self.model, runner.caches, pad_slot,

@@ -123,3 +123,20 @@ def test_serve_and_bench_flags_reach_the_engine():
                            decode_context_parallel_size=2)
     assert server.cmd[-4:] == ["--tensor-parallel-size", "2", "--decode-context-parallel-size",
                                "2"]
+
+
+@pytest.mark.gpu
+def test_dcp2_cuda_graphs_equal_tp1_gpu(tiny_dir):
+    """Two GPUs (NCCL): TP=2 DCP=2 with the decode CUDA graphs (the group's collectives
+    captured inside, the Triton decode with lse and the merge kernel) against TP=1, in fp32."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    gpu = {"device": "cuda", "dtype": "float32", "num_gpu_blocks": None,
+           "gpu_memory_utilization": 0.3}
+    ref, _, _ = run(tiny_dir, [PROMPTS], **gpu)
+    got, _, stats = run(tiny_dir, [PROMPTS], tensor_parallel_size=2,
+                        decode_context_parallel_size=2, **gpu)
+    assert got == ref
+    assert stats.num_total_kv_tokens == 2 * stats.num_total_blocks * BLOCK
