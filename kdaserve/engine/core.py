@@ -419,6 +419,11 @@ def run_engine_core(engine_kwargs: dict[str, Any], input_addr: str, output_addr:
         output_sock.close(linger=1000)
         ctx.term()
         core.shutdown()
+        if core.lost_rank is not None:
+            # The process groups' threads still wait on the lost peer; their destructors at
+            # interpreter exit would abort. Nothing is left to clean up: leave with status 1.
+            logging.shutdown()
+            os._exit(1)
 
 
 def _exit_on_sigterm(signum, frame) -> None:

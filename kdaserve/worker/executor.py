@@ -88,11 +88,13 @@ def start_ranks(pc: ParallelConfig, ranks: list[int], master_port: int
     procs = {}
     first = pc.node_ranks.start
     for rank in ranks:
-        cmd = [sys.executable, "-m", "kdaserve.worker.rank", "--rank", str(rank),
-               "--local-rank", str(rank - first), "--world-size", str(pc.world_size),
-               "--master-addr", pc.master_addr, "--master-port", str(master_port)]
+        # torchrun's variables: the rank's place, read by `python -m kdaserve.worker.rank`
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank - first),
+                   WORLD_SIZE=str(pc.world_size), MASTER_ADDR=pc.master_addr,
+                   MASTER_PORT=str(master_port))
         procs[rank] = subprocess.Popen(
-            cmd, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            [sys.executable, "-m", "kdaserve.worker.rank"], env=env,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     return procs
 
 
@@ -133,6 +135,7 @@ class DriverWorker:
         try:
             self.world = init_world(pc, 0, port)
             self.world.broadcast_object(config)
+            _set_device(config.device, 0)
             self.parallel = init_parallel_state(pc, self.world, 0, config.device)
             self.worker = Worker(config, self.parallel)
         except Exception as e:
@@ -244,6 +247,15 @@ class DriverWorker:
         destroy_process_groups()
 
 
+def _set_device(device: str, local_rank: int) -> None:
+    """CUDA: this rank's GPU is the current device before the NCCL group exists (its
+    communicator binds to the current device)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.set_device(local_rank)
+
+
 def run_rank(rank: int, local_rank: int, world_size: int, master_addr: str,
              master_port: int) -> None:
     """A rank > 0: join, build the worker, follow rank 0's commands until it says shutdown
@@ -252,6 +264,7 @@ def run_rank(rank: int, local_rank: int, world_size: int, master_addr: str,
                         master_port=master_port)
     world = init_world(pc, rank, master_port)
     config: EngineConfig = world.broadcast_object(None)
+    _set_device(config.device, local_rank)
     parallel = init_parallel_state(config.parallel_config, world, local_rank, config.device)
     worker = Worker(config, parallel)
     num_blocks, num_slots = worker.determine_num_blocks_and_slots()

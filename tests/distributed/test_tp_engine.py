@@ -86,3 +86,36 @@ def test_mxfp4_experts_that_do_not_split_on_scale_groups_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"moe_intermediate_size=32 does not split into "
                                          r"tensor_parallel_size=2 shards of whole 32-element"):
         LLM(path, tensor_parallel_size=2, max_model_len=256)
+
+
+def _with_abort(model: str, **kwargs) -> dict[str, list[int]]:
+    """Three requests; the second is aborted after three steps; the others run to the end."""
+    from kdaserve import LLM
+    from tests.engine.conftest import assert_pools_free
+
+    llm = LLM(model, max_model_len=512, num_gpu_blocks=256, max_num_batched_tokens=512,
+              **kwargs)
+    try:
+        eng = llm.llm_engine
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(PROMPTS[:3]):
+            eng.add_request(f"r{i}", p, params)
+        outs, steps = {}, 0
+        while eng.has_unfinished_requests():
+            if steps == 3:
+                eng.abort_request("r1")
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            steps += 1
+        assert_pools_free(eng)
+        return outs
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_tp2_abort_equals_tp1(tiny_dir):
+    ref = _with_abort(tiny_dir)
+    got = _with_abort(tiny_dir, tensor_parallel_size=2)
+    assert {"r0", "r2"} <= set(got) and len(got.get("r1", ())) < 20
+    assert got == ref
