@@ -1,8 +1,9 @@
 """Decode context parallelism on one MLA layer, two processes over gloo (torch.distributed
-directly): each rank holds half of the heads (the tensor-parallel layout: q / kv_b / o_proj
-sliced by head, kv_a replicated) and only its shard of the latent KV; decodes and prefill chunks
-on top of cached context (chunked prefill), over several steps, must give the output of the
-whole layer over the whole cache (DCP = 1), on random weights, fp32."""
+directly): each rank holds half of the heads (the tensor-parallel layer: q / kv_b / gate /
+o_proj cut by head, kv_a replicated, o_proj all-reduced) and only its shard of the latent KV;
+decodes and prefill chunks on top of cached context (chunked prefill), over several steps,
+must give the output of the whole layer over the whole cache (DCP = 1), on random weights,
+fp32."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config.model_args import KimiLinearArgs
 from kdaserve.distributed.comm import GroupComm
 from kdaserve.layers.mla import MLAttention
+from kdaserve.layers.parallel import model_shard_specs, shard
 
 WORLD = 2
 BLOCK = 4            # tokens per physical block on a rank
@@ -43,27 +45,16 @@ def _full_layer(k3: bool) -> MLAttention:
     return layer
 
 
-def _head_shard(full: MLAttention, rank: int, k3: bool) -> MLAttention:
-    """Heads [rank * h, (rank + 1) * h) of the full layer, as tensor parallelism shards them."""
-    h = HEADS // WORLD
-    part = MLAttention(_args(h, k3), mla_index=0)
-    a = full
-
-    def rows(w, per_head):       # w: [HEADS * per_head, ...] -> this rank's heads
-        return w.view(HEADS, per_head, *w.shape[1:])[rank * h:(rank + 1) * h].reshape(
-            h * per_head, *w.shape[1:])
-
+def _tp_shard(full: MLAttention, rank: int, k3: bool, tp: GroupComm) -> MLAttention:
+    """The tensor-parallel layer of this rank (its heads; o_proj all-reduced in its forward),
+    cut from the full layer's weights as the loader cuts checkpoints (layers/parallel.py)."""
+    part = MLAttention(_args(HEADS, k3), mla_index=0, tp=tp)
+    specs = model_shard_specs(part)
+    full_sd = full.state_dict()
     with torch.no_grad():
-        sd = {k: v.clone() for k, v in a.state_dict().items()}
-        if not k3:
-            sd["q_proj.weight"] = rows(sd["q_proj.weight"], a.qk_dim)
-        else:
-            sd["q_b_proj.weight"] = rows(sd["q_b_proj.weight"], a.qk_dim)
-            sd["g_proj.weight"] = rows(sd["g_proj.weight"], a.v_dim)
-        sd["kv_b_proj.weight"] = rows(sd["kv_b_proj.weight"], a.nope_dim + a.v_dim)
-        sd["o_proj.weight"] = rows(sd["o_proj.weight"].t(), a.v_dim).t().contiguous()
-        sd = {k: v for k, v in sd.items() if k in part.state_dict()}
-        part.load_state_dict(sd)
+        part.load_state_dict({name: shard(full_sd[name], specs[name], rank, WORLD)
+                              if name in specs else full_sd[name]
+                              for name in part.state_dict()})
     part.process_weights_after_loading()
     return part
 
@@ -85,7 +76,7 @@ def _blocks(req: int, block_tokens: int, length: int = 64) -> list[int]:
     return [(req * 17 + 5 * j) % 97 for j in range(n)]
 
 
-def _run(layer, cache, dcp: DCPGroup | None, k3: bool, reduce) -> list[torch.Tensor]:
+def _run(layer, cache, dcp: DCPGroup | None) -> list[torch.Tensor]:
     outs = []
     logical = BLOCK * (dcp.size if dcp is not None else 1)
     for s, step in enumerate(STEPS):
@@ -96,7 +87,7 @@ def _run(layer, cache, dcp: DCPGroup | None, k3: bool, reduce) -> list[torch.Ten
                             "cpu", dcp=dcp)
         with torch.no_grad():
             y = layer(x, ForwardContext(md, ModelCaches([cache], [], [])))
-        outs.append(reduce(y))
+        outs.append(y)
     return outs
 
 
@@ -107,18 +98,13 @@ def _worker(rank: int, port: int) -> None:
         for k3 in (False, True):
             full = _full_layer(k3)
             d = full.kv_lora_rank + full.rope_dim
-            want = _run(full, torch.zeros(97, BLOCK, d), None, k3, lambda y: y)
-            part = _head_shard(full, rank, k3)
-
-            def tp_sum(y):           # the TP all-reduce after o_proj
-                y = y.clone()
-                dist.all_reduce(y)
-                return y
-
+            want = _run(full, torch.zeros(97, BLOCK, d), None)
+            world = GroupComm(dist.group.WORLD, rank, WORLD)
+            part = _tp_shard(full, rank, k3, world)
+            assert part.num_heads == HEADS // WORLD
             for interleave in (1, 2, 4):
                 cache = torch.zeros(97, BLOCK, d)
-                dcp = DCPGroup(WORLD, rank, interleave, GroupComm(dist.group.WORLD, rank, WORLD))
-                got = _run(part, cache, dcp, k3, tp_sum)
+                got = _run(part, cache, DCPGroup.of(world, interleave))
                 for s, (a, b) in enumerate(zip(got, want)):
                     err = ((a - b).norm() / b.norm()).item()
                     assert err < 1e-5, f"k3={k3} interleave={interleave} step {s}: {err:.2e}"
