@@ -54,14 +54,25 @@ def close_logprobs(a, b, tol=1e-4) -> bool:
 
 
 @pytest.mark.parametrize("family", ["tiny", "k3"])
-def test_dcp2_greedy_equals_tp1_and_doubles_capacity(family, tiny_dir, k3_tp_dir):
+def test_dcp2_greedy_equals_tp1_and_doubles_capacity(family, tiny_dir, k3_tp_dir, caplog):
     """tiny_dir, k3_tp_dir: tests/distributed/conftest.py (kimi-k3-tiny with its MXFP4 experts
-    split on whole scale groups at TP=2)."""
+    split on whole scale groups at TP=2). The capacity: the engine's stats, the start-up log
+    line (rank 0 runs in this process) and the /metrics gauge."""
+    from prometheus_client import generate_latest
+
+    from kdaserve.entrypoints.openai.metrics import ServerMetrics
+
     model = tiny_dir if family == "tiny" else k3_tp_dir
     ref, ref_lp, ref_stats = run(model, [PROMPTS])
     tp2, _, tp2_stats = run(model, [PROMPTS], tensor_parallel_size=2)
-    got, got_lp, stats = run(model, [PROMPTS], tensor_parallel_size=2,
-                             decode_context_parallel_size=2)
+    with caplog.at_level("INFO", logger="kdaserve.worker.worker"):
+        got, got_lp, stats = run(model, [PROMPTS], tensor_parallel_size=2,
+                                 decode_context_parallel_size=2)
+    assert f"MLA KV cache: {2 * 64 * BLOCK} tokens;" in caplog.text
+    metrics = ServerMetrics("m")
+    metrics.engine_stats.stats = stats
+    text = generate_latest(metrics.registry).decode()
+    assert f'kdaserve:kv_cache_capacity_tokens{{model_name="m"}} {2 * 64 * BLOCK}.0' in text
     assert got == ref
     assert close_logprobs(got_lp, ref_lp)
     assert tp2 == ref
