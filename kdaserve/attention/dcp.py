@@ -12,7 +12,7 @@ that block holds the block_size positions of the logical block that r owns, in p
 Rank r's own positions therefore form one contiguous local sequence: position p sits at local
 index `(p // (interleave * size)) * interleave + p % interleave`, in block `index // block_size`
 of the request's table at offset `index % block_size` (block_size must be a multiple of
-interleave). The decode kernel runs unchanged over a rank's shard with the local lengths
+interleave: EngineConfig checks it). The decode kernel runs unchanged over a rank's shard with the local lengths
 (`local_len`); other ranks' tokens get slot -1 (not stored). KDA state is not sharded by DCP.
 
 Attention. Absorbed rows (decodes): each rank all-gathers the group's query heads, attends with
@@ -27,6 +27,7 @@ are not here to expand them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -83,13 +84,6 @@ class DCPGroup:
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """x [size, ...]: x[j] goes to rank j; returns [size, ...] with row j from rank j."""
         return self.comm.all_to_all(x)
-
-
-def check_layout(block_size: int, dcp_size: int, interleave: int) -> None:
-    """The layout needs whole interleave runs inside a physical block."""
-    if dcp_size > 1 and (interleave < 1 or block_size % interleave):
-        raise ValueError(f"dcp_kv_cache_interleave_size={interleave} must divide "
-                         f"block_size={block_size} with decode_context_parallel_size={dcp_size}")
 
 
 def slot_mapping(table: np.ndarray, req: np.ndarray, pos: np.ndarray, block_size: int,

@@ -261,9 +261,12 @@ class EngineCore:
 
         runner = self.model_runner
         args = self.engine_config.model_config.arch
-        return StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
-                                   state_bytes_per_slot(args, runner.dtype),
-                                   measure_copy_bandwidth(runner.device))
+        floor = StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
+                                    state_bytes_per_slot(args, runner.dtype),
+                                    measure_copy_bandwidth(runner.device))
+        dcp = self.engine_config.parallel_config.decode_context_parallel_size
+        # decode context parallelism: a rank reads its 1/dcp share of each context's latents
+        return dataclasses.replace(floor, kv_bytes_per_token=floor.kv_bytes_per_token // dcp)
 
     def _decode_context(self, so: SchedulerOutput) -> int | None:
         """Total context of a decode-only step (None if any request computes more than one
