@@ -4,7 +4,8 @@ ranks, and the attention that runs over the shards.
 Under tensor parallelism every rank would hold the whole latent KV (it has no head dimension to
 shard). With DCP the `size` ranks of a group (a sub-group of the TP group: consecutive TP ranks)
 each keep only the positions p with `(p // interleave) % size == rank`, vLLM's layout
-(`--dcp-kv-cache-interleave-size`; 1 = token round robin, block_size = whole blocks).
+(vLLM's `--dcp-kv-cache-interleave-size`, our dcp_kv_cache_interleave_size; 1 = token round
+robin, block_size = whole blocks).
 
 Cache layout. The scheduler counts *logical* blocks of `size * block_size` tokens; a block id in a
 request's block table names the same physical block on every rank of the group, and on rank r

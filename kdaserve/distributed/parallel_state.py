@@ -4,7 +4,8 @@ Created once when a worker process starts (init_world, then init_parallel_state)
 explicitly to whatever needs it (the worker, the model, its layers); there is no module-level
 state. Groups:
 
-- world: every rank, gloo on any device, with a long timeout. It carries start-up exchanges
+- world: every rank, gloo on any device, with a long timeout (the rendezvous itself is bounded
+  by ParallelConfig.dist_timeout). It carries start-up exchanges
   (the engine config, the cache sizes) and each step's scheduler output from rank 0 to the
   others, which wait on it while the engine is idle.
 - tp: the tensor-parallel ranks (today the whole world), NCCL on CUDA and gloo on the CPU,
@@ -62,13 +63,16 @@ class ParallelState:
 
 
 def init_world(pc: ParallelConfig, rank: int, master_port: int) -> GroupComm:
-    """Join the world group (gloo, tcp://master_addr:master_port rendezvous); blocks until every
-    rank of pc.world_size has joined."""
+    """Join torch.distributed (gloo, tcp://master_addr:master_port rendezvous; it fails when not
+    every rank of pc.world_size has joined within pc.dist_timeout) and return the world group
+    (gloo, WORLD_TIMEOUT)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://{pc.master_addr}:{master_port}",
-                            world_size=pc.world_size, rank=rank, timeout=WORLD_TIMEOUT)
-    return GroupComm(dist.group.WORLD, rank, pc.world_size)
+                            world_size=pc.world_size, rank=rank,
+                            timeout=datetime.timedelta(seconds=pc.dist_timeout))
+    group = dist.new_group(list(range(pc.world_size)), backend="gloo", timeout=WORLD_TIMEOUT)
+    return GroupComm(group, rank, pc.world_size)
 
 
 def init_parallel_state(pc: ParallelConfig, world: GroupComm, local_rank: int,

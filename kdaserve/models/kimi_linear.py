@@ -40,12 +40,12 @@ def check_tensor_parallel(args: KimiLinearArgs, tp_size: int) -> None:
     tp_size ranks (the layers check the same when they are built; this runs before any rank
     process starts)."""
     types = set(args.mlp_layer_types)
-    sizes = [("vocab_size", args.vocab_size, True),
-             ("linear_num_heads (KDA heads)", args.linear_num_heads, bool(args.kda_layer_ids)),
+    sizes = [("linear_num_heads (KDA heads)", args.linear_num_heads, bool(args.kda_layer_ids)),
              ("num_attention_heads (MLA heads)", args.num_attention_heads,
               bool(args.mla_layer_ids)),
              ("intermediate_size", args.intermediate_size, "dense" in types),
-             ("moe_intermediate_size", args.moe_intermediate_size, "sparse" in types)]
+             ("moe_intermediate_size", args.moe_intermediate_size, "sparse" in types),
+             ("vocab_size", args.vocab_size, True)]
     for what, n, used in sizes:
         if used:
             divide(n, tp_size, what)

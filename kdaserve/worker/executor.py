@@ -139,10 +139,12 @@ class DriverWorker:
             self.parallel = init_parallel_state(pc, self.world, 0, config.device)
             self.worker = Worker(config, self.parallel)
         except Exception as e:
+            # A configuration every rank refuses alike (ValueError) is the error to report;
+            # otherwise a rank that died first is the cause (before shutdown kills the rest).
+            died = None if isinstance(e, ValueError) else self._dead_message()
             self.shutdown()
-            if isinstance(e, ValueError):   # a configuration every rank refuses alike
-                raise
-            self._raise_if_dead(e)
+            if died is not None:
+                raise RankDiedError(died) from e
             raise
 
     # The Worker's interface -----------------------------------------------------------------
@@ -205,13 +207,16 @@ class DriverWorker:
             self._reported = True
             raise
 
-    def _raise_if_dead(self, cause: BaseException | None) -> None:
+    def _dead_message(self) -> str | None:
         dead = self.dead_ranks()
-        if not dead and self.dead is None:
-            return
+        return "; ".join(f"tensor-parallel rank {r} died (exit code {c})"
+                         for r, c in sorted(dead.items())) or None
+
+    def _raise_if_dead(self, cause: BaseException | None) -> None:
         if self.dead is None:
-            self.dead = "; ".join(f"tensor-parallel rank {r} died (exit code {c})"
-                                  for r, c in sorted(dead.items()))
+            self.dead = self._dead_message()
+            if self.dead is None:
+                return
         self._reported = True
         raise RankDiedError(self.dead) from cause
 

@@ -123,7 +123,8 @@ def test_serve_and_bench_flags_reach_the_engine():
     from kdaserve.entrypoints.openai.cli_args import engine_kwargs_from_args
 
     args = build_parser("serve").parse_args(["serve", "/m", "-tp", "4", "-dcp", "2",
-                                             "--dcp-kv-cache-interleave-size", "8"])
+                                             "--additional-config",
+                                             '{"dcp_kv_cache_interleave_size": 8}'])
     assert engine_kwargs_from_args(args, "/m") == {
         "model": "/m", "tensor_parallel_size": 4, "decode_context_parallel_size": 2,
         "dcp_kv_cache_interleave_size": 8}

@@ -133,6 +133,8 @@ MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, KeyType] = {"dummy_routing": one_of("v
 
 ADDITIONAL_CONFIG_KEYS: dict[str, KeyType] = {
     "num_state_slots": POSITIVE_INT,
+    "dist_timeout": POSITIVE_INT,
+    "dcp_kv_cache_interleave_size": POSITIVE_INT,
     "mirror_reasoning_content": BOOL,
     "max_request_body_bytes": POSITIVE_INT,
     "engine_startup_timeout": POSITIVE_FLOAT,
@@ -148,7 +150,7 @@ holds platform-specific ones). ENGINE_ADDITIONAL_KEYS are engine kwargs; the oth
 by the server from args.additional_config, which holds every key (ADDITIONAL_CONFIG_DEFAULTS
 for those not given)."""
 
-ENGINE_ADDITIONAL_KEYS = ("num_state_slots",)
+ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout", "dcp_kv_cache_interleave_size")
 
 ADDITIONAL_CONFIG_DEFAULTS: dict[str, Any] = {
     "mirror_reasoning_content": True,
@@ -241,9 +243,6 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                         "over this many consecutive tensor-parallel ranks (divides "
                         "--tensor-parallel-size); each stores 1/dcp of every context, so the "
                         "KV capacity grows dcp times. Not with speculative decoding.")
-    g.add_argument("--dcp-kv-cache-interleave-size", type=positive_int, default=None,
-                   help="With DCP, position p is stored on DCP rank (p // N) %% dcp (default 1: "
-                        "token round robin; must divide --block-size).")
     g.add_argument("--nnodes", type=positive_int, default=None,
                    help="Nodes the ranks are spread over (equal shares, node by node).")
     g.add_argument("--node-rank", type=int, default=None,
@@ -254,9 +253,6 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                         "127.0.0.1).")
     g.add_argument("--master-port", type=int, default=None,
                    help="Its port (default on one node: a free one; several nodes: required).")
-    g.add_argument("--dist-timeout", type=positive_int, default=None,
-                   help="Seconds a tensor-parallel collective may wait for a peer (default "
-                        "600).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="Reuse KV blocks and KDA state of shared prefixes.")
     g.add_argument("--speculative-config", "-sc", type=json_dict, default=None,
@@ -291,8 +287,8 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                  "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
-                 "decode_context_parallel_size", "dcp_kv_cache_interleave_size",
-                 "nnodes", "node_rank", "master_addr", "master_port", "dist_timeout",
+                 "decode_context_parallel_size",
+                 "nnodes", "node_rank", "master_addr", "master_port",
                  "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",
                  "async_scheduling", "long_prefill_token_threshold")
