@@ -358,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="The server's --tensor-parallel-size (default: the server's, 1).")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
+                   help="The server's --decode-context-parallel-size (default: the server's, "
+                        "1).")
     args = p.parse_args(argv)
     try:
         resolve_args(args)
@@ -504,7 +507,8 @@ def run_one(args: argparse.Namespace, run: Run, deadline: float,
     flags, spec, optimization = run_server_args(run, base_flags(args), args.spec,
                                                 args.optimization_config)
     server = ServerProcess(args.model, flags, os.path.join(args.out_dir, f"{run.name}_server.log"),
-                           port=args.port, tensor_parallel_size=args.tensor_parallel_size)
+                           port=args.port, tensor_parallel_size=args.tensor_parallel_size,
+                           decode_context_parallel_size=args.decode_context_parallel_size)
     by_name = {s.name: s for s in SWITCHES}
     record = {
         "format_version": RESULT_FORMAT_VERSION, "run": run.name, "status": "ok",

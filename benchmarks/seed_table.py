@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                    help="The server's --tensor-parallel-size (default: the server's, 1).")
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=None,
+                   help="The server's --decode-context-parallel-size (default: the server's, "
+                        "1).")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in args.configs if c not in CONFIGS]
@@ -134,7 +137,8 @@ def run_config(args: argparse.Namespace, config: str, deadline: float, log) -> d
     levels = [int(c) for c in args.concurrency.split(",")]
     log_path = os.path.join(args.out_dir, f"seed_table_{args.tag}_{config}_server.log")
     server = ServerProcess(args.model, server_args_for(args, config), log_path, port=args.port,
-                           tensor_parallel_size=args.tensor_parallel_size)
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           decode_context_parallel_size=args.decode_context_parallel_size)
     record = {"workload": config, "status": "ok", "tag": args.tag,
               "server_command": server.command_line, "server_log": log_path, "levels": []}
     log(f"[{config}] starting: {server.command_line}")

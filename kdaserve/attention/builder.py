@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kdaserve.attention import dcp as dcp_layout
+from kdaserve.attention.dcp import DCPGroup, DCPMetadata
 from kdaserve.attention.metadata import (AttentionMetadata, KDACheckpointRequest, MLAAbsorbedRows,
                                         SpecStep)
 
@@ -18,23 +20,28 @@ def _h2d(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def slot_mapping(table: np.ndarray, req: np.ndarray, pos: np.ndarray,
-                 block_size: int) -> np.ndarray:
+                 block_size: int, dcp: DCPGroup | None = None) -> np.ndarray:
     """Flat latent-KV slot of each token: token i of request req[i] at position pos[i], block
-    tables [num_reqs, W] -> int64 [num_tokens]."""
+    tables [num_reqs, W] -> int64 [num_tokens]. With dcp, the slot on this rank (-1 for the
+    positions other ranks of the group store; attention/dcp.py)."""
+    if dcp is not None and dcp.size > 1:
+        return dcp_layout.slot_mapping(table, req, pos, block_size, dcp)
     return table[req, pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
 def build_metadata(query_lens: list[int], num_computed: list[int],
                    block_ids: Sequence[Sequence[int] | np.ndarray], state_slots: list[int],
                    block_size: int, device: torch.device | str,
-                   num_decodes: int | None = None) -> AttentionMetadata:
+                   num_decodes: int | None = None,
+                   dcp: DCPGroup | None = None) -> AttentionMetadata:
     """Requests must already be ordered decodes first (one new token on a non-empty context).
     Host-to-device copies are non_blocking: staged from pageable memory, they do not wait for
     the device to finish the step before (async scheduling launches this one meanwhile).
 
     block_ids[i] (a list or an int array) covers at least num_computed[i] + query_lens[i]
-    tokens. Vectorised with numpy: the slot mapping of an 8000-token prefill costs no Python
-    loop over tokens.
+    tokens (with dcp: logical blocks of dcp.size * block_size tokens, block_size on this rank).
+    Vectorised with numpy: the slot mapping of an 8000-token prefill costs no Python loop over
+    tokens. dcp (size > 1): this rank's slots and local context lengths (md.dcp).
     """
     n = len(query_lens)
     if num_decodes is None:
@@ -54,9 +61,14 @@ def build_metadata(query_lens: list[int], num_computed: list[int],
     total = int(qsl[-1])
     req = np.repeat(np.arange(n), q)                                  # [T] request of each token
     pos = np.arange(total, dtype=np.int64) - qsl[:-1].astype(np.int64)[req] + c[req]
-    slots = slot_mapping(table, req, pos, block_size)
+    dcp = dcp if dcp is not None and dcp.size > 1 else None
+    slots = slot_mapping(table, req, pos, block_size, dcp)
     qsl_cpu = torch.from_numpy(qsl)
     seq_cpu = torch.from_numpy(seq_lens)
+    dcp_md = None
+    if dcp is not None:
+        local = torch.from_numpy(dcp.local_len(seq_lens.astype(np.int64)).astype(np.int32))
+        dcp_md = DCPMetadata(dcp, local.to(device))
     return AttentionMetadata(
         num_reqs=n,
         num_decodes=num_decodes,
@@ -72,6 +84,7 @@ def build_metadata(query_lens: list[int], num_computed: list[int],
         has_initial_state=torch.from_numpy(c > 0).to(device, non_blocking=True),
         max_query_len=int(q.max()) if n else 0,
         max_seq_len=int(seq_lens.max()) if n else 0,
+        dcp=dcp_md,
     )
 
 
@@ -81,6 +94,9 @@ def build_spec_step(md: AttentionMetadata, is_spec: list[bool], idx_spec: torch.
     the rest. contiguous: the spec rows must be the last ones; the non-spec metadata is then
     made of slices. gather: any order; the non-spec metadata is gathered. md.kda_checkpoints
     must name non-spec rows only (they are re-indexed for md_non)."""
+    if md.dcp is not None:
+        raise ValueError("speculative verification rows are not supported with decode context "
+                         "parallelism")
     spec_rows = [i for i, s in enumerate(is_spec) if s]
     non_rows = [i for i, s in enumerate(is_spec) if not s]
     if not spec_rows:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kdaserve.attention.dcp import DCPMetadata
 
 
 @dataclass
@@ -37,6 +41,10 @@ class AttentionMetadata:
     """Speculative verification rows of this step (KDA layers only; None = none)."""
     mla_absorbed: "MLAAbsorbedRows | None" = None
     """Multi-token rows MLA computes in the absorbed form (speculative verification)."""
+    dcp: "DCPMetadata | None" = None
+    """Decode context parallelism (attention/dcp.py): slot_mapping then holds this rank's slots
+    only (-1 for positions other ranks store) and MLA's absorbed rows attend over
+    dcp.local_seq_lens; seq_lens stay the whole contexts. None = no DCP."""
 
     @property
     def num_prefills(self) -> int:

@@ -5,7 +5,9 @@ row per window token) use the absorbed form: queries are mapped into the latent 
 attention runs directly over the cached latents, and the latent output is mapped back with W_UV.
 Prefill chunks expand their whole context (cached prefix + new tokens) with kv_b_proj and run
 causal attention whose mask is aligned to the bottom-right (query i sits at position
-num_computed_tokens + i).
+num_computed_tokens + i). With decode context parallelism (md.dcp) the cache holds this rank's
+shard of each context: absorbed rows merge the shards' partial attention by their lse, prefill
+chunks all-gather their context's latents first (attention/dcp.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kdaserve.attention import dcp as dcp_attn
+from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.metadata import AttentionMetadata
 from kdaserve.kernels import reference as ref
 
@@ -32,12 +36,18 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.
 
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       pdl: bool = False, prefetch_kv: bool = False) -> torch.Tensor:
+                       pdl: bool = False, prefetch_kv: bool = False,
+                       dcp: DCPGroup | None = None) -> torch.Tensor:
     """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
     cached latents: q_nope [R, H, rank] (W_UK applied), q_pe [R, H, rope] -> [R, H, rank].
     The CUDA kernel reads the two strided inputs directly (no concatenation). prefetch_kv:
-    see kernels/mla/decode.py mla_decode (the previous launch must not write the cache)."""
+    see kernels/mla/decode.py mla_decode (the previous launch must not write the cache).
+    dcp: the context is sharded over the group and seq_lens are this rank's local lengths
+    (attention/dcp.py: queries gathered, local attention, partials merged by their lse)."""
     rank = q_nope.shape[-1]
+    if dcp is not None:
+        return dcp_attn.absorbed_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
+                                           dcp, pdl=pdl)
     if q_nope.is_cuda:
         from kdaserve.kernels.mla.decode import mla_decode
 
@@ -56,9 +66,17 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
     [L, D]) -> (k [L, H, qk_head_dim], v [L, H, v_head_dim])."""
     qsl = md.query_start_loc_cpu.tolist()
     seq_lens = md.seq_lens_cpu.tolist()
+    if md.dcp is not None:   # the context is sharded: one all-gather of every chunk's latents
+        rows = torch.tensor(reqs, dtype=torch.long, device=md.block_table.device)
+        gathered = dcp_attn.gather_latents(kv_cache, md.block_table[rows],
+                                           [seq_lens[i] for i in reqs], md.dcp.group)
+        latents = dict(zip(reqs, gathered))
     for i in reqs:
         s, e = qsl[i], qsl[i + 1]
-        latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
+        if md.dcp is not None:
+            latent = latents[i]                                              # [L, D]
+        else:
+            latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
         k, v = expand(latent)
         # SDPA's fused kernels (flash, memory-efficient) take only 4-D [B, H, L, D] inputs:
         # 3-D inputs silently fall back to the fp32-upcast math kernel, many times slower.

@@ -25,15 +25,19 @@ class ServerProcess:
     output to `log_path`. Use as a context manager; `start()` returns once /health answers 200
     or raises (RuntimeError if the server exited: `refused` is then True).
     tensor_parallel_size: appended as `--tensor-parallel-size N` (the server starts its other
-    ranks itself; the process group stop() signals holds them too)."""
+    ranks itself; the process group stop() signals holds them too); decode_context_parallel_size
+    as `--decode-context-parallel-size N`."""
 
     def __init__(self, model: str, args: list[str], log_path: str, port: int | None = None,
                  host: str = "127.0.0.1", python: str = sys.executable,
-                 tensor_parallel_size: int | None = None):
+                 tensor_parallel_size: int | None = None,
+                 decode_context_parallel_size: int | None = None):
         self.port = port or free_port()
         self.host = host
         tp = [] if tensor_parallel_size is None else ["--tensor-parallel-size",
                                                      str(tensor_parallel_size)]
+        if decode_context_parallel_size is not None:
+            tp += ["--decode-context-parallel-size", str(decode_context_parallel_size)]
         self.cmd = [python, "-m", "kdaserve.entrypoints.cli", "serve", model,
                     "--host", host, "--port", str(self.port), *args, *tp]
         self.log_path = log_path

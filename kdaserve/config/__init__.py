@@ -150,11 +150,23 @@ class ParallelConfig:
     dist_timeout: int = 600
     """Seconds a collective of the tensor-parallel group may wait for a peer before it fails
     (NCCL's and gloo's timeout); a dead rank fails the step sooner (engine/core.py)."""
+    decode_context_parallel_size: int = 1
+    """DCP: MLA's latent KV sharded along the sequence over groups of this many consecutive
+    TP ranks (must divide tensor_parallel_size), so each rank stores 1/dcp of every context
+    and the KV capacity grows dcp times (attention/dcp.py). KDA state is not sharded by it."""
+    dcp_kv_cache_interleave_size: int = 1
+    """DCP: position p is stored on DCP rank (p // size) % dcp (1 = token round robin; must
+    divide block_size)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "nnodes", "dist_timeout"):
+        for name in ("tensor_parallel_size", "nnodes", "dist_timeout",
+                     "decode_context_parallel_size", "dcp_kv_cache_interleave_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tensor_parallel_size % self.decode_context_parallel_size:
+            raise ValueError(f"decode_context_parallel_size={self.decode_context_parallel_size}"
+                             f" must divide tensor_parallel_size={self.tensor_parallel_size} "
+                             "(the DCP ranks are sub-groups of the TP group)")
         if self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks (tensor_parallel_size="
                              f"{self.tensor_parallel_size}) do not split evenly over "
@@ -458,3 +470,19 @@ class EngineConfig:
                                  f" has num_nextn_predict_layers={n}")
             if spec.model is None:
                 spec.model = self.model_config.model
+        self._check_dcp()
+
+    def _check_dcp(self) -> None:
+        """Decode context parallelism's combinations (ParallelConfig checks the sizes)."""
+        pc = self.parallel_config
+        dcp, inter = pc.decode_context_parallel_size, pc.dcp_kv_cache_interleave_size
+        if dcp == 1:
+            return
+        block = self.cache_config.block_size
+        if block % inter:
+            raise ValueError(f"dcp_kv_cache_interleave_size={inter} must divide block_size="
+                             f"{block} (decode_context_parallel_size={dcp})")
+        if self.speculative_config.enabled:
+            raise ValueError(f"decode_context_parallel_size={dcp} with speculative decoding "
+                             f"(method {self.speculative_config.method!r}) is not supported: "
+                             "the verification rows and the drafters' caches are not sharded")

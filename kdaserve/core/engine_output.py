@@ -41,6 +41,9 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    num_total_kv_tokens: int = 0
+    """MLA KV capacity in tokens: blocks x tokens per scheduler block (with decode context
+    parallelism, dcp ranks x one rank's block_size)."""
     num_free_state_slots: int = 0
     num_total_state_slots: int = 0
     num_preemptions: int = 0

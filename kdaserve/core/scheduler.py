@@ -94,13 +94,22 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
         connector: ConnectorScheduler | None = None,
+        decode_context_parallel_size: int = 1,
     ) -> None:
+        """num_gpu_blocks: MLA KV blocks (each rank's count). With decode context parallelism
+        of size n, each block of a request's table holds cache_config.block_size tokens on each
+        of the n ranks, so the scheduler's blocks (and prefix-cache hashes) cover
+        n * block_size tokens: n times the token capacity of the same cache memory."""
+        if decode_context_parallel_size < 1:
+            raise ValueError(f"decode_context_parallel_size must be >= 1, got "
+                             f"{decode_context_parallel_size}")
         self.max_model_len = max_model_len or scheduler_config.max_model_len
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
-        self.block_size = cache_config.block_size
+        self.block_size = cache_config.block_size * decode_context_parallel_size
+        """Tokens per scheduler block (logical; attention/dcp.py's layout under DCP)."""
 
         spec = speculative_config
         spec_on = spec is not None and spec.enabled
@@ -740,6 +749,7 @@ class Scheduler:
             kv_cache_usage=kv.block_pool.usage,
             num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_gpu_blocks,
+            num_total_kv_tokens=kv.num_gpu_blocks * self.block_size,
             num_free_state_slots=kv.num_free_slots,
             num_total_state_slots=kv.num_state_slots,
             num_preemptions=self.num_preemptions,

@@ -59,6 +59,18 @@ class GroupComm:
             return out
         return torch.cat(out.view((self.size,) + tuple(x.shape)).unbind(0), dim=dim)
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [size, ...]: x[j] goes to rank j; returns [size, ...] whose row j came from rank
+        j (one all_to_all_single)."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """x from rank src into every rank's x (in place); returns x."""
         if self.size == 1:

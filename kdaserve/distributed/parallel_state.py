@@ -11,7 +11,10 @@ state. Groups:
 - tp: the tensor-parallel ranks (today the whole world), NCCL on CUDA and gloo on the CPU,
   with the collective timeout (ParallelConfig.dist_timeout): the layers' all-reduces and
   all-gathers.
-- dcp: decode context parallelism's group; size 1 (no group) until DCP is built.
+- dcp: decode context parallelism's group (ParallelConfig.decode_context_parallel_size):
+  consecutive TP ranks, tp_size / dcp_size groups of dcp_size (vLLM's layout), on the TP
+  group's backend; dcp_rank = tp_rank % dcp_size. Its ranks each store 1/dcp of MLA's latent
+  KV (attention/dcp.py); size 1 = no group.
 
 A single-rank run never initialises torch.distributed: ParallelState.single() has size-1
 groups whose collectives are no-ops.
@@ -85,11 +88,20 @@ def init_parallel_state(pc: ParallelConfig, world: GroupComm, local_rank: int,
     backend = "nccl" if device_type == "cuda" else "gloo"
     tp_group = dist.new_group(ranks, backend=backend, timeout=timeout)
     tp_rank = ranks.index(world.rank)
-    logger.info("rank %d/%d: tp rank %d/%d (%s), local rank %d", world.rank, world.size,
-                tp_rank, len(ranks), backend, local_rank)
+    dcp_size = pc.decode_context_parallel_size
+    dcp = GroupComm.single()
+    if dcp_size > 1:   # every rank creates every group (new_group is collective)
+        for first in range(0, len(ranks), dcp_size):
+            members = ranks[first:first + dcp_size]
+            group = dist.new_group(members, backend=backend, timeout=timeout)
+            if world.rank in members:
+                dcp = GroupComm(group, members.index(world.rank), dcp_size)
+    logger.info("rank %d/%d: tp rank %d/%d (%s), dcp rank %d/%d, local rank %d", world.rank,
+                world.size, tp_rank, len(ranks), backend, dcp.rank, dcp.size, local_rank)
     return ParallelState(world_rank=world.rank, world_size=world.size, local_rank=local_rank,
-                         tp_rank=tp_rank, tp_size=len(ranks), world=world,
-                         tp=GroupComm(tp_group, tp_rank, len(ranks)))
+                         tp_rank=tp_rank, tp_size=len(ranks), dcp_rank=dcp.rank,
+                         dcp_size=dcp.size, world=world,
+                         tp=GroupComm(tp_group, tp_rank, len(ranks)), dcp=dcp)
 
 
 def destroy_process_groups() -> None:

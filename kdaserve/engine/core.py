@@ -118,12 +118,12 @@ class EngineCore:
         num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
         self.worker.initialize_cache(num_blocks, num_slots)
         kv_worker = self.worker.kv_connector
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   num_slots, config.speculative_config,
-                                   max_model_len=config.model_config.max_model_len,
-                                   connector=make_connector_scheduler(
-                                       config, [kv_worker.side_channel_port]
-                                       if kv_worker is not None else []))
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, num_blocks, num_slots,
+            config.speculative_config, max_model_len=config.model_config.max_model_len,
+            connector=make_connector_scheduler(
+                config, [kv_worker.side_channel_port] if kv_worker is not None else []),
+            decode_context_parallel_size=config.parallel_config.decode_context_parallel_size)
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None
@@ -292,9 +292,12 @@ class EngineCore:
         args = self.engine_config.model_config.arch
         tp = self.engine_config.parallel_config.tensor_parallel_size
         # one rank's bytes: its weight shard (the model's tensors), its KDA heads
-        return StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
-                                   state_bytes_per_slot(args, runner.dtype, tp),
-                                   measure_copy_bandwidth(runner.device))
+        floor = StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
+                                    state_bytes_per_slot(args, runner.dtype, tp),
+                                    measure_copy_bandwidth(runner.device))
+        dcp = self.engine_config.parallel_config.decode_context_parallel_size
+        # decode context parallelism: a rank reads its 1/dcp share of each context's latents
+        return dataclasses.replace(floor, kv_bytes_per_token=floor.kv_bytes_per_token // dcp)
 
     def _decode_context(self, so: SchedulerOutput) -> int | None:
         """Total context of a decode-only step (None if any request computes more than one

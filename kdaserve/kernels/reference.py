@@ -173,20 +173,45 @@ def paged_gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int) -> torch.Tensor:
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               return_lse: bool = False):
     """Absorbed MLA decode, one query token per sequence.
 
     q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK); kv_cache:
     [num_blocks, block_size, kv_lora_rank + rope]; block_table: [B, max_blocks]; seq_lens: [B].
-    Returns the latent output [B, H, kv_lora_rank] in q.dtype (before W_UV).
+    Returns the latent output [B, H, kv_lora_rank] in q.dtype (before W_UV); with return_lse
+    also each query's log-sum-exp over its keys, [B, H] fp32, natural log of
+    sum_j exp(scale * q.k_j) (-inf for an empty sequence, whose output is 0). The lse lets
+    partial outputs over disjoint key sets be merged exactly (merge_attn_states).
     """
     out = torch.empty(q.shape[0], q.shape[1], kv_lora_rank, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     for b in range(q.shape[0]):
         kv = paged_gather(kv_cache, block_table[b], int(seq_lens[b])).float()  # [L, D]
         s = (q[b].float() @ kv.t()) * scale                                    # [H, L]
         p = torch.softmax(s, dim=-1)
         out[b] = (p @ kv[:, :kv_lora_rank]).to(q.dtype)
-    return out
+        lse[b] = torch.logsumexp(s, dim=-1)                                    # -inf if L == 0
+    return (out, lse) if return_lse else out
+
+
+def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge N attention outputs of the same queries over disjoint key sets.
+
+    outs: [N, ..., D] (each normalised over its own keys); lses: [N, ...] their natural-log
+    log-sum-exp (-inf = no keys: weight 0). Returns (out [..., D] in outs.dtype, lse [...] fp32):
+    out = sum_n exp(lse_n - lse) * out_n with lse = log sum_n exp(lse_n), i.e. attention over
+    the union of the key sets; rows with no keys anywhere give 0 and -inf.
+    """
+    lses = lses.float()
+    m = lses.max(dim=0).values
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)     # all empty: avoid inf - inf
+    w = torch.exp(lses - m)                                     # [N, ...]; 0 for empty parts
+    denom = w.sum(dim=0)
+    has = denom > 0
+    out = (w[..., None] * outs.float()).sum(dim=0) / torch.where(has, denom, 1.0)[..., None]
+    lse = torch.where(has, m + torch.log(torch.where(has, denom, 1.0)), float("-inf"))
+    return out.to(outs.dtype), lse
 
 
 def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,

@@ -79,12 +79,13 @@ class MLAttention(nn.Module):
         return k, kv[..., self.nope_dim:]
 
     def _absorbed(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, out: torch.Tensor, pdl: bool) -> None:
+                  seq_lens: torch.Tensor, out: torch.Tensor, pdl: bool, dcp=None) -> None:
         """q [R, H, qk] -> out [R, H, v]: row r attends to the first seq_lens[r] cached
         latents of block_table[r], in the latent space (W_UK folded into q, W_UV applied
         after). With absorb_gemv (CUDA, <= GEMV_MAX_ROWS rows) both per-head products run as
         one batched GEMV launch each (kernels/linear/gemv.py gemv_batched) instead of cuBLAS,
-        and the decode kernel prefetches its first cache tile before its PDL wait."""
+        and the decode kernel prefetches its first cache tile before its PDL wait. dcp (a
+        DCPGroup): the cache holds this rank's shard and seq_lens are its local lengths."""
         w_uk, w_uv = self._w_uk_uv()
         R, h = q.shape[:2]
         by_gemv = use_gemv(q, self.absorb_gemv) and self.w_uk_t is not None
@@ -98,7 +99,8 @@ class MLAttention(nn.Module):
         # may read the cache before its wait.
         o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
                                                block_table, seq_lens, self.scale,
-                                               pdl=pdl, prefetch_kv=by_gemv)  # [R, H, rank]
+                                               pdl=pdl, prefetch_kv=by_gemv and dcp is None,
+                                               dcp=dcp)                # [R, H, rank]
         if by_gemv:
             gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=pdl)
         else:
@@ -144,8 +146,12 @@ class MLAttention(nn.Module):
         out = q.new_empty(T, h, self.v_dim)
         nd = md.num_decodes
         if nd:
-            self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], out[:nd],
-                           pdl)
+            if md.dcp is None:
+                self._absorbed(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd],
+                               out[:nd], pdl)
+            else:   # this rank's shard of each context
+                self._absorbed(q[:nd], kv_cache, md.block_table[:nd],
+                               md.dcp.local_seq_lens[:nd], out[:nd], pdl, md.dcp.group)
         absorbed = md.mla_absorbed
         skip = set()
         if absorbed is not None:   # spec verification rows: one absorbed row per token

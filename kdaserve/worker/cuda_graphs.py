@@ -18,9 +18,11 @@ import numpy as np
 import torch
 
 from kdaserve.attention.builder import StepBuffers
+from kdaserve.attention.dcp import DCPGroup, DCPMetadata
+from kdaserve.attention.dcp import slot_mapping as dcp_slot_mapping
 from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
                                                 StepPlan, capture_sizes)
-from kdaserve.attention.metadata import ModelCaches
+from kdaserve.attention.metadata import AttentionMetadata, ModelCaches
 
 if TYPE_CHECKING:
     from kdaserve.worker.input_batch import CachedRequestState, StepBatch
@@ -93,6 +95,8 @@ class _HostStaging:
         self.state = torch.zeros(bs, dtype=torch.int32).pin_memory()
         self.n_ids, self.n_seq, self.n_slot = self.ids.numpy(), self.seq.numpy(), self.slot.numpy()
         self.n_state, self.n_table = self.state.numpy(), self.table.numpy()
+        self.local = torch.ones(bs, dtype=torch.int32).pin_memory()   # DCP: local lengths
+        self.n_local = self.local.numpy()
 
 
 class DecodeGraphs(StepBuffers):
@@ -101,11 +105,17 @@ class DecodeGraphs(StepBuffers):
 
     def __init__(self, graphs: CudaGraphManager, model: torch.nn.Module, caches: ModelCaches,
                  pad_slot: int, block_size: int, max_model_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dcp: DCPGroup | None = None) -> None:
+        """dcp: decode context parallelism (attention/dcp.py): the graphs store only this
+        rank's positions and attend over its shard (local lengths in local_seq_lens), with the
+        group's collectives captured inside."""
         self.graphs, self.model, self.caches = graphs, model, caches
         self.block_size, self.sizes = block_size, graphs.sizes
+        self.dcp = dcp
         max_blocks = -(-max_model_len // block_size)
         super().__init__(graphs.max_size, 1, max_blocks, pad_slot, max_model_len, device)
+        self.local_seq_lens = (torch.ones(self.max_bs, dtype=torch.int32, device=device)
+                               if dcp is not None else None)
         # Host staging (pinned): one H2D copy per buffer per step. Two sets, used in turn: with
         # async scheduling a step fills its inputs while the previous step's copies may still
         # be queued behind the device work before them.
@@ -115,6 +125,12 @@ class DecodeGraphs(StepBuffers):
     @staticmethod
     def descriptor(bs: int) -> BatchDescriptor:
         return BatchDescriptor(ExecMode.DECODE_GRAPH, bs)
+
+    def decode_metadata(self, bs: int) -> AttentionMetadata:
+        md = super().decode_metadata(bs)
+        if self.dcp is not None:
+            md.dcp = DCPMetadata(self.dcp, self.local_seq_lens[:bs])
+        return md
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -149,9 +165,11 @@ class DecodeGraphs(StepBuffers):
         ids[n:bs] = 0
         seq[:n] = computed + 1
         seq[n:bs] = 1
-        last_block = np.fromiter((s.block_np[c // bsz] for s, c in zip(states, batch.num_computed)),
-                                 dtype=np.int64, count=n)
-        slot[:n] = last_block * bsz + computed % bsz
+        if self.dcp is None:
+            last_block = np.fromiter((s.block_np[c // bsz] for s, c in zip(states,
+                                                                            batch.num_computed)),
+                                     dtype=np.int64, count=n)
+            slot[:n] = last_block * bsz + computed % bsz
         slot[n:bs] = -1
         state[:n] = [s.state_slot for s in states]
         state[n:bs] = self.pad_slot
@@ -161,6 +179,10 @@ class DecodeGraphs(StepBuffers):
             table[i, :nb] = s.block_np[:nb]
             width = max(width, nb)
         table[n:bs, 0] = 0
+        if self.dcp is not None:   # this rank's slot of each new token (-1: another rank's)
+            slot[:n] = dcp_slot_mapping(table[:n], np.arange(n), computed, bsz, self.dcp)
+            h.n_local[:n] = self.dcp.local_len(computed + 1)
+            h.n_local[n:bs] = 1
         return bs, width
 
     def load(self, batch: "StepBatch", states: list["CachedRequestState"]) -> int:
@@ -171,6 +193,8 @@ class DecodeGraphs(StepBuffers):
         h = self._staging[self._turn]
         self.input_ids[:bs].copy_(h.ids[:bs], non_blocking=True)
         self.seq_lens[:bs].copy_(h.seq[:bs], non_blocking=True)
+        if self.dcp is not None:
+            self.local_seq_lens[:bs].copy_(h.local[:bs], non_blocking=True)
         self.slot_mapping[:bs].copy_(h.slot[:bs], non_blocking=True)
         self.state_indices[:bs].copy_(h.state[:bs], non_blocking=True)
         self.block_table[:bs, :width].copy_(h.table[:bs, :width], non_blocking=True)

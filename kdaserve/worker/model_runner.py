@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.forward_context import ExecMode, ForwardContext, StepPlan
 from kdaserve.attention.metadata import ModelCaches
 from kdaserve.config import EngineConfig
@@ -47,8 +48,12 @@ def _to_host(out: SamplerOutput) -> SamplerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, sampler: Sampler,
-                 spec: SpecDecoder | None, device: torch.device, dtype: torch.dtype) -> None:
+                 spec: SpecDecoder | None, device: torch.device, dtype: torch.dtype,
+                 dcp: DCPGroup | None = None) -> None:
+        """dcp: this rank's decode-context-parallel group (its steps' metadata then maps only
+        the positions it stores; attention/dcp.py); None without DCP."""
         self.config = config
+        self.dcp = dcp
         self.model, self.sampler, self.spec = model, sampler, spec
         self.device, self.dtype = device, dtype
         self.args = config.model_config.arch
@@ -394,7 +399,8 @@ class ModelRunner:
             return hidden
         md = build_metadata(batch.query_lens, batch.num_computed,
                             [s.block_np[:len(s.block_ids)] for s in states],
-                            [s.state_slot for s in states], self.block_size, self.device)
+                            [s.state_slot for s in states], self.block_size, self.device,
+                            dcp=self.dcp)
         md.kda_checkpoints = kda_checkpoints
         if fix is not None:   # the carry rows' positions, moved back by their rejected drafts
             fix_tok = correct_metadata(md, fix, batch.query_lens, batch.num_computed,

@@ -60,7 +60,7 @@ def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int]) ->
     starts = np.cumsum([0] + need)
     blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
     md = build_metadata(query_lens, computed, blocks, list(range(len(query_lens))), bs,
-                        runner.device)
+                        runner.device, dcp=runner.dcp)   # DCP: its kernels and collectives
     # distinct tokens (the routed experts spread as in real steps)
     ids = torch.arange(sum(query_lens), device=runner.device) * 7919 % runner.args.vocab_size
     h = runner.model(ids, ForwardContext(md, runner.caches))

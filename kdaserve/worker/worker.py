@@ -18,6 +18,7 @@ import torch
 
 from kdaserve.attention import caches as cache_sizes
 from kdaserve.attention.builder import build_metadata
+from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import EngineConfig, KernelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -98,9 +99,12 @@ class Worker:
             spec = SpecDecoder(config, self.args, self.device, self.dtype,
                                threshold_kernel=self.backends.sampler == "threshold",
                                target_model=self.model)
+        self.dcp_size = self.parallel.dcp_size
+        dcp = (DCPGroup.of(self.parallel.dcp, config.parallel_config.dcp_kv_cache_interleave_size)
+               if self.dcp_size > 1 else None)
         self.model_runner = ModelRunner(config, self.model,
                                         Sampler(self.backends.sampler == "threshold"), spec,
-                                        self.device, self.dtype)
+                                        self.device, self.dtype, dcp=dcp)
         self.kv_connector: ConnectorWorker | None = make_connector_worker(config)
         """The KV connector's worker side (prefill/decode disaggregation), else None."""
 
@@ -197,13 +201,18 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.register_caches(caches.mla_kv, caches.kda_recurrent,
                                               caches.kda_conv, num_blocks, num_slots)
-        kv_tokens = num_blocks * self.block_size
+        kv_tokens = num_blocks * self.block_size * self.dcp_size   # DCP: 1/dcp on each rank
         max_len = self.config.scheduler_config.max_model_len
         logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
                     kv_tokens, checkpoints.capacity_line(
                         num_slots, num_ckpt, cache_sizes.state_bytes_per_slot(
                             self.args, self.dtype, self.tp_size)),
                     min(num_slots, kv_tokens / max_len))
+        if self.dcp_size > 1:
+            logger.info("MLA KV sharded over %d decode-context-parallel ranks: %d blocks of %d "
+                        "tokens on each, interleave %d", self.dcp_size, num_blocks,
+                        self.block_size,
+                        self.config.parallel_config.dcp_kv_cache_interleave_size)
         if self.spec is not None:
             logger.info("%s", self.spec.memory_line())
         if self.device.type == "cuda":
@@ -225,7 +234,7 @@ class Worker:
         graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
         pad_slot = runner.num_slots
         decode = DecodeGraphs(graphs, self.model, runner.caches, pad_slot, self.block_size,
-                              sc.max_model_len, self.device)
+                              sc.max_model_len, self.device, dcp=runner.dcp)
         decode.capture()
         if self.spec is not None:
             self.spec.capture_graphs(graphs, self.model, runner.caches, pad_slot,

@@ -16,12 +16,14 @@ def _staging(max_bs: int, max_blocks: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         n_ids=np.full(max_bs, -7, np.int64), n_seq=np.full(max_bs, -7, np.int32),
         n_slot=np.full(max_bs, -7, np.int64), n_state=np.full(max_bs, -7, np.int32),
-        n_table=np.full((max_bs, max_blocks), -7, np.int32))
+        n_table=np.full((max_bs, max_blocks), -7, np.int32),
+        n_local=np.full(max_bs, -7, np.int32))
 
 
-def make_graphs(max_bs: int, max_blocks: int, block_size: int, num_slots: int) -> DecodeGraphs:
+def make_graphs(max_bs: int, max_blocks: int, block_size: int, num_slots: int,
+                dcp=None) -> DecodeGraphs:
     g = DecodeGraphs.__new__(DecodeGraphs)        # no CUDA buffers: only the host side
-    g.block_size, g.pad_slot = block_size, num_slots
+    g.block_size, g.pad_slot, g.dcp = block_size, num_slots, dcp
     g.sizes = [1, 2, 4, 8, 16]
     g._staging = [_staging(max_bs, max_blocks) for _ in range(2)]
     g._turn = 0
@@ -67,3 +69,39 @@ def test_consecutive_steps_fill_alternate_staging_buffers():
     g.fill_host_inputs(batch, [st])
     second = g._staging[g._turn]
     assert first is not second and first.n_ids[0] == 7 and second.n_ids[0] == 9
+
+
+def test_fill_host_inputs_under_dcp_match_the_layout():
+    """Decode context parallelism: each rank stages the slot of the new token only where it
+    stores it (attention/dcp.py's layout over logical blocks of dcp * block_size tokens), and
+    the local context lengths; exactly one rank of the group writes each token."""
+    from kdaserve.attention.dcp import DCPGroup
+
+    rng = random.Random(1)
+    bs_tok, n = 16, 2
+    for inter in (1, 4, 16):
+        states, computed = [], []
+        for i in range(7):
+            c = rng.randrange(1, 900)
+            blocks = rng.sample(range(5000), (c + 1 + n * bs_tok - 1) // (n * bs_tok))
+            states.append(CachedRequestState(f"r{i}", [1] * (c + 1), c, SamplingParams(), blocks,
+                                             i, c))
+            computed.append(c)
+        batch = StepBatch([s.req_id for s in states], [5] * 7, [1] * 7, computed, list(range(7)))
+        writers = [0] * 7
+        for rank in range(n):
+            dcp = DCPGroup(n, rank, inter)
+            g = make_graphs(8, 64, bs_tok, 40, dcp)
+            size, _ = g.fill_host_inputs(batch, states)
+            h = g._staging[g._turn]
+            for i, (s, c) in enumerate(zip(states, computed)):
+                mine = [p for p in range(c + 1) if (p // inter) % n == rank]
+                assert h.n_local[i] == len(mine) and h.n_seq[i] == c + 1
+                if (c // inter) % n == rank:
+                    li = mine.index(c)
+                    assert h.n_slot[i] == s.block_ids[li // bs_tok] * bs_tok + li % bs_tok
+                    writers[i] += 1
+                else:
+                    assert h.n_slot[i] == -1
+            assert (h.n_slot[7:size] == -1).all() and (h.n_local[7:size] == 1).all()
+        assert writers == [1] * 7

@@ -102,6 +102,141 @@ def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_ran
             assert (out[b] == 0).all(), "empty sequence must give zeros"
 
 
+def check_mla_decode_lse(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_rank=512,
+                         rope=64, num_kv_splits=None, seed=0):
+    """mla_decode(return_lse=True): output and lse against the reference's (lse -inf and
+    output 0 for an empty sequence)."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla.decode import mla_decode
+
+    B, D = len(seq_lens), kv_lora_rank + rope
+    kv, bt = make_paged_kv(device, dtype, seq_lens, page, D, seed=seed)
+    q = torch.randn(B, num_heads, D, generator=_gen(device, seed + 1), device=device).to(dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = 192 ** -0.5
+    out, lse = mla_decode(q, kv, bt, sl, scale, kv_lora_rank, num_kv_splits=num_kv_splits,
+                          return_lse=True)
+    want, want_lse = ref.mla_decode(q.double(), kv.double(), bt, sl, scale, kv_lora_rank,
+                                    return_lse=True)
+    assert_close(f"mla_decode+lse{tuple(seq_lens)} out", out, want, dtype)
+    assert lse.dtype == torch.float32 and lse.shape == (B, num_heads)
+    for b, s in enumerate(seq_lens):
+        if s == 0:
+            assert torch.isneginf(lse[b]).all() and (out[b] == 0).all(), "empty row"
+        else:
+            err = (lse[b].double() - want_lse[b]).abs().max().item()
+            assert err <= 50 * bound(dtype), f"lse row {b}: max abs error {err:.3e}"
+
+
+def split_paged_kv(kv, bt, seq_lens, owner, num_parts, page):
+    """Split each sequence's cached keys into num_parts disjoint sets, position order kept:
+    position p of row b goes to part owner(b, p). Returns per part (cache, block_table,
+    seq_lens) with the part's keys packed from local position 0."""
+    from kdaserve.kernels import reference as ref
+
+    device, B = kv.device, len(seq_lens)
+    parts = []
+    for n in range(num_parts):
+        rows = []
+        for b, s in enumerate(seq_lens):
+            full = ref.paged_gather(kv, bt[b], s)                         # [s, D]
+            keep = [p for p in range(s) if owner(b, p) == n]
+            rows.append(full[keep])
+        max_blocks = max(-(-len(r) // page) for r in rows) + 1
+        cache = torch.zeros(B * max_blocks, page, kv.shape[-1], dtype=kv.dtype, device=device)
+        table = torch.arange(B * max_blocks, device=device).view(B, max_blocks).flip(1)
+        table = table.int().contiguous()                                  # not in order
+        for b, r in enumerate(rows):
+            flat = cache[table[b].long()].reshape(-1, kv.shape[-1])
+            flat[:len(r)] = r
+            cache[table[b].long()] = flat.view(max_blocks, page, -1)
+        lens = torch.tensor([len(r) for r in rows], dtype=torch.int32, device=device)
+        parts.append((cache, table, lens))
+    return parts
+
+
+def check_mla_split_merge(device, dtype, seq_lens, owner, num_parts=2, num_heads=16, page=16,
+                          kv_lora_rank=64, rope=16, seed=0, triton=True):
+    """Attention over keys split into disjoint sets, merged by the lse, equals attention over
+    all keys (the decode-context-parallel identity). triton: the Triton decode and merge;
+    otherwise their reference twins."""
+    from kdaserve.kernels import reference as ref
+
+    if triton:
+        from kdaserve.kernels.mla.decode import mla_decode
+        from kdaserve.kernels.mla.merge import merge_attn_states
+    else:
+        mla_decode, merge_attn_states = ref.mla_decode, ref.merge_attn_states
+    B, D = len(seq_lens), kv_lora_rank + rope
+    kv, bt = make_paged_kv(device, dtype, seq_lens, page, D, seed=seed)
+    q = torch.randn(B, num_heads, D, generator=_gen(device, seed + 1), device=device).to(dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = 192 ** -0.5
+    outs, lses = [], []
+    for cache, table, lens in split_paged_kv(kv, bt, seq_lens, owner, num_parts, page):
+        o, l = mla_decode(q, cache, table, lens, scale, kv_lora_rank, return_lse=True)
+        outs.append(o)
+        lses.append(l)
+    merged, lse = merge_attn_states(torch.stack(outs), torch.stack(lses))
+    want, want_lse = ref.mla_decode(q.double(), kv.double(), bt, sl, scale, kv_lora_rank,
+                                    return_lse=True)
+    assert_close(f"split-merge{tuple(seq_lens)}", merged, want, dtype)
+    for b, s in enumerate(seq_lens):
+        if s == 0:
+            assert torch.isneginf(lse[b]).all() and (merged[b] == 0).all(), "empty row"
+        else:
+            err = (lse[b].double() - want_lse[b]).abs().max().item()
+            assert err <= 50 * bound(dtype), f"merged lse row {b}: max abs error {err:.3e}"
+
+
+def check_merge_attn_states(device, dtype, num_parts=3, rows=5, heads=4, dim=40, seed=0):
+    """Triton merge vs the reference on strided partials ([out | lse] packed rows), with
+    empty partials (-inf) and a row empty in every partial."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla.merge import merge_attn_states
+
+    g = _gen(device, seed)
+    packed = torch.randn(num_parts, rows, heads, dim + 1, generator=g, device=device)
+    packed[..., dim] *= 4
+    packed[0, 1, :, dim] = float("-inf")          # partial 0 saw no key for row 1
+    packed[:, 2, 1, dim] = float("-inf")          # row 2, head 1: no key anywhere
+    outs, lses = packed[..., :dim].to(dtype), packed[..., dim]
+    if dtype == torch.float32:
+        outs = packed[..., :dim]                  # keep the strided view
+    out = torch.full((rows, heads, dim), float("nan"), dtype=dtype, device=device)
+    got, lse = merge_attn_states(outs, lses, out=out)
+    want, want_lse = ref.merge_attn_states(outs.double(), lses.double())
+    assert got is out
+    assert_close("merge_attn_states", got, want, dtype)
+    assert (got[2, 1] == 0).all() and torch.isneginf(lse[2, 1])
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    err = (lse[fin].double() - want_lse[fin]).abs().max().item()
+    assert err <= 10 * bound(dtype), f"merged lse: max abs error {err:.3e}"
+    only = merge_attn_states(outs, lses, return_lse=False)
+    assert torch.equal(only, got)
+
+
+def dcp_owner(dcp: int, interleave: int):
+    """Decode context parallelism's token owner: position p on rank (p // interleave) % dcp."""
+    return lambda b, p: (p // interleave) % dcp
+
+
+def run_mla_merge_suite() -> None:
+    """The interpreter subset for the lse outputs and the merge (fp32)."""
+    patch_triton_interpreter()
+    f32 = torch.float32
+    check_mla_decode_lse("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3, kv_lora_rank=64,
+                         rope=16)
+    check_mla_decode_lse("cpu", f32, [70, 1], page=64, kv_lora_rank=64, rope=16)
+    check_merge_attn_states("cpu", f32)
+    check_merge_attn_states("cpu", f32, num_parts=1, seed=1)
+    check_mla_split_merge("cpu", f32, [1, 2, 37, 90], dcp_owner(2, 1))
+    check_mla_split_merge("cpu", f32, [0, 5, 40, 129], dcp_owner(2, 16), page=16)
+    check_mla_split_merge("cpu", f32, [3, 64, 100], dcp_owner(4, 2), num_parts=4)
+    check_mla_split_merge("cpu", f32, [50, 17], lambda b, p: int(p < 20))   # two halves
+
+
 def check_store_latent(device, dtype, num_tokens=37, page=16, rank=512, rope=64, seed=0):
     """Fused kv_a norm + store against reference.store_latent; ckv is a row-strided view."""
     from kdaserve.kernels import reference as ref

@@ -147,6 +147,7 @@ MODEL_LOADER_EXTRA_CONFIG_KEYS: dict[str, KeyType] = {"dummy_routing": one_of("v
 ADDITIONAL_CONFIG_KEYS: dict[str, KeyType] = {
     "num_state_slots": POSITIVE_INT,
     "dist_timeout": POSITIVE_INT,
+    "dcp_kv_cache_interleave_size": POSITIVE_INT,
     "mirror_reasoning_content": BOOL,
     "max_request_body_bytes": POSITIVE_INT,
     "engine_startup_timeout": POSITIVE_FLOAT,
@@ -162,7 +163,7 @@ holds platform-specific ones). ENGINE_ADDITIONAL_KEYS are engine kwargs; the oth
 by the server from args.additional_config, which holds every key (ADDITIONAL_CONFIG_DEFAULTS
 for those not given)."""
 
-ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout")
+ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout", "dcp_kv_cache_interleave_size")
 
 ADDITIONAL_CONFIG_DEFAULTS: dict[str, Any] = {
     "mirror_reasoning_content": True,
@@ -250,6 +251,11 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None,
                    help="Tensor-parallel ranks (one process each; gloo on the CPU, NCCL on "
                         "CUDA).")
+    g.add_argument("--decode-context-parallel-size", "-dcp", type=positive_int, default=None,
+                   help="Decode context parallelism: MLA's latent KV sharded along the sequence "
+                        "over this many consecutive tensor-parallel ranks (divides "
+                        "--tensor-parallel-size); each stores 1/dcp of every context, so the "
+                        "KV capacity grows dcp times. Not with speculative decoding.")
     g.add_argument("--nnodes", type=positive_int, default=None,
                    help="Nodes the ranks are spread over (equal shares, node by node).")
     g.add_argument("--node-rank", type=int, default=None,
@@ -301,6 +307,7 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
 _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                  "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
+                 "decode_context_parallel_size",
                  "nnodes", "node_rank", "master_addr", "master_port",
                  "enable_prefix_caching",
                  "speculative_config", "num_gpu_blocks_override", "device",

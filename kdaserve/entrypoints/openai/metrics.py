@@ -25,6 +25,8 @@ _GAUGES = [
     ("kv_cache_usage_perc", "Fraction of MLA KV blocks in use (0..1).", "kv_cache_usage"),
     ("num_free_kv_blocks", "Free MLA KV blocks.", "num_free_blocks"),
     ("num_total_kv_blocks", "All MLA KV blocks.", "num_total_blocks"),
+    ("kv_cache_capacity_tokens", "MLA KV capacity in tokens (decode context parallelism: "
+     "each rank stores its share, the capacity counts them all).", "num_total_kv_tokens"),
     ("num_free_state_slots", "Free KDA state slots.", "num_free_state_slots"),
     ("num_total_state_slots", "All KDA state slots.", "num_total_state_slots"),
     ("num_kda_checkpoints", "Ready KDA prefix checkpoints.", "num_kda_checkpoints"),

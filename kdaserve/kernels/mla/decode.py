@@ -107,7 +107,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                max_seq_len: int | None = None,
                config: MLADecodeConfig | None = None,
                q_pe: torch.Tensor | None = None, pdl: bool = False,
-               prefetch_kv: bool = False) -> torch.Tensor:
+               prefetch_kv: bool = False, return_lse: bool = False):
     """Absorbed MLA decode, one query token per sequence.
 
     q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK) -- or, with q_pe
@@ -115,7 +115,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     no concatenation);
     kv_cache: [num_blocks, block_size, kv_lora_rank + rope], block_size a power of two;
     block_table: [B, max_blocks] int32; seq_lens: [B] int32 (0 = padding row -> zeros).
-    Returns the latent output [B, H, kv_lora_rank] in q.dtype (into `out` when given).
+    Returns the latent output [B, H, kv_lora_rank] in q.dtype (into `out` when given); with
+    return_lse, (out, lse): lse [B, H] fp32 is each query's natural-log log-sum-exp over its
+    seq_lens[b] keys (-inf when empty), the reduce kernel's merge of its partitions, so outputs
+    over disjoint key sets (decode context parallelism) merge exactly (merge.py).
 
     num_kv_splits: context partitions per sequence; default from the shapes (batch size and
     max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
@@ -161,8 +164,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     elif out.shape != (B, H, kv_lora_rank) or out.stride(-1) != 1:
         raise ValueError(f"out must be [B, H, kv_lora_rank]={B, H, kv_lora_rank} with a contiguous "
                          f"last dim, got {tuple(out.shape)}")
+    lse = torch.empty(B, H, dtype=torch.float32, device=q.device) if return_lse else None
     if B == 0:
-        return out
+        return (out, lse) if return_lse else out
 
     # [B, H, num_splits, kv_lora_rank] fp32 partial outputs; [B, H, num_splits] base-2 lse
     part_out = torch.empty(B, H, num_kv_splits, kv_lora_rank, dtype=torch.float32, device=q.device)
@@ -188,15 +192,17 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     )
     block_s = max(16, next_power_of_2(num_kv_splits))           # few variants (<= 4)
     block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program
+    lse_arg = lse if return_lse else part_lse                   # never written without lse
     mla_decode_reduce_kernel[(B, H, cdiv(kv_lora_rank, block_c_red))](
-        part_out, part_lse, out,
+        part_out, part_lse, out, lse_arg,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), lse_arg.stride(0),
         num_kv_splits,
-        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s, num_warps=4, **pdl_opts,
+        KV_RANK=kv_lora_rank, BLOCK_C=block_c_red, BLOCK_S=block_s, num_warps=4,
+        STORE_LSE=return_lse, **pdl_opts,
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor,

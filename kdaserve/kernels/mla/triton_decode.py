@@ -19,6 +19,7 @@ import triton.language as tl
 from kdaserve.kernels.triton_pdl import pdl_wait
 
 LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)   # readable inside kernels
 
 
 # Split counts, the partial buffers' strides and the block table's row stride follow the batch
@@ -220,16 +221,18 @@ def mla_decode_partial_t_kernel(
 
 @triton.jit(do_not_specialize=_SPLIT_ARGS[1:])
 def mla_decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_lb,
     num_splits,
     KV_RANK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, STORE_LSE: tl.constexpr = False,
 ):
     """Program (b, h, channel chunk): all partitions' partial outputs in one [BLOCK_S, BLOCK_C]
-    load (no serial loop over partitions), weighted by exp2(lse - max lse)."""
+    load (no serial loop over partitions), weighted by exp2(lse - max lse). STORE_LSE: the
+    first channel chunk also writes the query's natural-log lse over all partitions to
+    lse_ptr[b * stride_lb + h] (-inf for an empty sequence)."""
     pdl_wait(USE_PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -248,6 +251,11 @@ def mla_decode_reduce_kernel(
     out = tl.sum(part * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)  # empty -> 0
     o = out_ptr + pid_b.to(tl.int64) * stride_ob + pid_h * stride_oh + offs_c
     tl.store(o, out.to(out_ptr.dtype.element_ty), mask=mask_c)
+    if STORE_LSE:
+        if tl.program_id(2) == 0:
+            lse2 = tl.where(denom > 0.0, m + tl.log2(tl.where(denom > 0.0, denom, 1.0)),
+                            float("-inf"))
+            tl.store(lse_ptr + pid_b * stride_lb + pid_h, lse2 * LN2)
 
 
 @triton.jit
