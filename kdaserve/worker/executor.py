@@ -150,6 +150,11 @@ class DriverWorker:
     # The Worker's interface -----------------------------------------------------------------
 
     @property
+    def kv_connector(self) -> None:
+        """No KV connector under TP: EngineConfig refuses kv_transfer_config above one rank."""
+        return None
+
+    @property
     def model_runner(self):
         return self.worker.model_runner
 
