@@ -290,13 +290,14 @@ class EngineCore:
 
         runner = self.model_runner
         args = self.engine_config.model_config.arch
-        tp = self.engine_config.parallel_config.tensor_parallel_size
-        # one rank's bytes: its weight shard (the model's tensors), its KDA heads
+        pc = self.engine_config.parallel_config
+        # one rank's bytes: its weight shard (the model's tensors), its KDA heads, and under
+        # decode context parallelism its 1/dcp share of each context's latents
         floor = StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
-                                    state_bytes_per_slot(args, runner.dtype, tp),
+                                    state_bytes_per_slot(args, runner.dtype,
+                                                         pc.tensor_parallel_size),
                                     measure_copy_bandwidth(runner.device))
-        dcp = self.engine_config.parallel_config.decode_context_parallel_size
-        # decode context parallelism: a rank reads its 1/dcp share of each context's latents
+        dcp = pc.decode_context_parallel_size
         return dataclasses.replace(floor, kv_bytes_per_token=floor.kv_bytes_per_token // dcp)
 
     def _decode_context(self, so: SchedulerOutput) -> int | None:
