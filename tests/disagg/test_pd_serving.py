@@ -284,7 +284,12 @@ def test_hold_timeout_then_killed_prefill(pd, tiny):
         assert got["choices"][0]["text"] == expected["choices"][0]["text"]
         m = wait_idle(decode.url)
         assert_idle(m)
-        assert (m["kdaserve:kv_transfer_failures_total"]
-                == before["kdaserve:kv_transfer_failures_total"] + 1)
+        # the failure is counted in the stats snapshot after the failed load's step: poll
+        want = before["kdaserve:kv_transfer_failures_total"] + 1
+        deadline = time.monotonic() + 20
+        while m["kdaserve:kv_transfer_failures_total"] < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+            m = scrape(decode.url)
+        assert m["kdaserve:kv_transfer_failures_total"] == want
     finally:
         own.stop()
