@@ -78,9 +78,11 @@ def serve_parser() -> argparse.ArgumentParser:
     return cli_args.add_parser(argparse.ArgumentParser(prog="kdaserve").add_subparsers())
 
 
-LAUNCH_FLAGS = {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless"}
-"""Where the ranks run (issue 23 asks for vLLM's multi-node flags by name): the launch
-topology, not knobs a user tunes, so outside issue 18's bound."""
+LAUNCH_FLAGS = {"--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless",
+                "--decode-context-parallel-size"}
+"""Where the ranks run and how they split the KV (issue 23 asks for vLLM's multi-node and
+decode-context-parallel flags by name): the launch topology, not knobs a user tunes, so outside
+issue 18's bound."""
 
 
 def serve_options() -> list[argparse.Action]:
