@@ -58,8 +58,8 @@ def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
     """
     cap = max(1, max_context // min_tokens_per_split)
     if waves == 1:
-        # a power of two at most one wave: 5 or 3 splits (partitions not a multiple of the
-        # tiles) ran 237 / 386 us at 32 / 64 sequences against 159 / 297 us with 4 / 2
+        # a power of two at most one wave: partitions that are not a multiple of the tiles
+        # (5 or 3 splits at 32 / 64 sequences) are slower (benchmarks/PERF_NOTES.md)
         want = max(1, num_sms(device) // max(1, batch * num_head_groups))
         want = 1 << (want.bit_length() - 1)
     else:
