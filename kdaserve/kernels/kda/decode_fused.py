@@ -31,7 +31,7 @@ MAX_HEAD_DIM = 128
 
 def default_num_warps(head_dim: int, num_rows: int = 1, v_block: int | None = None) -> int:
     """8 warps at d = 128 (64 f_b values per thread); fewer for small heads. With 64 value
-    columns a program and at most 16 rows, 4 (bench_batch.py at 16 rows: 40.3 against 51+ us)."""
+    columns a program and at most 16 rows, 4 (faster in bench_batch.py; benchmarks/PERF_NOTES.md)."""
     warps = max(1, min(8, head_dim * head_dim // 2048))
     if v_block == 64 and 2 < num_rows <= 16:
         warps = min(warps, 4)
@@ -41,8 +41,8 @@ def default_num_warps(head_dim: int, num_rows: int = 1, v_block: int | None = No
 def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int) -> int:
     """Value columns per program: 32 (or head_dim, if smaller) while the grid stays within ~2
     programs per SM, else 64 (or head_dim). At 32 heads of 128 on 132 SMs: 32 at 1-2 rows,
-    64 from 3. At 16 / 32 / 64 rows 64 columns beat one program per head (128): 40.3 / 73.0 /
-    140.7 against 47.4 / 87.4 / 164.8 us a layer (bench_batch.py, benchmarks/PERF_NOTES.md)."""
+    64 from 3: at 16-64 rows 64 columns beat one program per head (bench_batch.py,
+    benchmarks/PERF_NOTES.md)."""
     bv = min(32, head_dim)
     if num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
         bv = min(64, head_dim)
