@@ -85,6 +85,14 @@ class CacheConfig:
     num_kda_checkpoint_slots: int | None = None
     """KDA checkpoint slots (each one request slot's size). None: 64 on the CPU, on CUDA 10% of
     the cache memory budget (at most max(64, 2 * max_num_seqs)); 0 without prefix caching."""
+    kv_offload_size: float = 0.0
+    """GiB of host memory (over all ranks) for the prefix cache's offload tier: evicted MLA
+    blocks and KDA checkpoints spill there (0: no tier). Pinned on CUDA."""
+    kv_offload_disk_path: str | None = None
+    """Folder of the offload tier's disk level (host entries are written through to files
+    there and read back after a restart); None: host memory only."""
+    kv_offload_disk_size: float = 64.0
+    """GiB the disk level may fill (over all ranks), least recently used files dropped."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -102,6 +110,18 @@ class CacheConfig:
         if self.num_kda_checkpoint_slots is not None and self.num_kda_checkpoint_slots < 0:
             raise ValueError(f"num_kda_checkpoint_slots must be >= 0, got "
                              f"{self.num_kda_checkpoint_slots}")
+        if not self.kv_offload_size >= 0:
+            raise ValueError(f"kv_offload_size must be >= 0 GiB, got {self.kv_offload_size}")
+        if self.kv_offload_size > 0 and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_size > 0 needs prefix caching (the tier holds what "
+                             "the prefix cache evicts): drop --no-enable-prefix-caching")
+        if self.kv_offload_disk_path is not None:
+            if self.kv_offload_size <= 0:
+                raise ValueError("kv_offload_disk_path needs kv_offload_size > 0 (the disk "
+                                 "level is written through from host memory)")
+            if not self.kv_offload_disk_size > 0:
+                raise ValueError(f"kv_offload_disk_size must be > 0 GiB, got "
+                                 f"{self.kv_offload_disk_size}")
 
     @property
     def checkpoint_interval(self) -> int:

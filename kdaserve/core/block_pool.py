@@ -56,7 +56,9 @@ def hash_partial_block(parent_hash: BlockHash | None, token_ids: Sequence[int],
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = False,
-                 on_evict: Callable[[list[BlockHash]], None] | None = None) -> None:
+                 on_evict: Callable[[list[BlockHash]], None] | None = None,
+                 on_reuse: Callable[[int, BlockHash | None, list[BlockHash]], None] | None = None
+                 ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -64,6 +66,10 @@ class BlockPool:
         self.on_evict = on_evict
         """Called with the hashes (full and partial) a block loses when it is handed out again
         or the cache is reset."""
+        self.on_reuse = on_reuse
+        """Called with (block id, its full hash or None, its partial keys) just before a cached
+        block is handed out again, while its hashes still name it (the offload tier stores
+        its KV then)."""
         self._ref_cnt = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         self._partial_keys: dict[int, list[BlockHash]] = {}
@@ -189,8 +195,12 @@ class BlockPool:
 
     # ---- internals ----
     def _evict(self, block_id: int) -> None:
-        lost = self._partial_keys.pop(block_id, [])
         block_hash = self._block_hash[block_id]
+        if self.on_reuse is not None and (block_hash is not None
+                                          or block_id in self._partial_keys):
+            self.on_reuse(block_id, block_hash, list(self._partial_keys[block_id])
+                          if block_id in self._partial_keys else [])
+        lost = self._partial_keys.pop(block_id, [])
         if block_hash is not None:
             lost.append(block_hash)
             self._block_hash[block_id] = None

@@ -82,3 +82,25 @@ class SchedulerStats:
     """Finished requests whose blocks and state slot are held for a remote reader now."""
     num_kv_transfer_loading: int = 0
     """Requests waiting for their remote KV blocks and KDA state now."""
+    offload_host_hit_tokens: int = 0
+    """Prompt tokens of prefix hits that loaded entries from the offload tier's host memory."""
+    offload_disk_hit_tokens: int = 0
+    """Prompt tokens of prefix hits that used entries read back from the offload tier's disk."""
+    offload_bytes_stored: int = 0
+    """Device -> host bytes of the offload tier (one rank's)."""
+    offload_bytes_loaded: int = 0
+    """Host -> device bytes of the offload tier (one rank's)."""
+    offload_bytes_written: int = 0
+    """Host -> disk bytes of the offload tier (one rank's)."""
+    offload_bytes_read: int = 0
+    """Disk -> host bytes of the offload tier (one rank's)."""
+    offload_dropped_stores: int = 0
+    """Device evictions the offload tier had no free host slot for."""
+    offload_failures: int = 0
+    """Offload file jobs that failed on some rank."""
+    num_offload_host_entries: int = 0
+    """Entries in the offload tier's host memory now."""
+    num_offload_disk_entries: int = 0
+    """Entries on the offload tier's disk now."""
+    offload_disk_bytes: int = 0
+    """Bytes on the offload tier's disk now (one rank's)."""

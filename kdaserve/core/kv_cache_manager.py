@@ -5,9 +5,12 @@ to grow a request (`allocate_slots`), to give a request its state slot (`allocat
 to fork an n > 1 parent into its samples (`fork`) and to release everything (`free`).
 
 Prefix caching (hybrid): `find_prefix_hit` finds the longest prefix whose KV blocks are cached
-*and* that has a ready KDA checkpoint (checkpoint_pool.py); `allocate_with_hit` shares those
-blocks and says which copies the worker must do (checkpoint slot -> request slot, and for a hit
-inside a block, the checkpoint's tail block -> the request's new block). `reserve_checkpoint`
+*and* that has a ready KDA checkpoint (checkpoint_pool.py), on the device or, with an offload
+tier (offload.py), in host memory or on disk; `allocate_with_hit` shares the device blocks and
+says which copies the worker must do (checkpoint slot -> request slot, and for a hit inside a
+block, the checkpoint's tail block -> the request's new block) and which offloaded entries it
+loads into the request's new blocks and state slot. With an offload tier, a cached block the
+pool hands out again and a checkpoint the pool drops are stored there first. `reserve_checkpoint`
 gets a slot for a state export at a position of a running request; `commit_checkpoints` makes
 exports hit-able once the forward that writes them is done; `end_step` drops the step's pins.
 """
@@ -15,7 +18,7 @@ exports hit-able once the forward that writes them is done; `end_step` drops the
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kdaserve.core.block_pool import (
     NONE_HASH,
@@ -25,6 +28,8 @@ from kdaserve.core.block_pool import (
     hash_request_blocks,
 )
 from kdaserve.core.checkpoint_pool import Checkpoint, CheckpointPool
+from kdaserve.core.offload import OffloadManager
+from kdaserve.core.offload_index import CheckpointMeta
 from kdaserve.core.sched_output import KDAStateCopy
 from kdaserve.core.state_pool import StateSlotPool
 from kdaserve.request import Request
@@ -50,12 +55,25 @@ class PrefixHit:
     """A usable prefix: KV of positions [0, num_tokens) and the KDA state after num_tokens."""
 
     num_tokens: int
-    block_ids: list[int]
-    """Cached full blocks covering [0, num_tokens // block_size * block_size), to share."""
+    block_ids: list[int | None]
+    """Cached full blocks covering [0, num_tokens // block_size * block_size): a device block to
+    share, or None where the offload tier holds the block (the request's block_hashes entry)."""
     tail_block: int | None
-    """For a hit inside a block: the block whose first num_tokens % block_size tokens hold the
-    KV (copied into the request's own block); None on a block multiple."""
-    checkpoint: Checkpoint
+    """For a hit inside a block on the device: the block whose first num_tokens % block_size
+    tokens hold the KV (copied into the request's own block); None on a block multiple or when
+    the offload tier holds that KV (tail_offloaded)."""
+    checkpoint: Checkpoint | None
+    """The device checkpoint, or None where the offload tier holds it."""
+    key: BlockHash = b""
+    """The checkpoint's key (the partial key for a hit inside a block)."""
+    tail_offloaded: bool = False
+    disk_items: list[tuple[str, BlockHash]] = field(default_factory=list)
+    """Offloaded entries of the hit that are only on disk: read back first (promote)."""
+
+    @property
+    def offloaded(self) -> bool:
+        return (self.checkpoint is None or self.tail_offloaded
+                or any(b is None for b in self.block_ids))
 
 
 @dataclass
@@ -64,21 +82,25 @@ class HitAllocation:
     """Blocks appended after the shared ones (the first is the tail copy's destination)."""
     block_copy: tuple[int, int] | None
     """(tail_block, the request's block) for a hit inside a block."""
-    state_copy_src: int
-    """The checkpoint slot to copy into the request's state slot."""
+    state_copy_src: int | None
+    """The checkpoint slot to copy into the request's state slot; None: the offload tier loads
+    the state (load_state)."""
 
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_state_slots: int,
                  enable_prefix_caching: bool = False, max_model_len: int | None = None,
-                 num_checkpoint_slots: int = 0) -> None:
+                 num_checkpoint_slots: int = 0, offload: OffloadManager | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload if enable_prefix_caching else None
+        """The host / disk tier under the device prefix cache (None: none)."""
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching,
-                                    on_evict=self._on_blocks_evicted)
+                                    on_evict=self._on_blocks_evicted,
+                                    on_reuse=self._on_block_reused if self.offload else None)
         self.state_pool = StateSlotPool(num_state_slots)
         # Checkpoint slot ids follow the request slot ids (same cache rows on the worker).
         self.checkpoint_pool = CheckpointPool(
@@ -206,60 +228,130 @@ class KVCacheManager:
         tokens = request.all_token_ids[j * self.block_size:num_tokens]
         return hash_partial_block(hashes[j - 1] if j else None, tokens, extra), anchor
 
-    def find_prefix_hit(self, request: Request, max_tokens: int) -> PrefixHit | None:
+    def find_prefix_hit(self, request: Request, max_tokens: int,
+                        use_disk: bool = True) -> PrefixHit | None:
         """Longest prefix of at most max_tokens tokens with both its KV (cached blocks, plus the
-        tail block for a position inside a block) and a ready KDA checkpoint. Takes nothing."""
+        tail block for a position inside a block) and a ready KDA checkpoint, each on the device
+        or in the offload tier (on disk only if use_disk). Takes nothing."""
         pool = self.checkpoint_pool
         if not self.enable_prefix_caching or pool.num_slots == 0 or max_tokens <= 0:
             return None
-        blocks = self.find_cached_kv_prefix(request, max_tokens)
-        hashes = request.block_hashes
+        off = self.offload
+        hashes = self._hashes(request, max_tokens)
+        blocks: list[int | None] = []
+        for h in hashes:
+            b = self.block_pool.get_cached_block(h)
+            if b is None and self._tier_source("kv", h, use_disk) is None:
+                break
+            blocks.append(b)
         bs = self.block_size
         for j in range(len(blocks), -1, -1):
             anchor = hashes[j - 1] if j else NONE_HASH
-            for r in pool.partial_offsets(anchor):
+            offsets = set(pool.partial_offsets(anchor))
+            if off is not None:
+                offsets |= off.partial_offsets(anchor)
+            for r in sorted(offsets, reverse=True):
                 if j * bs + r > max_tokens:
                     continue
                 key, _ = self.checkpoint_key(request, j * bs + r)
                 ckpt, tail = pool.get(key), self.block_pool.get_cached_block(key)
-                if ckpt is not None and tail is not None:
-                    return PrefixHit(j * bs + r, blocks[:j], tail, ckpt)
-            if j and (ckpt := pool.get(anchor)) is not None:
-                return PrefixHit(j * bs, blocks[:j], None, ckpt)
+                if ((ckpt is not None or self._tier_source("state", key, use_disk))
+                        and (tail is not None or self._tier_source("kv", key, use_disk))):
+                    return self._hit(request, j * bs + r, blocks[:j], key, ckpt, tail)
+            if j and (pool.get(anchor) is not None
+                      or self._tier_source("state", anchor, use_disk)):
+                return self._hit(request, j * bs, blocks[:j], anchor, pool.get(anchor), None)
         return None
+
+    def _tier_source(self, kind: str, key: BlockHash, use_disk: bool) -> str | None:
+        if self.offload is None:
+            return None
+        src = self.offload.source(kind, key)
+        return None if src == "disk" and not use_disk else src
+
+    def _hit(self, request: Request, num_tokens: int, blocks: list[int | None], key: BlockHash,
+             ckpt: Checkpoint | None, tail: int | None) -> PrefixHit:
+        hit = PrefixHit(num_tokens, blocks, tail, ckpt, key,
+                        tail_offloaded=bool(num_tokens % self.block_size) and tail is None)
+        if self.offload is not None and hit.offloaded:
+            items = [("kv", request.block_hashes[j]) for j, b in enumerate(blocks) if b is None]
+            if hit.tail_offloaded:
+                items.append(("kv", key))
+            if ckpt is None:
+                items.append(("state", key))
+            hit.disk_items = [it for it in items if self.offload.source(*it) == "disk"]
+        return hit
 
     def allocate_with_hit(self, request: Request, hit: PrefixHit, num_new_tokens: int,
                           num_lookahead_tokens: int = 0) -> HitAllocation | None:
         """Give a request that holds no blocks the hit's blocks plus room for num_new_tokens
         (and lookahead) after it. None (nothing taken) when the free blocks do not suffice.
-        The checkpoint and the tail block stay put until end_step (they are copy sources)."""
+        The checkpoint and the tail block stay put until end_step (they are copy sources).
+        Blocks the offload tier holds get new device blocks (entered in the prefix cache at
+        once: the loads run before the forward) and loads; a hit with disk_items cannot be
+        allocated (promote them first)."""
         req_id = request.req_id
         if req_id in self._blocks:
             raise RuntimeError(f"request {req_id!r} already holds blocks: cannot apply a hit")
         if num_new_tokens < 1:
             raise ValueError(f"request {req_id!r}: a hit needs num_new_tokens >= 1, "
                              f"got {num_new_tokens}")
+        if hit.disk_items:
+            raise RuntimeError(f"request {req_id!r}: the hit has entries on disk only")
         num_tokens = hit.num_tokens + num_new_tokens
-        num_new_blocks = self._num_blocks(num_tokens, num_lookahead_tokens) - len(hit.block_ids)
+        device = [b for b in hit.block_ids if b is not None]
+        num_loaded = len(hit.block_ids) - len(device)
+        num_new_blocks = self._num_blocks(num_tokens, num_lookahead_tokens) - len(device)
         pool = self.block_pool
-        revived = {b for b in hit.block_ids if pool.ref_count(b) == 0}
+        revived = {b for b in device if pool.ref_count(b) == 0}
         if hit.tail_block is not None and pool.ref_count(hit.tail_block) == 0:
             revived.add(hit.tail_block)
         if num_new_blocks + len(revived) > pool.num_free_blocks:
             return None
-        pool.share(hit.block_ids)
+        off = self.offload
+        loaded_hashes = [request.block_hashes[j] for j, b in enumerate(hit.block_ids)
+                         if b is None]
+        if off is not None:
+            # Locked before any allocation: the stores it triggers must not evict them.
+            for h in loaded_hashes:
+                off.lock("kv", h)
+            if hit.tail_offloaded:
+                off.lock("kv", hit.key)
+            if hit.checkpoint is None:
+                off.lock("state", hit.key)
+        pool.share(device)
         if hit.tail_block is not None:
             pool.share([hit.tail_block])
             self._step_pins.append(hit.tail_block)
-        self.checkpoint_pool.lock(hit.checkpoint.key)
+        if hit.checkpoint is not None:
+            self.checkpoint_pool.lock(hit.checkpoint.key)
         new_blocks = pool.allocate(num_new_blocks)
-        self._blocks[req_id] = list(hit.block_ids) + new_blocks
-        self._num_cached_blocks[req_id] = len(hit.block_ids)
+        load_blocks, new_blocks = new_blocks[:num_loaded], new_blocks[num_loaded:]
+        for h, b in zip(loaded_hashes, load_blocks):
+            off.load("kv", h, b)
+            pool.cache_block(b, h)
+        it = iter(load_blocks)
+        blocks = [b if b is not None else next(it) for b in hit.block_ids]
+        self._blocks[req_id] = blocks + new_blocks
+        self._num_cached_blocks[req_id] = len(blocks)
         copy = (hit.tail_block, new_blocks[0]) if hit.tail_block is not None else None
+        if hit.tail_offloaded:
+            off.load("kv", hit.key, new_blocks[0])
+        if off is not None and hit.offloaded:
+            off.record_hit(hit.num_tokens, any(
+                off.from_disk("kv", h) for h in loaded_hashes) or (
+                hit.tail_offloaded and off.from_disk("kv", hit.key)) or (
+                hit.checkpoint is None and off.from_disk("state", hit.key)))
         num_known = min(num_tokens, request.num_tokens)
-        if num_known // self.block_size > len(hit.block_ids):
+        if num_known // self.block_size > len(blocks):
             self._cache_full_blocks(request, num_known)
-        return HitAllocation(new_blocks, copy, hit.checkpoint.slot)
+        return HitAllocation(new_blocks, copy,
+                             hit.checkpoint.slot if hit.checkpoint is not None else None)
+
+    def load_state(self, hit: PrefixHit, slot: int) -> None:
+        """The offload tier's checkpoint of the hit into the request's state slot (after
+        allocate_with_hit, once the slot is allocated)."""
+        self.offload.load("state", hit.key, slot)
 
     # ---- checkpoint export ----
     def reserve_checkpoint(self, request: Request, num_tokens: int) -> Checkpoint | None:
@@ -292,10 +384,13 @@ class KVCacheManager:
                 self.block_pool.uncache_partial(key)
 
     def end_step(self) -> None:
-        """The step's copies are done: release copy-source pins and checkpoint locks."""
+        """The step's copies are done: release copy-source pins and checkpoint locks (and the
+        offload tier's: its stores are ready)."""
         pins, self._step_pins = self._step_pins, []
         self.block_pool.free(pins)
         self.checkpoint_pool.unlock_all()
+        if self.offload is not None:
+            self.offload.end_step()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash and checkpoint. Returns how many hashes were dropped."""
@@ -308,8 +403,26 @@ class KVCacheManager:
             self._on_checkpoint_evicted(ckpt)
 
     def _on_checkpoint_evicted(self, ckpt: Checkpoint) -> None:
+        """A ready checkpoint left the device pool (LRU, or with its blocks): with an offload
+        tier its state goes there, and for a position inside a block the KV of its tail."""
+        if self.offload is not None:
+            self.offload.store("state", ckpt.key, ckpt.slot,
+                               CheckpointMeta(ckpt.anchor, ckpt.offset, ckpt.num_tokens))
+            tail = self.block_pool.get_cached_block(ckpt.key) if ckpt.offset else None
+            if tail is not None:
+                self.offload.store("kv", ckpt.key, tail)
         if ckpt.offset:
             self.block_pool.uncache_partial(ckpt.key)
+
+    def _on_block_reused(self, block_id: int, full_hash: BlockHash | None,
+                         partial_keys: list[BlockHash]) -> None:
+        """A cached block is handed out again: its KV goes to the offload tier first (under
+        its hash, and under each partial key whose checkpoint is ready)."""
+        if full_hash is not None:
+            self.offload.store("kv", full_hash, block_id)
+        for key in partial_keys:
+            if self.checkpoint_pool.get(key) is not None:
+                self.offload.store("kv", key, block_id)
 
     # ---- KDA state slots ----
     def allocate_state_slot(self, request: Request, num_reserved: int = 0) -> int | None:

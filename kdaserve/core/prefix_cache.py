@@ -63,10 +63,11 @@ class HybridPrefixCache:
         """Exports of requests that finished since the last schedule (copied next step)."""
 
     # ---- hits ----
-    def find_hit(self, request: Request, max_tokens: int) -> PrefixHit | None:
+    def find_hit(self, request: Request, max_tokens: int,
+                 use_disk: bool = True) -> PrefixHit | None:
         if not self.enabled or request.num_computed_tokens:
             return None
-        return self.kv.find_prefix_hit(request, max_tokens)
+        return self.kv.find_prefix_hit(request, max_tokens, use_disk)
 
     def record_admission(self, request: Request, hit: PrefixHit | None) -> None:
         if self.kv.enable_prefix_caching:
@@ -139,7 +140,13 @@ class HybridPrefixCache:
         list, so a chat's next turn hits its previous turn's final state."""
         copies, self._finish_copies = self._finish_copies, []
         out.state_copies.extend(copy for copy, _ in copies)
-        self.kv.commit_checkpoints([key for _, key in copies])
+        keys = [key for _, key in copies]
+        self.kv.commit_checkpoints(keys)
+        # Locked for this step: evicted now, the offload tier would store the slot before
+        # the copy above has written it.
+        for key in keys:
+            if self.kv.checkpoint_pool.get(key) is not None:
+                self.kv.checkpoint_pool.lock(key)
 
     def end_step(self) -> None:
         """First thing in update_from_output(): the forward is done, so the step's exports are

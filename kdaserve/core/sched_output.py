@@ -70,6 +70,57 @@ class KDACheckpointExport:
 
 
 @dataclass
+class OffloadCopy:
+    """One entry's copy between the device caches and a host slot of the offload tier:
+    kind "kv" moves MLA block `device_idx` (every MLA layer), kind "state" KDA state slot
+    `device_idx` (every KDA layer's recurrent + conv state)."""
+
+    kind: str
+    device_idx: int
+    host_idx: int
+
+
+@dataclass
+class DiskJob:
+    """A file job of the offload tier's disk level, run on every rank's writer thread in
+    job_id order: "write" host slot -> file, "read" file -> host slot, "delete" the file
+    (host_idx -1)."""
+
+    job_id: int
+    op: str
+    kind: str
+    key: str
+    """The entry's key, hex."""
+    host_idx: int = -1
+
+
+@dataclass
+class OffloadOps:
+    """The offload tier's work for one step (kdaserve.core.offload)."""
+
+    stores: list[OffloadCopy] = field(default_factory=list)
+    """Device -> host, before everything else of the step (their sources may be reused by
+    this step's copies, loads and forward)."""
+    loads: list[OffloadCopy] = field(default_factory=list)
+    """Host -> device, after the block and state copies (a load's destination slot may be
+    the source of a leading checkpoint-export copy)."""
+    disk_jobs: list[DiskJob] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.stores or self.loads or self.disk_jobs)
+
+
+@dataclass
+class OffloadOutput:
+    """Disk jobs finished on every rank since the last report (job ids)."""
+
+    done: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    """Failed on at least one rank (and finished on all)."""
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
@@ -103,6 +154,8 @@ class SchedulerOutput:
     kv_connector_metadata: Any = None
     """The KV connector's per-step metadata for the workers (loads to start, finished
     requests held for remote readers, releases); None without a connector."""
+    offload: OffloadOps | None = None
+    """The offload tier's copies and disk jobs for this step (None: nothing to do)."""
 
     @property
     def is_empty(self) -> bool:
@@ -144,3 +197,5 @@ class ModelRunnerOutput:
     update_draft_token_ids; requests that finished meanwhile are ignored)."""
     kv_connector_output: KVConnectorOutput | None = None
     """The KV connector's report for this step (None without a connector)."""
+    offload_output: OffloadOutput | None = None
+    """The offload tier's finished disk jobs (None when none finished)."""

@@ -16,7 +16,10 @@ its full KV blocks (ref counts), copy its partial last block and its KDA state (
 
 Prefix caching (prefix_cache.py): a waiting request starts at the longest prefix with cached KV
 blocks and a ready KDA checkpoint (num_computed_tokens > 0 at its first schedule, the state
-restored by a state copy); chunks export checkpoints as they cross the chosen positions.
+restored by a state copy); chunks export checkpoints as they cross the chosen positions. With
+an offload tier (offload.py) the prefix may come from host memory (loads into the request's
+new blocks and slot) or disk: a request whose hit needs entries only on disk is passed over,
+kept in order, until their reads into host memory finish.
 
 Async scheduling under speculation (`async_spec`, set by the engine when the worker proposes
 drafts on the device): step N+1 is scheduled before step N's accepted counts reach the host.
@@ -63,6 +66,7 @@ from typing import TYPE_CHECKING
 from kdaserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
 from kdaserve.core.kv_cache_manager import KVCacheManager, PrefixHit, cdiv
+from kdaserve.core.offload import OffloadManager
 from kdaserve.core.prefix_cache import HybridPrefixCache, resolve_num_checkpoint_slots
 from kdaserve.core.sched_output import (
     CachedRequestData,
@@ -95,6 +99,7 @@ class Scheduler:
         max_model_len: int | None = None,
         connector: ConnectorScheduler | None = None,
         decode_context_parallel_size: int = 1,
+        offload: OffloadManager | None = None,
     ) -> None:
         """num_gpu_blocks: MLA KV blocks (each rank's count). With decode context parallelism
         of size n, each block of a request's table holds cache_config.block_size tokens on each
@@ -132,7 +137,8 @@ class Scheduler:
             self.block_size, num_gpu_blocks, num_state_slots,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             max_model_len=self.max_model_len,
-            num_checkpoint_slots=resolve_num_checkpoint_slots(cache_config))
+            num_checkpoint_slots=resolve_num_checkpoint_slots(cache_config), offload=offload)
+        self.offload = self.kv_cache_manager.offload
         self.prefix_cache = HybridPrefixCache(self.kv_cache_manager, cache_config)
         self.requests: dict[str, Request] = {}
         """Unfinished requests by id (a forked parent is replaced by its children)."""
@@ -332,7 +338,7 @@ class Scheduler:
         # WAITING next, FCFS, only if nobody was preempted this step.
         if not preempted:
             num_seqs = sum(self._weight(r) for r in self.running)
-            skipped: list[Request] = []   # waiting for their grammar: passed, kept in order
+            skipped: list[Request] = []   # waiting for a grammar or a disk read: kept in order
             while self.waiting and token_budget > 0 and input_budget > charge:
                 request = self.waiting[0]
                 if self._waits_for_grammar(request):
@@ -356,6 +362,12 @@ class Scheduler:
                 base = request.num_computed_tokens if loaded else 0
                 hit = None if loaded else self.prefix_cache.find_hit(
                     request, self._target(request) - 1)
+                if hit is not None and hit.disk_items:
+                    if self.offload.promote(hit.disk_items):
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    hit = self.prefix_cache.find_hit(request, self._target(request) - 1,
+                                                     use_disk=False)
                 request.num_computed_tokens = hit.num_tokens if hit is not None else base
                 num_new = self._num_new_tokens(request, token_budget, input_budget - charge)
                 remaining = self._target(request) - request.num_computed_tokens
@@ -451,8 +463,11 @@ class Scheduler:
         kv.allocate_state_slot(request, num_reserved=self._weight(request) - 1)
         if alloc.block_copy is not None:
             out.block_copies.append(alloc.block_copy)
-        out.state_copies.append(KDAStateCopy(src_slot=alloc.state_copy_src,
-                                             dst_slot=request.state_slot))
+        if alloc.state_copy_src is None:
+            kv.load_state(hit, request.state_slot)
+        else:
+            out.state_copies.append(KDAStateCopy(src_slot=alloc.state_copy_src,
+                                                 dst_slot=request.state_slot))
         return alloc.new_block_ids
 
     def _weight(self, request: Request) -> int:
@@ -607,6 +622,8 @@ class Scheduler:
         self._finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
+        if self.offload is not None:
+            out.offload = self.offload.take_ops()
 
     # ------------------------------------------------------------------ after the forward
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -614,6 +631,8 @@ class Scheduler:
         """Append sampled tokens, roll back rejected drafts, check stop conditions and free
         finished requests. Returns one EngineCoreOutput per request that got tokens."""
         self.prefix_cache.end_step()
+        if self.offload is not None and runner_output.offload_output is not None:
+            self.offload.update(runner_output.offload_output)
         if self.connector is not None and runner_output.kv_connector_output is not None:
             self._update_from_connector(runner_output.kv_connector_output)
         index = {rid: j for j, rid in enumerate(runner_output.req_ids)}
@@ -723,9 +742,11 @@ class Scheduler:
                            for r, _ in self._loading.values()))
 
     def has_pending_transfers(self) -> bool:
-        """Loads in flight or requests held for a remote reader: the engine keeps stepping
-        (the worker polls the transfers) even with nothing to schedule."""
-        return bool(self._loading or self._held)
+        """Loads in flight, requests held for a remote reader, or offload copies and file
+        jobs: the engine keeps stepping (the worker polls the transfers) even with nothing to
+        schedule."""
+        return bool(self._loading or self._held) or (
+            self.offload is not None and self.offload.busy)
 
     def has_finished_requests(self) -> bool:
         """Finished ids not yet reported to the worker (one more schedule() flushes them)."""
@@ -761,4 +782,5 @@ class Scheduler:
             num_kv_transfer_held=len(self._held),
             num_kv_transfer_loading=len(self._loading),
             **(self.connector.stats() if self.connector is not None else {}),
+            **(self.offload.stats_dict() if self.offload is not None else {}),
         )

@@ -39,6 +39,7 @@ from kdaserve.config import EngineConfig
 from kdaserve.core.engine_output import EngineCoreOutput, SchedulerStats
 from kdaserve.core.sched_output import SchedulerOutput
 from kdaserve.core.scheduler import Scheduler
+from kdaserve.core.offload import OffloadManager
 from kdaserve.disagg.factory import make_connector_scheduler
 from kdaserve.engine.arg_utils import config_from_kwargs
 from kdaserve.engine.core_client import (AbortRequests, AddRequest, CoreFailed, CoreOutput,
@@ -123,7 +124,9 @@ class EngineCore:
             config.speculative_config, max_model_len=config.model_config.max_model_len,
             connector=make_connector_scheduler(
                 config, [kv_worker.side_channel_port] if kv_worker is not None else []),
-            decode_context_parallel_size=config.parallel_config.decode_context_parallel_size)
+            decode_context_parallel_size=config.parallel_config.decode_context_parallel_size,
+            offload=(OffloadManager(**self.worker.offload_spec)
+                     if self.worker.offload_spec is not None else None))
         self._in_flight: _StepInFlight | None = None
         """The launched step whose output has not been processed (async scheduling)."""
         self._last_collect: float | None = None
@@ -168,10 +171,25 @@ class EngineCore:
                                   for r in self.scheduler.requests.values()))
 
     def shutdown(self) -> None:
-        """Stop the other tensor-parallel ranks' processes (nothing to do with one rank)."""
+        """Finish the offload tier's file jobs (so that its disk index records them), then
+        stop the other tensor-parallel ranks' processes and the worker's threads."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.offload is not None:
+            self._drain_offload(scheduler)
+            scheduler.offload.close()
         stop = getattr(self.worker, "shutdown", None)
         if stop is not None:
             stop()
+
+    def _drain_offload(self, scheduler, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (scheduler.offload.busy and not self.has_unfinished_requests()
+                   and self.lost_rank is None and time.monotonic() < deadline):
+                self.step()
+                time.sleep(0.002)
+        except Exception as e:  # noqa: BLE001 - shutting down: what was not recorded is lost
+            logger.warning("offload tier: file jobs not drained at shutdown: %s", e)
 
     @property
     def lost_rank(self) -> str | None:

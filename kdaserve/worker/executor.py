@@ -159,6 +159,10 @@ class DriverWorker:
         return self.worker.model_runner
 
     @property
+    def offload_spec(self):
+        return self.worker.offload_spec
+
+    @property
     def spec(self):
         return self.worker.spec
 
@@ -245,6 +249,9 @@ class DriverWorker:
     def shutdown(self) -> None:
         """Tell the ranks to exit, wait for them (killed after a while), leave the groups."""
         self._stopping.set()
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.shutdown()
         clean = self._stepping and not self.dead_ranks() and self.dead is None
         if clean:
             try:
@@ -287,6 +294,7 @@ def run_rank(rank: int, local_rank: int, world_size: int, master_addr: str,
         elif msg[0] == "collect":
             worker.collect(launched.popleft())
         elif msg[0] == "shutdown":
+            worker.shutdown()
             break
         else:
             raise RuntimeError(f"unknown command from rank 0: {msg[0]!r}")

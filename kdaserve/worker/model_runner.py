@@ -75,6 +75,8 @@ class ModelRunner:
         """[T] the launched step's input ids on the device (device drafts)."""
         self._step_start: torch.Tensor | None = None
         """[N] int64 the launched step's true window starts on the device (device drafts)."""
+        self.offload = None
+        """The offload tier's host side (worker/offload.py), set by the worker; None: none."""
 
     def bind_caches(self, caches: ModelCaches, num_blocks: int, num_slots: int,
                     num_ckpt_slots: int) -> None:
@@ -116,10 +118,15 @@ class ModelRunner:
             state = self.requests[req_id]
             state.add_blocks(new_blocks)
             state.num_computed_tokens = num_computed
+        ops = so.offload
+        if ops is not None and ops.stores:
+            self.offload.store(ops.stores)   # first: the step may reuse what they read
         for src, dst in so.block_copies:
             self.caches.copy_block(src, dst)
         for copy in so.state_copies:
             self.caches.copy_state(copy.src_slot, copy.dst_slot)
+        if ops is not None and ops.loads:
+            self.offload.load(ops.loads)
 
     def _add_request(self, new: NewRequestData) -> None:
         sp = new.sampling_params

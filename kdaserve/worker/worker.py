@@ -21,6 +21,8 @@ from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.config import EngineConfig, KernelConfig
+from kdaserve.core.offload import host_tier_slots
+from kdaserve.core.offload_index import layout_fingerprint
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kdaserve.distributed.parallel_state import ParallelState
 from kdaserve.disagg.base import ConnectorWorker
@@ -35,6 +37,7 @@ from kdaserve.worker import checkpoints
 from kdaserve.worker.cuda_graphs import CudaGraphManager, DecodeGraphs
 from kdaserve.worker.input_batch import LaunchedStep
 from kdaserve.worker.model_runner import ModelRunner
+from kdaserve.worker.offload import OffloadWorker
 from kdaserve.worker.warmup import warmup_sampler, warmup_steps
 
 logger = logging.getLogger(__name__)
@@ -107,6 +110,10 @@ class Worker:
                                         self.device, self.dtype, dcp=dcp)
         self.kv_connector: ConnectorWorker | None = make_connector_worker(config)
         """The KV connector's worker side (prefill/decode disaggregation), else None."""
+        self.offload: OffloadWorker | None = None
+        """The prefix cache's offload tier (host slots, disk files), else None."""
+        self.offload_spec: dict | None = None
+        """OffloadManager's arguments for the scheduler (initialize_cache sets them)."""
 
     @property
     def spec(self) -> SpecDecoder | None:
@@ -201,6 +208,8 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.register_caches(caches.mla_kv, caches.kda_recurrent,
                                               caches.kda_conv, num_blocks, num_slots)
+        if cc.kv_offload_size > 0:
+            self._init_offload(caches)
         kv_tokens = num_blocks * self.block_size * self.dcp_size   # DCP: 1/dcp on each rank
         max_len = self.config.scheduler_config.max_model_len
         logger.info("MLA KV cache: %d tokens; %s; max concurrency at max_model_len: %.2f",
@@ -227,6 +236,40 @@ class Worker:
             # rank keeps the ranks' samples (and so their next inputs) identical.
             torch.manual_seed(self.config.model_config.seed)
 
+    def _init_offload(self, caches) -> None:
+        """Host slots for the offload tier (this rank's share of kv_offload_size), its disk
+        folder (named by the layout's fingerprint), and the scheduler's side's arguments."""
+        cc, mc = self.config.cache_config, self.config.model_config
+        world = self.parallel.world_size
+        kv_bytes = cache_sizes.kv_bytes_per_block(self.args, self.block_size, self.dtype)
+        state_bytes = cache_sizes.state_bytes_per_slot(self.args, self.dtype, self.tp_size)
+        blocks_per_ckpt = max(1, cc.checkpoint_interval // (self.block_size * self.dcp_size))
+        slots = host_tier_slots(int(cc.kv_offload_size * 2**30) // world, kv_bytes,
+                                state_bytes, blocks_per_ckpt)
+        layout = {
+            "model": os.path.abspath(mc.model), "arch": dataclasses.asdict(self.args),
+            "dtype": str(self.dtype), "load_format": self.config.load_config.load_format,
+            "seed": self.config.load_config.seed, "quantization": mc.quantization,
+            "block_size": self.block_size, "world_size": world, "tp_size": self.tp_size,
+            "dcp_size": self.dcp_size,
+            "dcp_interleave": self.config.parallel_config.dcp_kv_cache_interleave_size,
+            "rows": {"kv": [list(t.shape[1:]) + [str(t.dtype)] for t in caches.mla_kv],
+                     "state": [list(t.shape[1:]) + [str(t.dtype)]
+                               for t in caches.kda_recurrent + caches.kda_conv]}}
+        folder = (os.path.join(cc.kv_offload_disk_path, layout_fingerprint(layout))
+                  if cc.kv_offload_disk_path is not None else None)
+        self.offload = OffloadWorker(caches, slots, folder, self.parallel.world_rank,
+                                     self.parallel.world, self.device)
+        self.model_runner.offload = self.offload
+        self.offload_spec = dict(num_host_slots=slots, entry_bytes=self.offload.nbytes,
+                                 disk_folder=folder,
+                                 disk_size=int(cc.kv_offload_disk_size * 2**30) // world,
+                                 layout=layout)
+        logger.info("offload tier: %d MLA blocks + %d KDA states in host memory (%.2f GiB)%s",
+                    slots["kv"], slots["state"],
+                    sum(slots[k] * self.offload.nbytes[k] for k in slots) / 2**30,
+                    f", disk level in {folder}" if folder is not None else "")
+
     def _capture_graphs(self) -> None:
         """Decode graphs, then the spec decoder's (verification, draft model), all in one
         manager; the graphs launch with PDL when the kernel config has it, eager steps never."""
@@ -248,13 +291,19 @@ class Worker:
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         if self.kv_connector is not None:
             self.kv_connector.start_step(so.kv_connector_metadata)
-        return self.model_runner.launch(so)
+        step = self.model_runner.launch(so)
+        if so.offload is not None and so.offload.disk_jobs:
+            self.offload.submit(so.offload.disk_jobs)
+        return step
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        """The step's output, with the KV connector's report of what finished meanwhile."""
+        """The step's output, with the KV connector's and the offload tier's reports of what
+        finished meanwhile."""
         out = self.model_runner.collect(step)
         if self.kv_connector is not None:
             out.kv_connector_output = self.kv_connector.get_finished()
+        if self.offload is not None:
+            out.offload_output = self.offload.get_finished()
         return out
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -263,3 +312,5 @@ class Worker:
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.offload is not None:
+            self.offload.shutdown()

@@ -85,6 +85,11 @@ decode-context-parallel flags by name): the launch topology, not knobs a user tu
 issue 18's bound."""
 
 
+NAMED_FLAGS = {"--kv-offload-size"}
+"""Top-level flags a later issue asks for by name (issue 24: `--kv-offload-size`, vLLM's
+`--kv-offloading-size`), outside issue 18's bound like the launch flags."""
+
+
 def serve_options() -> list[argparse.Action]:
     """The options of `kdaserve serve` (a --x / --no-x pair is one), less -h and MODEL."""
     return [a for a in serve_parser()._actions
@@ -93,11 +98,12 @@ def serve_options() -> list[argparse.Action]:
 
 def test_the_launch_flags_are_serve_options():
     flags = {f for a in serve_options() for f in a.option_strings}
-    assert LAUNCH_FLAGS <= flags
+    assert LAUNCH_FLAGS | NAMED_FLAGS <= flags
 
 
 def test_serve_lists_at_most_35_options():
-    options = [a for a in serve_options() if not set(a.option_strings) & LAUNCH_FLAGS]
+    options = [a for a in serve_options()
+               if not set(a.option_strings) & (LAUNCH_FLAGS | NAMED_FLAGS)]
     assert len(options) <= MAX_SERVE_OPTIONS, (
         f"`kdaserve serve --help` lists {len(options)} options, more than issue 18's bound of "
         f"{MAX_SERVE_OPTIONS}: group new knobs into a JSON option (--optimization-config) "

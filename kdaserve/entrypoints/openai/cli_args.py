@@ -86,6 +86,16 @@ def positive_int(value: str) -> int:
     return n
 
 
+def non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from e
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return x
+
+
 DOCS = "docs/configuration.md"
 """Where every option and every key of the JSON options is documented."""
 
@@ -111,6 +121,7 @@ def _number(v: Any) -> bool:
 
 POSITIVE_FLOAT = KeyType("float > 0", lambda v: _number(v) and v > 0)
 NON_NEGATIVE_FLOAT = KeyType("float >= 0", lambda v: _number(v) and v >= 0)
+STRING = KeyType("string", lambda v: isinstance(v, str) and v != "")
 STRING_LIST = KeyType("list of strings", lambda v: isinstance(v, list) and all(
     isinstance(s, str) and s for s in v))
 
@@ -148,6 +159,8 @@ ADDITIONAL_CONFIG_KEYS: dict[str, KeyType] = {
     "num_state_slots": POSITIVE_INT,
     "dist_timeout": POSITIVE_INT,
     "dcp_kv_cache_interleave_size": POSITIVE_INT,
+    "kv_offload_disk_path": STRING,
+    "kv_offload_disk_size": POSITIVE_FLOAT,
     "mirror_reasoning_content": BOOL,
     "max_request_body_bytes": POSITIVE_INT,
     "engine_startup_timeout": POSITIVE_FLOAT,
@@ -163,7 +176,8 @@ holds platform-specific ones). ENGINE_ADDITIONAL_KEYS are engine kwargs; the oth
 by the server from args.additional_config, which holds every key (ADDITIONAL_CONFIG_DEFAULTS
 for those not given)."""
 
-ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout", "dcp_kv_cache_interleave_size")
+ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout", "dcp_kv_cache_interleave_size",
+                          "kv_offload_disk_path", "kv_offload_disk_size")
 
 ADDITIONAL_CONFIG_DEFAULTS: dict[str, Any] = {
     "mirror_reasoning_content": True,
@@ -268,6 +282,11 @@ def add_engine_args(p: argparse.ArgumentParser, server: bool = False) -> None:
                    help="Its port (default on one node: a free one; several nodes: required).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="Reuse KV blocks and KDA state of shared prefixes.")
+    g.add_argument("--kv-offload-size", "--kv-offloading-size", type=non_negative_float,
+                   default=None, metavar="GIB",
+                   help="GiB of host memory (over all ranks) that evicted MLA blocks and KDA "
+                        "checkpoints of the prefix cache spill to (0: none); a disk level "
+                        "under it: the kv_offload_disk_path key (" + DOCS + ").")
     g.add_argument("--speculative-config", "-sc", type=json_dict, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(keys: " + DOCS + ").")
@@ -309,7 +328,7 @@ _ENGINE_FLAGS = ("tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs",
                  "enforce_eager", "load_format", "quantization", "tensor_parallel_size",
                  "decode_context_parallel_size",
                  "nnodes", "node_rank", "master_addr", "master_port",
-                 "enable_prefix_caching",
+                 "enable_prefix_caching", "kv_offload_size",
                  "speculative_config", "num_gpu_blocks_override", "device",
                  "async_scheduling", "long_prefill_token_threshold", "kv_transfer_config")
 """Flag dests passed on as the engine kwarg of the same name (or its _RENAMED one). The keys of

@@ -36,6 +36,11 @@ _GAUGES = [
      "remote reader (prefill instance).", "num_kv_transfer_held"),
     ("kv_transfer_num_loading", "Requests waiting for their prompt's KV blocks and KDA state "
      "from a remote prefill (decode instance).", "num_kv_transfer_loading"),
+    ("offload_host_entries", "Entries (MLA blocks, KDA states) in the offload tier's host "
+     "memory.", "num_offload_host_entries"),
+    ("offload_disk_entries", "Entries on the offload tier's disk.", "num_offload_disk_entries"),
+    ("offload_disk_bytes", "Bytes on the offload tier's disk (one rank's).",
+     "offload_disk_bytes"),
 ]
 _COUNTERS = [
     ("prompt_tokens", "Prompt tokens admitted.", "num_prompt_tokens"),
@@ -61,6 +66,22 @@ _COUNTERS = [
     ("kv_transfer_sends", "Held requests acknowledged or released by their consumer.",
      "kv_transfer_sends"),
     ("kv_transfer_expired", "Held requests freed by the hold timeout.", "kv_transfer_expired"),
+    ("offload_host_hit_tokens", "Prompt tokens of prefix hits that loaded entries from the "
+     "offload tier's host memory.", "offload_host_hit_tokens"),
+    ("offload_disk_hit_tokens", "Prompt tokens of prefix hits that used entries read back "
+     "from the offload tier's disk.", "offload_disk_hit_tokens"),
+    ("offload_stored_bytes", "Device -> host bytes of the offload tier (one rank's).",
+     "offload_bytes_stored"),
+    ("offload_loaded_bytes", "Host -> device bytes of the offload tier (one rank's).",
+     "offload_bytes_loaded"),
+    ("offload_written_bytes", "Host -> disk bytes of the offload tier (one rank's).",
+     "offload_bytes_written"),
+    ("offload_read_bytes", "Disk -> host bytes of the offload tier (one rank's).",
+     "offload_bytes_read"),
+    ("offload_dropped_stores", "Device evictions the offload tier had no free host slot for.",
+     "offload_dropped_stores"),
+    ("offload_failures", "Offload file jobs that failed on some rank (a failed read is a "
+     "miss).", "offload_failures"),
 ]
 
 

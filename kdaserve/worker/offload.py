@@ -1,0 +1,180 @@
+"""The offload tier's worker side (one rank's): host slots mirroring the device caches, and the
+disk files (kdaserve/core/offload.py is the scheduler's side, which decides everything).
+
+Host memory, pinned on CUDA: per MLA layer [num_kv_slots, block_size, kv_dim]; per KDA layer
+recurrent [num_state_slots, H / tp, K, V] fp32 and conv [num_state_slots, 3 H / tp K, W - 1]:
+the device caches' rows, so a store or a load is one row copy per layer, issued on the current
+stream (non_blocking between pinned memory and the device), ordered with the step's forward.
+
+Files: one per entry and rank (<folder>/rank<r>/<kind>-<key>.bin), every layer's row back to
+back as raw bytes, written and read by one thread in job order. A job first waits for the device
+work issued before it was submitted (a CUDA event), so that a write reads a finished store and a
+read never overwrites a slot that a load in flight still reads.
+
+Completion: a job is done when every rank has finished it. The ranks get the same jobs in the
+same steps, so their lists of jobs in flight are equal; one all-reduce (MIN) over the world group
+of the jobs' states (0 running, 1 failed, 2 done) makes them agree on which are finished, and
+every rank drops the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import torch
+
+from kdaserve.attention.metadata import ModelCaches
+from kdaserve.core.offload_index import entry_filename
+from kdaserve.core.sched_output import DiskJob, OffloadCopy, OffloadOutput
+from kdaserve.distributed.comm import GroupComm
+
+logger = logging.getLogger(__name__)
+
+_RUNNING, _FAILED, _DONE = 0, 1, 2
+
+
+class OffloadWorker:
+    def __init__(self, caches: ModelCaches, num_slots: dict[str, int], folder: str | None,
+                 rank: int = 0, world: GroupComm | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        """num_slots: host slots per kind ("kv", "state"); folder: the disk level's folder (the
+        layout fingerprint's), None without one; world: the group the ranks agree over."""
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+
+        def host_like(t: torch.Tensor, n: int) -> torch.Tensor:
+            return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+
+        self.device_rows = {"kv": list(caches.mla_kv),
+                            "state": list(caches.kda_recurrent) + list(caches.kda_conv)}
+        self.host = {kind: [host_like(t, num_slots[kind]) for t in tensors]
+                     for kind, tensors in self.device_rows.items()}
+        self.world = world or GroupComm.single()
+        self.folder = os.path.join(folder, f"rank{rank}") if folder is not None else None
+        if self.folder is not None:
+            os.makedirs(self.folder, exist_ok=True)
+        self._in_flight: list[int] = []
+        """File jobs submitted and not yet reported finished (same list on every rank)."""
+        self._state: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        """Host bytes of one entry of each kind."""
+        return {kind: sum(t[0].numel() * t.element_size() for t in ts)
+                for kind, ts in self.host.items()}
+
+    # ---- copies (the model runner calls these around the step's block and state copies) ----
+    def store(self, copies: list[OffloadCopy]) -> None:
+        """Device rows -> host slots."""
+        for c in copies:
+            for host, dev in zip(self.host[c.kind], self.device_rows[c.kind]):
+                host[c.host_idx].copy_(dev[c.device_idx], non_blocking=True)
+
+    def load(self, copies: list[OffloadCopy]) -> None:
+        """Host slots -> device rows."""
+        for c in copies:
+            for host, dev in zip(self.host[c.kind], self.device_rows[c.kind]):
+                dev[c.device_idx].copy_(host[c.host_idx], non_blocking=True)
+
+    # ---- file jobs ----
+    def submit(self, jobs: list[DiskJob]) -> None:
+        """Queue the step's file jobs (after its copies and forward were issued)."""
+        if not jobs:
+            return
+        if self.folder is None:
+            raise RuntimeError("offload: file jobs without a disk folder")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kdaserve-offload-io",
+                                            daemon=True)
+            self._thread.start()
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for job in jobs:
+            if job.op != "delete":
+                self._in_flight.append(job.job_id)
+            self._queue.put((job, event))
+
+    def get_finished(self) -> OffloadOutput | None:
+        """The jobs every rank has finished since the last call (a collective over the world
+        group whenever jobs are in flight: every rank calls it at the same points)."""
+        if not self._in_flight:
+            return None
+        with self._lock:
+            states = [self._state.get(j, _RUNNING) for j in self._in_flight]
+        states = self.world.all_reduce_min(states)
+        out = OffloadOutput()
+        still = []
+        for job_id, state in zip(self._in_flight, states):
+            if state == _RUNNING:
+                still.append(job_id)
+                continue
+            (out.done if state == _DONE else out.failed).append(job_id)
+            with self._lock:
+                self._state.pop(job_id, None)
+        self._in_flight = still
+        return out if out.done or out.failed else None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job, event = item
+            if event is not None:
+                event.synchronize()
+            try:
+                self._do(job)
+                state = _DONE
+            except Exception as exc:   # reported as failed; the scheduler drops the entry
+                logger.warning("offload: %s of %s entry %s failed: %s", job.op, job.kind,
+                               job.key[:12], exc)
+                state = _FAILED
+            if job.op != "delete":
+                with self._lock:
+                    self._state[job.job_id] = state
+
+    def _do(self, job: DiskJob) -> None:
+        path = os.path.join(self.folder, entry_filename(job.kind, job.key))
+        if job.op == "delete":
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            return
+        rows = [t[job.host_idx] for t in self.host[job.kind]]
+        if job.op == "write":
+            self._write_file(path, rows)
+        elif job.op == "read":
+            self._read_file(path, rows)
+        else:
+            raise ValueError(f"unknown offload file job {job.op!r}")
+
+    @staticmethod
+    def _write_file(path: str, rows: list[torch.Tensor]) -> None:
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            for row in rows:
+                f.write(row.view(torch.uint8).numpy().data)
+        os.replace(tmp, path)
+
+    @staticmethod
+    def _read_file(path: str, rows: list[torch.Tensor]) -> None:
+        with open(path, "rb") as f:
+            for row in rows:
+                buf = row.view(torch.uint8).numpy().reshape(-1)
+                if f.readinto(buf.data) != buf.nbytes:
+                    raise OSError(f"{path} is shorter than its entry")
+            if f.read(1):
+                raise OSError(f"{path} is longer than its entry")
