@@ -3,8 +3,9 @@ disk files (kdaserve/core/offload.py is the scheduler's side, which decides ever
 
 Host memory, pinned on CUDA: per MLA layer [num_kv_slots, block_size, kv_dim]; per KDA layer
 recurrent [num_state_slots, H / tp, K, V] fp32 and conv [num_state_slots, 3 H / tp K, W - 1]:
-the device caches' rows, so a store or a load is one row copy per layer, issued on the current
-stream (non_blocking between pinned memory and the device), ordered with the step's forward.
+the device caches' rows, so a store or a load is a row copy per layer (one per run of rows
+that are consecutive on both sides), issued on the current stream (non_blocking between pinned
+memory and the device), ordered with the step's forward.
 
 Files: one per entry and rank (<folder>/rank<r>/<kind>-<key>.bin), every layer's row back to
 back as raw bytes, written and read by one thread in job order. A job first waits for the device
@@ -72,15 +73,15 @@ class OffloadWorker:
     # ---- copies (the model runner calls these around the step's block and state copies) ----
     def store(self, copies: list[OffloadCopy]) -> None:
         """Device rows -> host slots."""
-        for c in copies:
-            for host, dev in zip(self.host[c.kind], self.device_rows[c.kind]):
-                host[c.host_idx].copy_(dev[c.device_idx], non_blocking=True)
+        for kind, dev_idx, host_idx, n in _runs(copies):
+            for host, dev in zip(self.host[kind], self.device_rows[kind]):
+                host[host_idx:host_idx + n].copy_(dev[dev_idx:dev_idx + n], non_blocking=True)
 
     def load(self, copies: list[OffloadCopy]) -> None:
         """Host slots -> device rows."""
-        for c in copies:
-            for host, dev in zip(self.host[c.kind], self.device_rows[c.kind]):
-                dev[c.device_idx].copy_(host[c.host_idx], non_blocking=True)
+        for kind, dev_idx, host_idx, n in _runs(copies):
+            for host, dev in zip(self.host[kind], self.device_rows[kind]):
+                dev[dev_idx:dev_idx + n].copy_(host[host_idx:host_idx + n], non_blocking=True)
 
     # ---- file jobs ----
     def submit(self, jobs: list[DiskJob]) -> None:
@@ -178,3 +179,18 @@ class OffloadWorker:
                     raise OSError(f"{path} is shorter than its entry")
             if f.read(1):
                 raise OSError(f"{path} is longer than its entry")
+
+
+def _runs(copies: list[OffloadCopy]) -> list[tuple[str, int, int, int]]:
+    """(kind, device start, host start, length): copies whose device and host indices both
+    run on by one, merged, so that a prefix stored or loaded in order costs one copy per layer
+    and run instead of one per block."""
+    runs: list[list] = []
+    for c in copies:
+        last = runs[-1] if runs else None
+        if (last is not None and last[0] == c.kind and c.device_idx == last[1] + last[3]
+                and c.host_idx == last[2] + last[3]):
+            last[3] += 1
+        else:
+            runs.append([c.kind, c.device_idx, c.host_idx, 1])
+    return [tuple(r) for r in runs]

@@ -58,6 +58,19 @@ def test_serve_flags_map_to_engine_kwargs():
     assert parse("/m", "--enable-prefix-caching").enable_prefix_caching is True
 
 
+def test_offload_flags_map_to_engine_kwargs(capsys):
+    args = parse("/m", "--kv-offload-size", "2.5", "--additional-config",
+                 '{"kv_offload_disk_path": "/d", "kv_offload_disk_size": 8}')
+    assert engine_kwargs_from_args(args, "/m") == {
+        "model": "/m", "kv_offload_size": 2.5, "kv_offload_disk_path": "/d",
+        "kv_offload_disk_size": 8}
+    assert parse("/m", "--kv-offloading-size", "1").kv_offload_size == 1.0   # vLLM's name
+    for bad in (["--kv-offload-size", "-1"], ["--kv-offload-size", "lots"],
+                ["--additional-config", '{"kv_offload_disk_path": ""}']):
+        with pytest.raises(SystemExit):
+            parse("/m", *bad)
+
+
 @pytest.mark.parametrize("argv", [["--reasoning-parser", "deepseek_r9"],
                                   ["--tool-call-parser", "hermes"],
                                   ["--load-format", "pt"], ["--max-model-len", "lots"],
