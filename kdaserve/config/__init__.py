@@ -476,11 +476,14 @@ class EngineConfig:
             if self.speculative_config.enabled:
                 raise ValueError("kv_transfer_config with speculative decoding is not "
                                  "supported yet")
-            if self.parallel_config.world_size > 1:
-                raise ValueError("kv_transfer_config with tensor_parallel_size="
-                                 f"{self.parallel_config.tensor_parallel_size} (world size "
-                                 f"{self.parallel_config.world_size}) is not supported yet: "
-                                 "the connector runs on one rank")
+            pc = self.parallel_config
+            if pc.decode_context_parallel_size > 1:
+                raise ValueError("kv_transfer_config with decode_context_parallel_size="
+                                 f"{pc.decode_context_parallel_size} is not supported: the "
+                                 "connector sends the latent KV from one rank, DCP shards it")
+            if pc.nnodes > 1:
+                raise ValueError(f"kv_transfer_config with nnodes={pc.nnodes} is not "
+                                 "supported: every rank's side channel is reached at kv_ip")
         spec = self.speculative_config
         if spec.method == "mtp":   # the target's own MTP layers draft
             n = self.model_config.arch.num_nextn_predict_layers

@@ -154,6 +154,9 @@ class SchedulerOutput:
     kv_connector_metadata: Any = None
     """The KV connector's per-step metadata for the workers (loads to start, finished
     requests held for remote readers, releases); None without a connector."""
+    kv_connector_poll: bool = False
+    """Transfers are outstanding (loads in flight, holds): under tensor parallelism the
+    ranks agree at this step's collect on what their connectors finished."""
     offload: OffloadOps | None = None
     """The offload tier's copies and disk jobs for this step (None: nothing to do)."""
 

@@ -622,6 +622,7 @@ class Scheduler:
         self._finished_req_ids = set()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
+            out.kv_connector_poll = bool(self._loading or self._held)
         if self.offload is not None:
             out.offload = self.offload.take_ops()
 

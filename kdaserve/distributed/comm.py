@@ -112,6 +112,16 @@ class GroupComm:
         dist.broadcast(buf, src=self._global(src), group=self.group)
         return pickle.loads(buf.numpy().tobytes())
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's obj (pickled), in rank order (the group must be a CPU group: gloo)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def _global(self, group_rank: int) -> int:
         import torch.distributed as dist
 

@@ -118,12 +118,10 @@ class EngineCore:
         self.step_floor_ratio: float | None = None
         num_blocks, num_slots = self.worker.determine_num_blocks_and_slots()
         self.worker.initialize_cache(num_blocks, num_slots)
-        kv_worker = self.worker.kv_connector
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, num_blocks, num_slots,
             config.speculative_config, max_model_len=config.model_config.max_model_len,
-            connector=make_connector_scheduler(
-                config, [kv_worker.side_channel_port] if kv_worker is not None else []),
+            connector=make_connector_scheduler(config, self.worker.kv_side_channel_ports),
             decode_context_parallel_size=config.parallel_config.decode_context_parallel_size,
             offload=(OffloadManager(**self.worker.offload_spec)
                      if self.worker.offload_spec is not None else None))

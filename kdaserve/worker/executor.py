@@ -41,6 +41,7 @@ from typing import Callable
 
 from kdaserve.config import EngineConfig, ParallelConfig
 from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from kdaserve.disagg.factory import resolve_engine_id
 from kdaserve.distributed.parallel_state import (destroy_process_groups, init_parallel_state,
                                                  init_world)
 from kdaserve.models.kimi_linear import check_tensor_parallel
@@ -134,6 +135,8 @@ class DriverWorker:
         """The ranks are in their command loop (start-up done): shutdown may broadcast."""
         try:
             self.world = init_world(pc, 0, port)
+            if config.kv_transfer_config is not None:
+                resolve_engine_id(config)   # before the broadcast: one id for every rank
             self.world.broadcast_object(config)
             _set_device(config.device, 0)
             self.parallel = init_parallel_state(pc, self.world, 0, config.device)
@@ -150,9 +153,13 @@ class DriverWorker:
     # The Worker's interface -----------------------------------------------------------------
 
     @property
-    def kv_connector(self) -> None:
-        """No KV connector under TP: EngineConfig refuses kv_transfer_config above one rank."""
-        return None
+    def kv_connector(self):
+        """Rank 0's connector worker (each rank has its own; Worker.collect agrees on them)."""
+        return self.worker.kv_connector
+
+    @property
+    def kv_side_channel_ports(self) -> list[int | None]:
+        return self.worker.kv_side_channel_ports
 
     @property
     def model_runner(self):

@@ -9,6 +9,7 @@ alike), so the collectives inside the forward always meet."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -27,6 +28,7 @@ from kdaserve.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from kdaserve.distributed.parallel_state import ParallelState
 from kdaserve.disagg.base import ConnectorWorker
 from kdaserve.disagg.factory import make_connector_worker
+from kdaserve.disagg.ranks import RankAgreement
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
@@ -108,8 +110,16 @@ class Worker:
         self.model_runner = ModelRunner(config, self.model,
                                         Sampler(self.backends.sampler == "threshold"), spec,
                                         self.device, self.dtype, dcp=dcp)
-        self.kv_connector: ConnectorWorker | None = make_connector_worker(config)
+        self.kv_connector: ConnectorWorker | None = make_connector_worker(
+            config, self.parallel.tp_rank)
         """The KV connector's worker side (prefill/decode disaggregation), else None."""
+        self.kv_agreement = (RankAgreement(self.parallel.world)
+                             if self.kv_connector is not None and self.parallel.world_size > 1
+                             else None)
+        """Several ranks: what their connectors finished, agreed at the polled collects."""
+        self._kv_polls: collections.deque[bool] = collections.deque()
+        self.kv_side_channel_ports: list[int | None] = []
+        """Every rank's connector side channel (None on a consumer), in rank order."""
         self.offload: OffloadWorker | None = None
         """The prefix cache's offload tier (host slots, disk files), else None."""
         self.offload_spec: dict | None = None
@@ -208,6 +218,8 @@ class Worker:
         if self.kv_connector is not None:
             self.kv_connector.register_caches(caches.mla_kv, caches.kda_recurrent,
                                               caches.kda_conv, num_blocks, num_slots)
+            self.kv_side_channel_ports = self.parallel.world.all_gather_object(
+                self.kv_connector.side_channel_port)
         if cc.kv_offload_size > 0:
             self._init_offload(caches)
         kv_tokens = num_blocks * self.block_size * self.dcp_size   # DCP: 1/dcp on each rank
@@ -291,6 +303,7 @@ class Worker:
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         if self.kv_connector is not None:
             self.kv_connector.start_step(so.kv_connector_metadata)
+            self._kv_polls.append(so.kv_connector_poll)
         step = self.model_runner.launch(so)
         if so.offload is not None and so.offload.disk_jobs:
             self.offload.submit(so.offload.disk_jobs)
@@ -302,6 +315,10 @@ class Worker:
         out = self.model_runner.collect(step)
         if self.kv_connector is not None:
             out.kv_connector_output = self.kv_connector.get_finished()
+            poll = self._kv_polls.popleft()
+            if self.kv_agreement is not None:
+                self.kv_agreement.add(out.kv_connector_output)
+                out.kv_connector_output = self.kv_agreement.agree() if poll else None
         if self.offload is not None:
             out.offload_output = self.offload.get_finished()
         return out

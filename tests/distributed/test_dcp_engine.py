@@ -115,6 +115,14 @@ def test_dcp_refusals_name_the_values(tiny_dir):
                                 decode_context_parallel_size=2,
                                 speculative_config={"method": "ngram",
                                                     "num_speculative_tokens": 2}))
+    kvt = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    with pytest.raises(ValueError, match="kv_transfer_config with "
+                                         "decode_context_parallel_size=2 is not supported"):
+        config_from_kwargs(dict(model=tiny_dir, tensor_parallel_size=2,
+                                decode_context_parallel_size=2, kv_transfer_config=kvt))
+    with pytest.raises(ValueError, match="kv_transfer_config with nnodes=2"):
+        config_from_kwargs(dict(model=tiny_dir, tensor_parallel_size=2, nnodes=2,
+                                master_port=29500, kv_transfer_config=kvt))
 
 
 def test_serve_and_bench_flags_reach_the_engine():
