@@ -98,6 +98,10 @@ class SchedulerStats:
     """Device evictions the offload tier had no free host slot for."""
     offload_failures: int = 0
     """Offload file jobs that failed on some rank."""
+    offload_disk_seconds: float = 0.0
+    """Time in the offload tier's finished file writes and reads (rank 0's)."""
+    offload_disk_jobs: int = 0
+    """Those file writes and reads."""
     num_offload_host_entries: int = 0
     """Entries in the offload tier's host memory now."""
     num_offload_disk_entries: int = 0

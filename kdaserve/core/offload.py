@@ -94,6 +94,10 @@ class OffloadStats:
     """Evictions the host level had no free slot for (lost, as without the tier)."""
     num_failures: int = 0
     """File jobs that failed on some rank (a failed read drops the entry: a miss)."""
+    disk_seconds: float = 0.0
+    """Time in the finished file jobs (rank 0's writer thread)."""
+    num_disk_jobs: int = 0
+    """Writes and reads finished (over disk_seconds: the mean file job latency)."""
 
 
 @dataclass
@@ -252,6 +256,8 @@ class OffloadManager:
     def update(self, output: OffloadOutput) -> None:
         """File jobs done (or failed) on every rank."""
         failed = set(output.failed)
+        self.stats.disk_seconds += output.seconds
+        self.stats.num_disk_jobs += len(output.done) + len(output.failed)
         for job_id in list(output.done) + list(output.failed):
             item = self._jobs.pop(job_id, None)
             if item is None:
@@ -293,6 +299,7 @@ class OffloadManager:
             offload_bytes_stored=st.bytes_stored, offload_bytes_loaded=st.bytes_loaded,
             offload_bytes_written=st.bytes_written, offload_bytes_read=st.bytes_read,
             offload_dropped_stores=st.num_dropped_stores, offload_failures=st.num_failures,
+            offload_disk_seconds=st.disk_seconds, offload_disk_jobs=st.num_disk_jobs,
             num_offload_host_entries=sum(len(d) for d in self._host.values()),
             num_offload_disk_entries=len(self.disk.entries) if self.disk is not None else 0,
             offload_disk_bytes=self.disk.nbytes if self.disk is not None else 0)

@@ -118,6 +118,8 @@ class OffloadOutput:
     done: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     """Failed on at least one rank (and finished on all)."""
+    seconds: float = 0.0
+    """Rank 0's time in these jobs (file I/O, from the job's start on the writer thread)."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 import torch
 
@@ -59,7 +60,8 @@ class OffloadWorker:
             os.makedirs(self.folder, exist_ok=True)
         self._in_flight: list[int] = []
         """File jobs submitted and not yet reported finished (same list on every rank)."""
-        self._state: dict[int, int] = {}
+        self._state: dict[int, tuple[int, float]] = {}
+        """job id -> (state, seconds) once this rank's thread ran it."""
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -109,15 +111,16 @@ class OffloadWorker:
         if not self._in_flight:
             return None
         with self._lock:
-            states = [self._state.get(j, _RUNNING) for j in self._in_flight]
-        states = self.world.all_reduce_min(states)
+            mine = [self._state.get(j, (_RUNNING, 0.0)) for j in self._in_flight]
+        states = self.world.all_reduce_min([state for state, _ in mine])
         out = OffloadOutput()
         still = []
-        for job_id, state in zip(self._in_flight, states):
+        for job_id, state, (_, seconds) in zip(self._in_flight, states, mine):
             if state == _RUNNING:
                 still.append(job_id)
                 continue
             (out.done if state == _DONE else out.failed).append(job_id)
+            out.seconds += seconds
             with self._lock:
                 self._state.pop(job_id, None)
         self._in_flight = still
@@ -135,6 +138,7 @@ class OffloadWorker:
             job, event = item
             if event is not None:
                 event.synchronize()
+            t0 = time.perf_counter()
             try:
                 self._do(job)
                 state = _DONE
@@ -144,7 +148,7 @@ class OffloadWorker:
                 state = _FAILED
             if job.op != "delete":
                 with self._lock:
-                    self._state[job.job_id] = state
+                    self._state[job.job_id] = (state, time.perf_counter() - t0)
 
     def _do(self, job: DiskJob) -> None:
         path = os.path.join(self.folder, entry_filename(job.kind, job.key))

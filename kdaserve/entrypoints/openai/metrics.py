@@ -82,6 +82,10 @@ _COUNTERS = [
      "offload_dropped_stores"),
     ("offload_failures", "Offload file jobs that failed on some rank (a failed read is a "
      "miss).", "offload_failures"),
+    ("offload_disk_jobs", "File writes and reads of the offload tier's disk level.",
+     "offload_disk_jobs"),
+    ("offload_disk_seconds", "Time in those file jobs (rank 0's); over offload_disk_jobs: the "
+     "mean latency.", "offload_disk_seconds"),
 ]
 
 
