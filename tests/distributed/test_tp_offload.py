@@ -11,22 +11,14 @@ import random
 
 import pytest
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM
 from tests.engine.conftest import assert_pools_free
+from tests.prefix.test_offload import run_each
 
 pytestmark = pytest.mark.timeout(600)
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 SMALL = dict(block_size=16, num_gpu_blocks=40, kda_checkpoint_interval=64,
              num_kda_checkpoint_slots=4, max_model_len=512, max_num_batched_tokens=512)
-
-
-def _run(llm, prompts):
-    out = []
-    for p in prompts:
-        o = llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0]
-        out.append((list(o.outputs[0].token_ids), o.num_cached_tokens))
-    return out
 
 
 def test_tp2_offload_host_then_disk_equals_tp1(tiny_dir, tmp_path):
@@ -35,13 +27,13 @@ def test_tp2_offload_host_then_disk_equals_tp1(tiny_dir, tmp_path):
     others = [[rng.randrange(3, 128) for _ in range(200)] for _ in range(6)]
     again = first + [5, 6, 7]
     ref_llm = LLM(tiny_dir, enable_prefix_caching=False, **SMALL)
-    ref = [t for t, _ in _run(ref_llm, [first] + others + [again])]
+    ref = [t for t, _ in run_each(ref_llm, [first] + others + [again])]
     ref_llm.llm_engine.engine_core.shutdown()
 
     disk = dict(kv_offload_size=0.01, kv_offload_disk_path=str(tmp_path))
     llm = LLM(tiny_dir, tensor_parallel_size=2, **SMALL, **disk)
     try:
-        got = _run(llm, [first] + others + [again])
+        got = run_each(llm, [first] + others + [again])
         assert [t for t, _ in got] == ref and got[-1][1] == 256
         assert llm.llm_engine.get_stats().offload_host_hit_tokens == 256
         assert_pools_free(llm.llm_engine)
@@ -55,7 +47,7 @@ def test_tp2_offload_host_then_disk_equals_tp1(tiny_dir, tmp_path):
 
     restarted = LLM(tiny_dir, tensor_parallel_size=2, **SMALL, **disk)
     try:
-        assert _run(restarted, [again]) == [(ref[-1], 256)]
+        assert run_each(restarted, [again]) == [(ref[-1], 256)]
         assert restarted.llm_engine.get_stats().offload_disk_hit_tokens == 256
     finally:
         restarted.llm_engine.engine_core.shutdown()

@@ -30,7 +30,7 @@ def _prompts(seed: int = 0):
     return first, others
 
 
-def _run(llm, prompts):
+def run_each(llm, prompts):
     """One request at a time (each sees the cache the ones before it left)."""
     out = []
     for p in prompts:
@@ -53,13 +53,13 @@ def _drain(llm) -> None:
 def test_evicted_prefix_is_served_from_host_memory(make_llm):
     first, others = _prompts()
     again = first + [5, 6, 7]
-    ref = _run(make_llm(enable_prefix_caching=False, **SMALL), [first] + others + [again])
+    ref = run_each(make_llm(enable_prefix_caching=False, **SMALL), [first] + others + [again])
 
-    no_tier = _run(make_llm(**SMALL), [first] + others + [again])
+    no_tier = run_each(make_llm(**SMALL), [first] + others + [again])
     assert no_tier[-1][1] == 0, "the device cache alone was expected to have evicted it"
 
     llm = make_llm(**SMALL, kv_offload_size=HOST)
-    got = _run(llm, [first] + others + [again])
+    got = run_each(llm, [first] + others + [again])
     assert [t for t, _ in got] == [t for t, _ in ref]
     assert got[-1][1] == 256            # the deepest interval checkpoint, from host memory
     st = _stats(llm)
@@ -73,13 +73,13 @@ def test_turn_end_checkpoint_inside_a_block_comes_back_with_its_tail(make_llm):
     the checkpoint there and its tail block's KV spill and come back together."""
     first, others = _prompts(1)
     ref_llm = make_llm(enable_prefix_caching=False, **SMALL)
-    (answer, _), = _run(ref_llm, [first])
+    (answer, _), = run_each(ref_llm, [first])
     turn = first + answer + [9, 9, 9]
-    ref = _run(ref_llm, others + [turn])
+    ref = run_each(ref_llm, others + [turn])
 
     llm = make_llm(**SMALL, kv_offload_size=HOST)
-    (got_answer, _), = _run(llm, [first])
-    got = _run(llm, others + [turn])
+    (got_answer, _), = run_each(llm, [first])
+    got = run_each(llm, others + [turn])
     assert got_answer == answer
     assert [t for t, _ in got] == [t for t, _ in ref]
     # The first turn finished after 260 + 4 tokens; its last token was never computed.
@@ -88,49 +88,48 @@ def test_turn_end_checkpoint_inside_a_block_comes_back_with_its_tail(make_llm):
     _drain(llm)
 
 
-def test_prefix_is_served_from_disk_after_a_restart(make_llm, tmp_path):
-    first, others = _prompts(2)
+def _spill_to_disk(make_llm, folder: str, seed: int):
+    """A prompt's prefix evicted to host memory and written through to disk by an engine
+    that then shuts down. Returns (the prompt again with a new suffix, the recompute's
+    tokens for it, the engine kwargs of the tier)."""
+    first, others = _prompts(seed)
     again = first + [5, 6, 7]
-    ref = _run(make_llm(enable_prefix_caching=False, **SMALL), [again])
-    disk = dict(kv_offload_size=HOST, kv_offload_disk_path=str(tmp_path))
-
+    ref = run_each(make_llm(enable_prefix_caching=False, **SMALL), [again])[0][0]
+    disk = dict(kv_offload_size=HOST, kv_offload_disk_path=folder)
     llm = make_llm(**SMALL, **disk)
-    _run(llm, [first] + others)
+    run_each(llm, [first] + others)
     _drain(llm)
     st = _stats(llm)
     assert st.num_offload_disk_entries == st.num_offload_host_entries > 0
     assert st.offload_bytes_written == st.offload_disk_bytes > 0
     llm.llm_engine.engine_core.shutdown()
+    return again, ref, disk
 
+
+def test_prefix_is_served_from_disk_after_a_restart(make_llm, tmp_path):
+    again, ref, disk = _spill_to_disk(make_llm, str(tmp_path), 2)
     restarted = make_llm(**SMALL, **disk)      # empty device and host memory
-    got = _run(restarted, [again])
-    assert got == [(ref[0][0], 256)]
+    got = run_each(restarted, [again])
+    assert got == [(ref, 256)]
     st = _stats(restarted)
     assert st.offload_disk_hit_tokens == 256 and st.offload_bytes_read > 0
     _drain(restarted)
 
     # Another cache layout (block size) has another fingerprint: it never reads these files.
     other = make_llm(**{**SMALL, "block_size": 32}, **disk)
-    assert _run(other, [again])[0][1] == 0
+    assert run_each(other, [again])[0][1] == 0
     assert len(glob.glob(os.path.join(str(tmp_path), "*", "index.jsonl"))) == 2
 
 
 def test_unreadable_file_is_a_miss_and_the_prompt_recomputes(make_llm, tmp_path):
-    first, others = _prompts(3)
-    again = first + [5, 6, 7]
-    ref = _run(make_llm(enable_prefix_caching=False, **SMALL), [again])
-    disk = dict(kv_offload_size=HOST, kv_offload_disk_path=str(tmp_path))
-    llm = make_llm(**SMALL, **disk)
-    _run(llm, [first] + others)
-    _drain(llm)
-    llm.llm_engine.engine_core.shutdown()
+    again, ref, disk = _spill_to_disk(make_llm, str(tmp_path), 3)
     for path in glob.glob(os.path.join(str(tmp_path), "*", "rank0", "state-*.bin")):
         with open(path, "r+b") as f:
             f.truncate(10)                   # every KDA checkpoint file is now too short
 
     restarted = make_llm(**SMALL, **disk)
-    got = _run(restarted, [again])
-    assert got[0][0] == ref[0][0]
+    got = run_each(restarted, [again])
+    assert got[0][0] == ref
     assert got[0][1] == 0                    # no checkpoint left: KV alone is a miss
     st = _stats(restarted)
     assert st.offload_failures >= 1 and st.offload_disk_hit_tokens == 0
