@@ -32,18 +32,8 @@ from kdaserve.worker.cuda_graphs import CudaGraphManager, DecodeGraphs
 from kdaserve.worker import spec_async
 from kdaserve.worker.input_batch import CachedRequestState, LaunchedStep, StepBatch
 from kdaserve.worker.spec_async import (CarryRows, SpecCarry, correct_metadata,
-                                        correct_spec_rows, correct_window, to_device)
-
-
-def _to_host(out: SamplerOutput) -> SamplerOutput:
-    """Queue the copies of the sampler's output into pinned host memory (no wait)."""
-    def copy(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None or t.device.type == "cpu":
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return host.copy_(t, non_blocking=True)
-    return SamplerOutput(copy(out.sampled_token_ids), copy(out.logprob_token_ids),
-                         copy(out.logprobs), copy(out.ranks))
+                                        correct_spec_rows, correct_window, to_device,
+                                        to_host)
 
 
 class ModelRunner:
@@ -263,7 +253,7 @@ class ModelRunner:
             self._last_rows = {s.req_id: j for j, s in enumerate(sample_states)}
             for s in sample_states:
                 s.num_pending += 1
-            step.host = _to_host(out)
+            step.host = to_host(out)
             if out.sampled_token_ids.is_cuda:
                 step.done = torch.cuda.Event()
                 step.done.record()
