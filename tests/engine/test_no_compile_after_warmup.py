@@ -60,16 +60,22 @@ def test_warm_engine_compiles_nothing(tmp_path):
             [1, 2, 7, 16, 31, 64, 100, 255, 256, 257, 600, 900]))], _params(rng))
             for i in range(48)]
         steps = 0
+        events: list[dict] = []
         while pending or engine.has_unfinished_requests():
             for _ in range(rng.choice([0, 0, 1, 1, 2, 5]) if pending else 0):
                 if pending:
                     engine.add_request(*pending.pop())
             if engine.has_unfinished_requests():
+                sched = engine.scheduler
+                shape = (sum(1 for r in sched.running if r.num_computed_tokens
+                             >= r.num_prompt_tokens), len(sched.running), len(sched.waiting))
                 engine.step()
                 steps += 1
-        events = log.take()
+                for e in log.take():   # where each compile happened, for the diagnosis
+                    events.append(dict(e, step=steps, decoding_running_waiting=shape))
     finally:
         log.close()
     assert steps > 50
-    assert not events, f"{len(events)} kernels compiled after start-up: " + ", ".join(
-        sorted({e['kernel'] for e in events}))
+    assert not events, f"{len(events)} kernels compiled after start-up: " + "; ".join(
+        f"{e['kernel']} at step {e['step']} {e['decoding_running_waiting']} {e['attrs'][:300]}"
+        for e in events)
