@@ -1,7 +1,8 @@
 """The offload tier on CUDA: pinned host slots, copies issued on the stream with the step, file
 jobs that wait for the step's CUDA event. A prefix evicted from the device is served from host
-memory, then from disk after a restart, with the recompute's greedy tokens (the tiny model in
-bf16, CUDA graphs on)."""
+memory, then from disk after a restart, with the tokens of the same hit on the device (the
+tiny model in bf16, CUDA graphs on: a hit and a recompute may round differently, a hit from
+the tier and one on the device may not)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def test_host_then_disk_hits_on_cuda(make_llm, tmp_path):
     first, others = _prompts(4)
     again = first + [5, 6, 7]
     gpu = dict(SMALL, dtype="bfloat16", device="cuda")
-    ref = run_each(make_llm(enable_prefix_caching=False, **gpu), [first] + others + [again])
+    ref = run_each(make_llm(**{**gpu, "num_gpu_blocks": 256}), [first] + others + [again])
+    assert ref[-1][1] == 256             # nothing evicted: the hit is on the device
     disk = dict(kv_offload_size=HOST, kv_offload_disk_path=str(tmp_path))
     llm = make_llm(**gpu, **disk)
     assert llm.llm_engine.model_runner.offload.host["kv"][0].is_pinned()
