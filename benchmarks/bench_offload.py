@@ -111,9 +111,11 @@ def main() -> None:
     cases = [case("cold"), case("device")]
     fill_s = fill(args.device_tokens)
     cases.append(case("host"))
+    # What a filler token stores once evicted: its KV, and a KDA state per checkpoint interval.
     host_bytes = sum(off.num_host_slots[k] * off.entry_bytes[k] for k in off.num_host_slots)
-    kv_per_token = off.entry_bytes["kv"] / scheduler.block_size
-    fill2_s = fill(args.device_tokens + int(host_bytes / kv_per_token))
+    per_token = (off.entry_bytes["kv"] / scheduler.block_size
+                 + off.entry_bytes["state"] / scheduler.prefix_cache.interval)
+    fill2_s = fill(args.device_tokens + int(1.2 * host_bytes / per_token))
     cases.append(case("disk"))
     by = {c["case"]: c for c in cases}
     extra_s = (by["host"]["ttft_ms"] - by["device"]["ttft_ms"]) / 1e3
