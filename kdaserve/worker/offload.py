@@ -48,7 +48,7 @@ class OffloadWorker:
         pin = self.device.type == "cuda"
 
         def host_like(t: torch.Tensor, n: int) -> torch.Tensor:
-            return torch.zeros((n,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+            return torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype, pin_memory=pin)
 
         self.device_rows = {"kv": list(caches.mla_kv),
                             "state": list(caches.kda_recurrent) + list(caches.kda_conv)}

@@ -44,3 +44,20 @@ def test_greedy_identical_with_cache_on_and_off(make_k3_llm):  # noqa: F811
     # 40 shares less than a checkpoint; 70 and 140 hit 64 and 128 (the first wave's 130 + tail)
     assert results["internal"][1][:3] == [0, 64, 128]
     assert max(results["split"][1]) > 0
+
+
+def test_offloaded_prefix_served_from_host_memory(make_k3_llm):  # noqa: F811
+    """The offload tier moves kimi-k3-tiny's caches too: a prefix the small device cache
+    evicted comes back from host memory with the recompute's output."""
+    rng = random.Random(5)
+    first = [rng.randrange(3, 3000) for _ in range(150)]
+    others = [[rng.randrange(3, 3000) for _ in range(120)] for _ in range(5)]
+    prompts = [first] + others + [first + [7, 8]]
+    small = dict(CACHE, num_gpu_blocks=24, num_kda_checkpoint_slots=8, max_model_len=256)
+    ref = [_generate(make_k3_llm(enable_prefix_caching=False, **small), [p])[0][0]
+           for p in prompts]
+    llm = make_k3_llm(kv_offload_size=0.01, **small)
+    got = [_generate(llm, [p]) for p in prompts]
+    assert [g[0][0] for g in got] == ref
+    assert got[-1][1] == [150]               # the first prompt's end, from host memory
+    assert llm.llm_engine.get_stats().offload_host_hit_tokens == 150
