@@ -142,11 +142,12 @@ class HybridPrefixCache:
         out.state_copies.extend(copy for copy, _ in copies)
         keys = [key for _, key in copies]
         self.kv.commit_checkpoints(keys)
-        # Locked for this step: evicted now, the offload tier would store the slot before
-        # the copy above has written it.
-        for key in keys:
-            if self.kv.checkpoint_pool.get(key) is not None:
-                self.kv.checkpoint_pool.lock(key)
+        # With an offload tier, locked for this step: evicted now, the tier would store the
+        # slot before the copy above has written it.
+        if self.kv.offload is not None:
+            for key in keys:
+                if self.kv.checkpoint_pool.get(key) is not None:
+                    self.kv.checkpoint_pool.lock(key)
 
     def end_step(self) -> None:
         """First thing in update_from_output(): the forward is done, so the step's exports are
