@@ -5,6 +5,7 @@ Folder layout under the disk path (`--additional-config '{"kv_offload_disk_path"
 
     <path>/<fingerprint>/index.jsonl          the manifest (written here, on node 0)
     <path>/<fingerprint>/layout.json          what the fingerprint was made of (for people)
+    <path>/<fingerprint>/lock                 held (flock) by the one engine using the folder
     <path>/<fingerprint>/rank<r>/<kind>-<key>.bin   rank r's bytes (written by its worker)
 
 The fingerprint (`layout_fingerprint`) hashes the model and the cache layout, so a folder is
@@ -17,6 +18,7 @@ manifest line leaves an orphan file, never an entry without its bytes.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -61,6 +63,18 @@ class DiskIndex:
     def __init__(self, folder: str, layout: dict) -> None:
         self.folder = folder
         os.makedirs(folder, exist_ok=True)
+        self._lock = open(os.path.join(folder, "lock"), "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "?"
+            self._lock.close()
+            raise ValueError(f"kv_offload_disk_path: {folder} is in use by another engine "
+                             f"(pid {holder}); give each engine its own folder") from None
+        self._lock.truncate(0)
+        self._lock.write(str(os.getpid()))
+        self._lock.flush()
         with open(os.path.join(folder, "layout.json"), "w") as f:
             json.dump(layout, f, sort_keys=True, indent=1, default=str)
         self.entries: OrderedDict[tuple[str, BlockHash], DiskEntry] = OrderedDict()
@@ -94,6 +108,7 @@ class DiskIndex:
 
     def close(self) -> None:
         self._log.close()
+        self._lock.close()   # releases the flock
 
     # ---- manifest ----
     def _append(self, record: dict) -> None:

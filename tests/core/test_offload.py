@@ -283,3 +283,12 @@ def test_copies_of_consecutive_rows_merge_into_runs():
     w.store([OffloadCopy("kv", d, h) for d, h in [(1, 0), (2, 1), (0, 3)]])
     for host, dev in zip(w.host["kv"], caches.mla_kv):
         assert torch.equal(host[0:2], dev[1:3]) and torch.equal(host[3], dev[0])
+
+
+def test_one_engine_per_disk_folder(tmp_path):
+    folder = str(tmp_path / "fp")
+    first = DiskIndex(folder, {})
+    with pytest.raises(ValueError, match="in use by another engine"):
+        DiskIndex(folder, {})
+    first.close()
+    DiskIndex(folder, {}).close()          # free again once the first one closed
