@@ -36,15 +36,16 @@ class RankAgreement:
 
     def agree(self) -> KVConnectorOutput:
         """What every rank finished (a collective: every rank calls it at the same point)."""
-        mine = (self._sending, self._recving, self._failed, self._bytes, self._seconds)
+        mine = (set(self._sending), set(self._recving), set(self._failed), self._bytes,
+                self._seconds)
         ranks = self.world.all_gather_object(mine)
         self._bytes, self._seconds = 0, 0.0
         sending = set.intersection(*(r[0] for r in ranks))
         ended = set.intersection(*(r[1] | r[2] for r in ranks))
         failed = {rid for rid in ended if any(rid in r[2] for r in ranks)}
-        self._sending -= sending
-        self._recving -= ended
-        self._failed -= ended
+        self._sending = self._sending - sending
+        self._recving = self._recving - ended
+        self._failed = self._failed - ended
         return KVConnectorOutput(finished_sending=sending, finished_recving=ended - failed,
                                  failed_recving=failed,
                                  num_bytes_recved=sum(r[3] for r in ranks),
