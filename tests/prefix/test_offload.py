@@ -146,3 +146,36 @@ def test_bad_offload_settings_are_refused_by_name(bad):
 
     with pytest.raises(ValueError, match="kv_offload"):
         CacheConfig(**bad)
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_batches_sharing_prefixes_under_eviction_equal_a_recompute(make_llm, spec):
+    """Batches of requests on four shared prefixes through a device cache that holds about one
+    of them (evictions, stores and loads among other requests' exports, preemption), with and
+    without speculation; n = 2 requests among them. Greedy output equals the run without
+    prefix caching; every pool ends free."""
+    rng = random.Random(7)
+    bases = [[rng.randrange(3, 128) for _ in range(rng.choice([70, 140, 200]))]
+             for _ in range(4)]
+    prompts = [rng.choice(bases) + [rng.randrange(3, 128) for _ in range(rng.randint(1, 20))]
+               for _ in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 6), ignore_eos=True,
+                             n=2 if i % 7 == 3 else 1) for i in range(len(prompts))]
+    extra = dict(SMALL, num_gpu_blocks=30, max_num_seqs=6, max_model_len=256,
+                 speculative_config=spec)
+
+    def run(llm):
+        outs = []
+        for i in range(0, len(prompts), 6):     # waves: later ones hit what earlier ones left
+            batch = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + 6]],
+                                 params[i:i + 6], use_tqdm=False)
+            outs += [[list(c.token_ids) for c in o.outputs] for o in batch]
+        return outs
+
+    ref = run(make_llm(enable_prefix_caching=False, **extra))
+    llm = make_llm(kv_offload_size=HOST, **extra)
+    assert run(llm) == ref
+    st = _stats(llm)
+    assert st.offload_host_hit_tokens > 0 and st.offload_bytes_stored > 0
+    assert st.num_preemptions > 0              # the small cache preempted a request
+    _drain(llm)
