@@ -11,6 +11,8 @@ accepted). (The acceptance rate of a random MTP layer is whatever it is: not ass
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -288,3 +290,29 @@ def test_engine_hands_over_the_accepted_hidden_states(make_mtp_llm, plain):
     st = llm.llm_engine.spec_decoding_stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens, st.as_dict()
     assert len(checked) > 20
+
+
+def test_mtp_with_offloaded_prefixes_equals_plain(make_mtp_llm):
+    """Device drafts (async scheduling) over prefixes the small device cache evicted to the
+    offload tier and loads back: the output of the run without prefix caching."""
+    rng = random.Random(11)
+    bases = [[rng.randrange(3, 128) for _ in range(140)] for _ in range(3)]
+    prompts = [rng.choice(bases) + [rng.randrange(3, 128) for _ in range(rng.randint(1, 9))]
+               for _ in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    small = dict(block_size=16, num_gpu_blocks=30, kda_checkpoint_interval=64,
+                 num_kda_checkpoint_slots=4, max_model_len=256, max_num_seqs=4)
+
+    def run(llm):
+        out = []
+        for i in range(0, len(prompts), 4):
+            batch = llm.generate([{"prompt_token_ids": p} for p in prompts[i:i + 4]], params,
+                                 use_tqdm=False)
+            out += [list(o.outputs[0].token_ids) for o in batch]
+        return out
+
+    want = run(make_mtp_llm(enable_prefix_caching=False, **small))
+    llm = make_mtp_llm(speculative_config=_mtp(), kv_offload_size=0.01, **small)
+    assert llm.llm_engine.model_runner.spec.device_drafts
+    assert run(llm) == want
+    assert llm.llm_engine.get_stats().offload_host_hit_tokens > 0
