@@ -5,6 +5,7 @@ LLM runner that shuts every engine's rank processes down."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -79,3 +80,13 @@ def run_llm(model: str, prompts: list[list[int]], params, **kwargs):
                 llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def close_logprobs(a, b, tol=1e-4) -> bool:
+    """The chosen tokens' logprobs agree (the ranks' partial sums add in another order)."""
+    for ra, rb in zip(a, b):
+        for pa, pb in zip(ra, rb):
+            for tok, lp in pa.items():
+                if tok in pb and not math.isclose(lp.logprob, pb[tok].logprob, abs_tol=tol):
+                    return False
+    return True

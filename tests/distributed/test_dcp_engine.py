@@ -8,11 +8,11 @@ combinations DCP refuses, named in the error."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 
 from kdaserve import LLM, SamplingParams
+from tests.distributed.conftest import close_logprobs
 from tests.engine.conftest import assert_pools_free
 
 pytestmark = pytest.mark.timeout(900)
@@ -41,16 +41,6 @@ def run(model: str, turns: list[list[list[int]]], **kwargs):
         return tokens, logprobs, llm.llm_engine.get_stats()
     finally:
         llm.llm_engine.engine_core.shutdown()
-
-
-def close_logprobs(a, b, tol=1e-4) -> bool:
-    """The chosen tokens' logprobs agree (partial sums add in another order)."""
-    for ra, rb in zip(a, b):
-        for pa, pb in zip(ra, rb):
-            for tok, lp in pa.items():
-                if tok in pb and not math.isclose(lp.logprob, pb[tok].logprob, abs_tol=tol):
-                    return False
-    return True
 
 
 @pytest.mark.parametrize("family", ["tiny", "k3"])

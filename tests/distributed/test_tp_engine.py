@@ -7,28 +7,16 @@ without it; sizes that do not split are refused by name."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from kdaserve import SamplingParams
-from tests.distributed.conftest import run_llm
+from tests.distributed.conftest import close_logprobs, run_llm
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPTS = [[1, 5, 9, 33, 7] * 3, [4, 4, 8, 100, 12, 3], list(range(10, 70)),
            [100, 101, 102, 103] * 9]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
-
-
-def _close_logprobs(a, b, tol=1e-4) -> bool:
-    """Logprobs of the chosen tokens agree (the ranks' partial sums add in another order)."""
-    for ra, rb in zip(a, b):
-        for pa, pb in zip(ra, rb):
-            for tok, lp in pa.items():
-                if tok in pb and not math.isclose(lp.logprob, pb[tok].logprob, abs_tol=tol):
-                    return False
-    return True
 
 
 @pytest.mark.parametrize("family,load_format", [("tiny", "auto"), ("hf_tiny", "auto"),
@@ -39,7 +27,7 @@ def test_tp2_greedy_equals_tp1(family, load_format, tiny_dir, hf_tiny_dir, k3_tp
     ref, ref_lp, _ = run_llm(model, PROMPTS, GREEDY, **extra)
     got, got_lp, _ = run_llm(model, PROMPTS, GREEDY, tensor_parallel_size=2, **extra)
     assert got == ref
-    assert _close_logprobs(got_lp, ref_lp)
+    assert close_logprobs(got_lp, ref_lp)
 
 
 def test_tp2_with_preemption_equals_tp1(tiny_dir):
