@@ -2,7 +2,7 @@
 device, from host memory and from disk, against the recompute, in one engine.
 
     python benchmarks/bench_offload.py MODEL_DIR --prefix 114000 --suffix 6000 \
-        --device-tokens 300000 --host-gib 40 --disk DIR --out results.json
+        --device-tokens 130000 --host-gib 30 [--disk DIR] --out results.json
 
 W2 (shared/bench/workloads.md) is a 114K-token shared prefix plus a 6K unique suffix. In order,
 each a single request with one output token (so its latency is its TTFT, in-process):
@@ -10,8 +10,12 @@ each a single request with one output token (so its latency is its TTFT, in-proc
   device  - prefix + suffix 2: the prefix hit in the device cache;
   host    - after filler prompts that evict the prefix from the device (--device-tokens of KV
             cache, set small so that this takes seconds): the prefix loaded from host memory;
-  disk    - after more filler, sized to also push the prefix out of host memory (--host-gib,
-            set just above the prefix's bytes): read back from the disk level, then loaded.
+  disk    - with --disk only: after more filler, sized to also push the prefix out of host
+            memory: read back from the disk level, then loaded.
+Sizing: every evicted block and KDA checkpoint spills, so host memory must hold the prefix's
+entries plus what the first filler evicts after it (about --device-tokens of KV and one KDA
+state per checkpoint interval); the disk level must hold the second filler's spill (the device
+plus 1.2x the host level) or its LRU drops the prefix too.
 Each case records its TTFT, the hit tokens the engine counted per level, and the bytes the tier
 moved; `host_load_effective_gib_s` is the host bytes loaded over the TTFT the host hit added to the device
 hit's (the transfer's share of the latency).
@@ -53,7 +57,9 @@ def main() -> None:
     ap.add_argument("--device-tokens", type=int, default=300000,
                     help="KV cache of the device (blocks = this / block size).")
     ap.add_argument("--host-gib", type=float, default=40.0, help="--kv-offload-size.")
-    ap.add_argument("--disk", required=True, help="kv_offload_disk_path (emptied first).")
+    ap.add_argument("--disk", default=None,
+                    help="kv_offload_disk_path (emptied first); without it, no disk level and "
+                         "no disk case.")
     ap.add_argument("--disk-gib", type=float, default=200.0)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--load-format", default="dummy")
@@ -62,7 +68,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if os.path.isdir(args.disk) and os.listdir(args.disk):
+    if args.disk and os.path.isdir(args.disk) and os.listdir(args.disk):
         import shutil
 
         shutil.rmtree(args.disk)
@@ -115,8 +121,10 @@ def main() -> None:
     host_bytes = sum(off.num_host_slots[k] * off.entry_bytes[k] for k in off.num_host_slots)
     per_token = (off.entry_bytes["kv"] / scheduler.block_size
                  + off.entry_bytes["state"] / scheduler.prefix_cache.interval)
-    fill2_s = fill(args.device_tokens + int(1.2 * host_bytes / per_token))
-    cases.append(case("disk"))
+    fill2_s = 0.0
+    if args.disk:
+        fill2_s = fill(args.device_tokens + int(1.2 * host_bytes / per_token))
+        cases.append(case("disk"))
     by = {c["case"]: c for c in cases}
     extra_s = (by["host"]["ttft_ms"] - by["device"]["ttft_ms"]) / 1e3
     result = {

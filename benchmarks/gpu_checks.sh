@@ -6,6 +6,7 @@
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
 # unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_sampler),
+# offload (bench_offload.py on W2's shape, OFFLOAD_ARGS),
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
@@ -97,6 +98,11 @@ fi
 if [[ $STAGES == *batch* ]]; then   # decode kernels at batch 16-64 and the prefill MoE (bench_batch.py)
   timeout ${BATCH_TIMEOUT:-400} python3 benchmarks/bench_batch.py --out "$OUT/batch.json" ${BATCH_ARGS:-} \
     2>&1 | grep -v Warn | tail -60 | tee "$OUT/batch.log"
+fi
+if [[ $STAGES == *offload* ]]; then   # W2-shaped offload tier: cold / device / host / disk hit TTFT
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${OFFLOAD_TIMEOUT:-360} python3 benchmarks/bench_offload.py /tmp/k48 --disk /tmp/offload \
+    --out "$OUT/offload.json" ${OFFLOAD_ARGS:-} 2>&1 | grep -v Warn | tail -60 | tee "$OUT/offload.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

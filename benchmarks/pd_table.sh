@@ -9,7 +9,7 @@
 #   LEVELS=4,16 bash benchmarks/pd_table.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+[ -d /tmp/site/fla ] && [ -d /tmp/site/nixl_cu13 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl /tmp/nk/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if ls .tcache/triton.tar.xz.* >/dev/null 2>&1 && [ ! -d ~/.triton/cache ]; then

@@ -9,12 +9,16 @@ carries it (last wins).
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
 
 from kdaserve.bench.metrics import RequestRecord
+
+_EOL = re.compile(r"\r\n|\r|\n")
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -88,6 +92,24 @@ def _choice_text(choice: dict) -> str:
     return text
 
 
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Lines of a server-sent event stream. SSE ends a line only at CR, LF or CRLF; httpx's
+    `aiter_lines` also splits at U+0085, U+2028, U+2029 and the other `str.splitlines`
+    separators, which JSON leaves unescaped inside a generated token's text."""
+    buf = ""
+    async for chunk in chunks:
+        buf += chunk
+        # A CR at the end may be the first half of a CRLF: keep it for the next chunk.
+        end = len(buf) - 1 if buf.endswith("\r") else len(buf)
+        start = 0
+        while (m := _EOL.search(buf, start, end)) is not None:
+            yield buf[start:m.start()]
+            start = m.end()
+        buf = buf[start:]
+    if buf.rstrip("\r"):
+        yield buf.rstrip("\r")
+
+
 async def send_request(client: httpx.AsyncClient, cfg: RequestConfig, req_id: str,
                        prompt: str | list[int], prompt_len: int, t0: float,
                        max_tokens: int | None = None) -> RequestRecord:
@@ -106,7 +128,7 @@ async def send_request(client: httpx.AsyncClient, cfg: RequestConfig, req_id: st
                 text = (await resp.aread()).decode(errors="replace")
                 rec.error = f"HTTP {resp.status_code}: {text[:500]}"
                 return rec
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):
                 now = time.perf_counter() - st
                 line = line.strip()
                 if not line or line.startswith(":") or not line.startswith("data:"):
