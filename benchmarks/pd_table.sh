@@ -6,7 +6,7 @@
 # run the consumer's /metrics give the pulls' bytes and latencies (bandwidth, mean pull time).
 # Run from the repo root with .whl carried and nixl-cu13's wheel in /tmp/nk (carried in a call
 # of its own: `mkdir -p /tmp/nk && cp .nixlkit/*.whl /tmp/nk/`); results land in $OUT:
-#   LEVELS=4,16 bash benchmarks/pd_table.sh
+#   LEVELS=4,16 [SINGLE=0] bash benchmarks/pd_table.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/site/fla ] && [ -d /tmp/site/nixl_cu13 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -50,8 +50,10 @@ bench() {  # base-url label
     | grep -v Warn | tail -12
 }
 
-start single 8100 0.45 && bench http://127.0.0.1:8100 single
-stop_all
+if [ "${SINGLE:-1}" = 1 ]; then   # SINGLE=0: the PD run alone
+  start single 8100 0.45 && bench http://127.0.0.1:8100 single
+  stop_all
+fi
 
 KVP='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"hold_timeout_s":300}}'
 KVC='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"load_timeout_s":120}}'

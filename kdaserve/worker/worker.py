@@ -10,6 +10,7 @@ alike), so the collectives inside the forward always meet."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -54,21 +55,61 @@ def supported_kernels(kc: KernelConfig, device: torch.device) -> KernelConfig:
     return kc
 
 
-def use_expandable_segments() -> None:
+def cache_budget(total: int, free: int, reserved: int, used_at_start: int, peak: int,
+                 allocated: int, gpu_memory_utilization: float) -> float:
+    """Device bytes for the KV blocks and KDA slots after the profile run. The instance's share
+    is gpu_memory_utilization of the device (vLLM's meaning): memory other processes hold is
+    not charged to it (used_at_start: in use outside this process's allocator before the model
+    loaded), what this process took outside torch since (cuBLAS workspaces, NCCL) is, and so
+    is its allocator's peak. The pools are new multi-GiB tensors: only memory the driver
+    reports free can hold them (reserved-but-unused fragments cannot), less room for the
+    activation peak."""
+    own_non_torch = max(0, total - free - reserved - used_at_start)
+    budget = total * gpu_memory_utilization - peak - own_non_torch
+    activations = peak - allocated
+    return min(budget, free - activations - (256 << 20))
+
+
+def _allocator_setter():
+    return getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)  # < 2.13
+
+
+def use_expandable_segments() -> bool:
     """Expandable allocator segments unless the user configured the allocator: loading folds
     and merges weights (new tensors, old ones freed), which otherwise leaves tens of GiB of
-    reserved fragments that the multi-GiB cache pools cannot use."""
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
-        getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)  # < 2.13
+    reserved fragments that the multi-GiB cache pools cannot use. True when segments are
+    expandable (set here or by the user's allocator settings)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    if conf:
+        return "expandable_segments:true" in conf.replace(" ", "").lower()
+    setter = _allocator_setter()
     if setter is None:
         logger.info("expandable segments not set: this torch has no allocator-settings call")
-        return
+        return False
     try:
         setter("expandable_segments:True")
     except RuntimeError as exc:   # refused: keep the default allocator
         logger.info("expandable segments not set: %s", exc)
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def ipc_capable_allocations(expandable: bool):
+    """Allocate what a NIXL agent registers from plain cudaMalloc segments. UCX's cuda_ipc
+    transport exports only legacy-IPC-capable memory: VMM memory (expandable segments)
+    registers fine, but every READ of it then falls back to UCX's emulated RMA over TCP,
+    orders of magnitude slower, with correct data and no warning (nixl issue 1754)."""
+    setter = _allocator_setter()
+    if not expandable or setter is None:
+        yield
+        return
+    setter("expandable_segments:False")
+    try:
+        yield
+    finally:
+        setter("expandable_segments:True")
 
 
 class Worker:
@@ -88,8 +129,14 @@ class Worker:
         self.args = mc.arch
         self.dtype = mc.torch_dtype(self.device.type)
         self.block_size = config.cache_config.block_size
+        self._used_at_start = 0
+        """CUDA: device bytes in use outside this process's torch allocator before the model
+        loads (other processes, this one's context): not this instance's to count."""
+        self._expandable = False
         if self.device.type == "cuda":
-            use_expandable_segments()
+            self._expandable = use_expandable_segments()
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._used_at_start = total - free - torch.cuda.memory_reserved(self.device)
         self.kernel_config = supported_kernels(config.kernel_config, self.device)
         self.backends = select_backends(self.kernel_config, self.device)
         t0 = time.perf_counter()
@@ -163,12 +210,8 @@ class Worker:
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        used_elsewhere = total - free - torch.cuda.memory_reserved()
-        budget = total * cc.gpu_memory_utilization - peak - used_elsewhere
-        # The pools are new multi-GiB tensors: only memory the driver reports free can hold
-        # them (reserved-but-unused fragments cannot), less room for the activation peak.
-        activations = peak - torch.cuda.memory_allocated()
-        budget = min(budget, free - activations - (256 << 20))
+        budget = cache_budget(total, free, torch.cuda.memory_reserved(), self._used_at_start,
+                              peak, torch.cuda.memory_allocated(), cc.gpu_memory_utilization)
         slot_bytes = cache_sizes.state_bytes_per_slot(self.args, self.dtype, self.tp_size)
         block_bytes = cache_sizes.kv_bytes_per_block(self.args, self.block_size, self.dtype)
         if cc.num_state_slots is None:
@@ -210,9 +253,11 @@ class Worker:
         cc = self.config.cache_config
         cc.num_kda_checkpoint_slots = num_ckpt = checkpoints.resolve_num_checkpoint_slots(cc)
         extra_rows = num_slots * self._spec_rows_per_slot()
-        caches = cache_sizes.allocate_caches(self.args, num_blocks, self.block_size,
-                                             num_slots + num_ckpt + 1 + extra_rows, self.dtype,
-                                             self.device, self.tp_size)
+        registered = self.kv_connector is not None and self.device.type == "cuda"
+        with ipc_capable_allocations(self._expandable and registered):
+            caches = cache_sizes.allocate_caches(self.args, num_blocks, self.block_size,
+                                                 num_slots + num_ckpt + 1 + extra_rows,
+                                                 self.dtype, self.device, self.tp_size)
         runner = self.model_runner
         runner.bind_caches(caches, num_blocks, num_slots, num_ckpt)
         if self.kv_connector is not None:

@@ -17,9 +17,11 @@ pytestmark = [pytest.mark.gpu,
 
 def test_host_then_disk_hits_on_cuda(make_llm, tmp_path):
     first, others = _prompts(4)
+    first = first[:256]   # its end on a checkpoint boundary: the device and the tier hit 256
     again = first + [5, 6, 7]
     gpu = dict(SMALL, dtype="bfloat16", device="cuda")
-    ref = run_each(make_llm(**{**gpu, "num_gpu_blocks": 256}), [first] + others + [again])
+    ref = run_each(make_llm(**{**gpu, "num_gpu_blocks": 256, "num_kda_checkpoint_slots": 64}),
+                   [first] + others + [again])
     assert ref[-1][1] == 256             # nothing evicted: the hit is on the device
     disk = dict(kv_offload_size=HOST, kv_offload_disk_path=str(tmp_path))
     llm = make_llm(**gpu, **disk)
