@@ -3,9 +3,13 @@ disk files (kdaserve/core/offload.py is the scheduler's side, which decides ever
 
 Host memory, pinned on CUDA: per MLA layer [num_kv_slots, block_size, kv_dim]; per KDA layer
 recurrent [num_state_slots, H / tp, K, V] fp32 and conv [num_state_slots, 3 H / tp K, W - 1]:
-the device caches' rows, so a store or a load is a row copy per layer (one per run of rows
-that are consecutive on both sides), issued on the current stream (non_blocking between pinned
-memory and the device), ordered with the step's forward.
+the device caches' rows. A store or a load moves rows per layer, issued on the current stream
+(non_blocking between pinned memory and the device), ordered with the step's forward. Host
+slots of a prefix are mostly consecutive (taken in order from the free list) while its device
+blocks are scattered, so the rows cross the bus once per run of consecutive host slots, through
+a device staging buffer that one gather (store) or scatter (load) kernel per layer fills from or
+empties into the scattered device rows; copies whose device rows run on with their host slots
+skip the staging.
 
 Files: one per entry and rank (<folder>/rank<r>/<kind>-<key>.bin), every layer's row back to
 back as raw bytes, written and read by one thread in job order. A job first waits for the device
@@ -25,6 +29,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -75,15 +80,47 @@ class OffloadWorker:
     # ---- copies (the model runner calls these around the step's block and state copies) ----
     def store(self, copies: list[OffloadCopy]) -> None:
         """Device rows -> host slots."""
-        for kind, dev_idx, host_idx, n in _runs(copies):
-            for host, dev in zip(self.host[kind], self.device_rows[kind]):
-                host[host_idx:host_idx + n].copy_(dev[dev_idx:dev_idx + n], non_blocking=True)
+        for plan in _plans(copies):
+            self._copy(plan, to_host=True)
 
     def load(self, copies: list[OffloadCopy]) -> None:
         """Host slots -> device rows."""
-        for kind, dev_idx, host_idx, n in _runs(copies):
-            for host, dev in zip(self.host[kind], self.device_rows[kind]):
-                dev[dev_idx:dev_idx + n].copy_(host[host_idx:host_idx + n], non_blocking=True)
+        for plan in _plans(copies):
+            self._copy(plan, to_host=False)
+
+    def _copy(self, plan: _Plan, to_host: bool) -> None:
+        pairs = zip(self.host[plan.kind], self.device_rows[plan.kind])
+        if plan.direct:
+            for host, dev in pairs:
+                for (h, n), d in zip(plan.host_runs, plan.dev_starts):
+                    if to_host:
+                        host[h:h + n].copy_(dev[d:d + n], non_blocking=True)
+                    else:
+                        dev[d:d + n].copy_(host[h:h + n], non_blocking=True)
+            return
+        ids = self._index(plan.dev_ids)                                  # [num rows] long
+        for host, dev in pairs:
+            row_bytes = dev[0].numel() * dev.element_size()
+            step = max(1, STAGING_BYTES // row_bytes)
+            for c0 in range(0, len(plan.dev_ids), step):
+                c1 = min(c0 + step, len(plan.dev_ids))
+                if to_host:
+                    staged = dev.index_select(0, ids[c0:c1])             # [c1 - c0, *row]
+                    for h, lo, hi in plan.runs_in(c0, c1):
+                        host[h:h + hi - lo].copy_(staged[lo - c0:hi - c0], non_blocking=True)
+                else:
+                    staged = torch.empty((c1 - c0,) + tuple(dev.shape[1:]), dtype=dev.dtype,
+                                         device=dev.device)
+                    for h, lo, hi in plan.runs_in(c0, c1):
+                        staged[lo - c0:hi - c0].copy_(host[h:h + hi - lo], non_blocking=True)
+                    dev.index_copy_(0, ids[c0:c1], staged)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """Device row ids as a device tensor, without waiting on the stream (pinned source)."""
+        t = torch.tensor(rows, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- file jobs ----
     def submit(self, jobs: list[DiskJob]) -> None:
@@ -185,16 +222,56 @@ class OffloadWorker:
                 raise OSError(f"{path} is longer than its entry")
 
 
-def _runs(copies: list[OffloadCopy]) -> list[tuple[str, int, int, int]]:
-    """(kind, device start, host start, length): copies whose device and host indices both
-    run on by one, merged, so that a prefix stored or loaded in order costs one copy per layer
-    and run instead of one per block."""
-    runs: list[list] = []
+STAGING_BYTES = 64 << 20
+"""Rows staged on the device per chunk of a layer's gather or scatter."""
+
+
+@dataclass
+class _Plan:
+    """One kind's copies of a step in host-slot order: runs of consecutive host slots, and the
+    device row of each copy in the same order."""
+
+    kind: str
+    host_runs: list[tuple[int, int]]
+    """(first host slot, length), ascending."""
+    dev_ids: list[int]
+    dev_starts: list[int]
+    """Per host run, its first device row (meaningful when `direct`)."""
+    direct: bool
+    """Every host run's device rows run on by one too: each run is one copy, no staging."""
+
+    def runs_in(self, c0: int, c1: int) -> list[tuple[int, int, int]]:
+        """The host runs' parts inside copies [c0, c1) of the plan's order, as (host slot,
+        lo, hi): copies lo..hi-1 go to or come from host slots h..h + hi - lo - 1."""
+        out, pos = [], 0
+        for h, n in self.host_runs:
+            lo, hi = max(pos, c0), min(pos + n, c1)
+            if lo < hi:
+                out.append((h + lo - pos, lo, hi))
+            pos += n
+            if pos >= c1:
+                break
+        return out
+
+
+def _plans(copies: list[OffloadCopy]) -> list[_Plan]:
+    """Per kind, the copies sorted by host slot and cut into runs of consecutive slots."""
+    by_kind: dict[str, list[tuple[int, int]]] = {}
     for c in copies:
-        last = runs[-1] if runs else None
-        if (last is not None and last[0] == c.kind and c.device_idx == last[1] + last[3]
-                and c.host_idx == last[2] + last[3]):
-            last[3] += 1
-        else:
-            runs.append([c.kind, c.device_idx, c.host_idx, 1])
-    return [tuple(r) for r in runs]
+        by_kind.setdefault(c.kind, []).append((c.host_idx, c.device_idx))
+    plans = []
+    for kind, pairs in by_kind.items():
+        pairs.sort()
+        runs: list[list[int]] = []
+        starts: list[int] = []
+        direct = True
+        for i, (h, d) in enumerate(pairs):
+            if runs and h == runs[-1][0] + runs[-1][1]:
+                direct = direct and d == pairs[i - 1][1] + 1
+                runs[-1][1] += 1
+            else:
+                runs.append([h, 1])
+                starts.append(d)
+        plans.append(_Plan(kind, [tuple(r) for r in runs], [d for _, d in pairs], starts,
+                           direct))
+    return plans

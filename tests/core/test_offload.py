@@ -270,19 +270,52 @@ def test_a_slow_writer_on_one_rank_keeps_the_entry_pinned(tmp_path, monkeypatch)
     assert m.stats.num_dropped_stores == 1 and m.source("kv", _h(1)) == "disk"
 
 
-def test_copies_of_consecutive_rows_merge_into_runs():
+def test_copies_are_planned_in_runs_of_host_slots():
     from kdaserve.core.sched_output import OffloadCopy
-    from kdaserve.worker.offload import _runs
+    from kdaserve.worker.offload import _plans
 
     copies = [OffloadCopy("kv", d, h) for d, h in [(4, 0), (5, 1), (6, 2), (9, 3), (10, 4)]]
     copies += [OffloadCopy("state", 11, 5), OffloadCopy("kv", 12, 6)]
-    assert _runs(copies) == [("kv", 4, 0, 3), ("kv", 9, 3, 2), ("state", 11, 5, 1),
-                             ("kv", 12, 6, 1)]
-    caches = _caches()
-    w = OffloadWorker(caches, {"kv": 4, "state": 2}, None)
-    w.store([OffloadCopy("kv", d, h) for d, h in [(1, 0), (2, 1), (0, 3)]])
-    for host, dev in zip(w.host["kv"], caches.mla_kv):
-        assert torch.equal(host[0:2], dev[1:3]) and torch.equal(host[3], dev[0])
+    kv, state = _plans(copies)
+    assert kv.host_runs == [(0, 5), (6, 1)] and kv.dev_ids == [4, 5, 6, 9, 10, 12]
+    assert not kv.direct                      # host slots 0-4 run on, their blocks do not
+    assert state.host_runs == [(5, 1)] and state.direct and state.dev_starts == [11]
+    # a prefix stored in reverse block order into ascending slots: one host run
+    rev, = _plans([OffloadCopy("kv", d, h) for d, h in [(7, 2), (3, 0), (5, 1)]])
+    assert rev.host_runs == [(0, 3)] and rev.dev_ids == [3, 5, 7] and not rev.direct
+    assert rev.runs_in(1, 3) == [(1, 1, 3)]
+    ok, = _plans([OffloadCopy("kv", d, h) for d, h in [(1, 0), (2, 1), (8, 5)]])
+    assert ok.direct and ok.host_runs == [(0, 2), (5, 1)] and ok.dev_starts == [1, 8]
+
+
+@pytest.mark.parametrize("staging_rows", [1, 2, 64])
+def test_scattered_rows_round_trip_through_staging(monkeypatch, staging_rows):
+    """Scattered device rows <-> host slots, staged in chunks that cut host runs apart."""
+    from kdaserve.core.sched_output import OffloadCopy
+    from kdaserve.worker import offload as worker_offload
+
+    caches = ModelCaches(mla_kv=[torch.randn(9, 2, 3) for _ in range(2)],
+                         kda_recurrent=[torch.randn(3, 2, 2, 2)],
+                         kda_conv=[torch.randn(3, 12, 3)])
+    monkeypatch.setattr(worker_offload, "STAGING_BYTES",
+                        staging_rows * caches.mla_kv[0][0].numel() * 4)
+    w = OffloadWorker(caches, {"kv": 8, "state": 2}, None)
+    pairs = [(7, 1), (2, 2), (5, 3), (0, 4), (8, 6)]          # (device block, host slot)
+    before = [t.clone() for t in caches.mla_kv]
+    w.store([OffloadCopy("kv", d, h) for d, h in pairs] + [OffloadCopy("state", 2, 1)])
+    for host, dev in zip(w.host["kv"], before):
+        for d, h in pairs:
+            assert torch.equal(host[h], dev[d])
+    assert torch.equal(w.host["state"][0][1], caches.kda_recurrent[0][2])
+    for t in caches.mla_kv:
+        t.zero_()
+    moved = [(3, 1), (1, 2), (6, 3), (4, 4), (0, 6)]          # load into other blocks
+    w.load([OffloadCopy("kv", d, h) for d, h in moved])
+    for t, dev in zip(caches.mla_kv, before):
+        for (d, h), (d0, _) in zip(moved, pairs):
+            assert torch.equal(t[d], dev[d0])
+        untouched = sorted(set(range(9)) - {d for d, _ in moved})
+        assert not t[untouched].any()
 
 
 def test_one_engine_per_disk_folder(tmp_path):
