@@ -16,6 +16,7 @@ import torch
 
 from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.attention.metadata import KDACheckpointRequest
 from kdaserve.config import SchedulerConfig
 from kdaserve.sample.metadata import SamplingMetadata
 from kdaserve.sample.sampler import Sampler
@@ -35,7 +36,8 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
     for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
         computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
         if d <= max_rows:
-            _forward(runner, [1] * d + [100, 61], computed + [33, 0])
+            exports = [(d, 64), (d, 70), (d + 1, 40)] if d == 0 else None
+            _forward(runner, [1] * d + [100, 61], computed + [33, 0], exports)
         if d:                                   # decode only: eager past the graph sizes
             _forward(runner, [1] * d, computed)
     budget = min(sc.max_num_batched_tokens, sc.max_model_len)
@@ -52,7 +54,10 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
         torch.cuda.synchronize()
 
 
-def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int]) -> None:
+def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int],
+             exports: list[tuple[int, int]] | None = None) -> None:
+    """exports: (batch row, offset) checkpoint exports, all into the scratch KDA row (index
+    runner.num_slots, garbage by contract)."""
     bs = runner.block_size
     need = [-(-(c + q) // bs) for q, c in zip(query_lens, computed)]
     if sum(need) > runner.num_blocks:
@@ -61,6 +66,10 @@ def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int]) ->
     blocks = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
     md = build_metadata(query_lens, computed, blocks, list(range(len(query_lens))), bs,
                         runner.device, dcp=runner.dcp)   # DCP: its kernels and collectives
+    if exports:
+        md.kda_checkpoints = KDACheckpointRequest([i for i, _ in exports],
+                                                  [o for _, o in exports],
+                                                  [runner.num_slots] * len(exports))
     # distinct tokens (the routed experts spread as in real steps)
     ids = torch.arange(sum(query_lens), device=runner.device) * 7919 % runner.args.vocab_size
     h = runner.model(ids, ForwardContext(md, runner.caches))

@@ -30,7 +30,7 @@ def test_warmup_leaves_no_trace(make_llm, monkeypatch):
     calls = []
     forward = warmup._forward
     monkeypatch.setattr(warmup, "_forward",
-                        lambda r, q, c: (calls.append((q, c)), forward(r, q, c)))
+                        lambda r, q, c, e=None: (calls.append((q, c, e)), forward(r, q, c, e)))
     before = _cache_checksum(runner.caches)
     with torch.inference_mode():
         warmup.warmup_steps(runner, llm.llm_engine.engine_config.scheduler_config)
@@ -38,11 +38,13 @@ def test_warmup_leaves_no_trace(make_llm, monkeypatch):
     # decode-row counts 0..6 (max_num_seqs - 2) next to two prefills, 1..8 alone, 8 prefill
     # sizes across the budget, then budget-filling chunks next to 1, 2, 3 decode rows (16 and
     # 17 rows exceed max_num_seqs - 2)
-    mixed = [sum(1 for x in q if x == 1) for q, _ in calls if q[-2:] == [100, 61]]
-    alone = [len(q) for q, _ in calls if set(q) == {1}]
+    mixed = [sum(1 for x in q if x == 1) for q, _, _ in calls if q[-2:] == [100, 61]]
+    alone = [len(q) for q, _, _ in calls if set(q) == {1}]
+    # checkpoint exports on and off the 64-token grid, with and without an initial state
+    assert [e for _, _, e in calls if e] == [[(0, 64), (0, 70), (1, 40)]]
     assert mixed == list(range(7)) and alone == list(range(1, 9)), (mixed, alone)
-    assert [q for q, _ in calls[-11:-3]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
-    assert [q for q, _ in calls[-3:]] == [[1] * d + [64 - d] for d in (1, 2, 3)]
+    assert [q for q, _, _ in calls[-11:-3]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
+    assert [q for q, _, _ in calls[-3:]] == [[1] * d + [64 - d] for d in (1, 2, 3)]
     got = llm.generate(ps, params, use_tqdm=False)
     for a, b in zip(want, got):
         for ca, cb in zip(a.outputs, b.outputs):

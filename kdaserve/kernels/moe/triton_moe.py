@@ -27,7 +27,7 @@ import triton.language as tl
 from kdaserve.kernels.triton_pdl import pdl_wait
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
@@ -84,7 +84,7 @@ def _load_experts(topk_ids_ptr, offs, numel, num_experts):
     return tl.where(ok, e, -1).to(tl.int32), ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "max_blocks"])   # both follow the step's token count
 def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_ids_ptr,
                            num_rows_ptr, sorted_ids_ptr, numel, num_experts, max_blocks,
                            BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
