@@ -4,6 +4,7 @@ CUDA (bf16), or as a script on CPU tensors under TRITON_INTERPRET=1 (fp32; test_
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +28,49 @@ def _experts(E, D, inter, gen, device):
         mag = torch.exp2(torch.randint(-4, 2, (E, n, 1), generator=gen).float())
         return quantize_mxfp4((torch.randn(E, n, k, generator=gen) * 0.1 * mag).to(device))
     return (*w(2 * inter, D), *w(D, inter))
+
+
+def _same_bits(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal NaN positions, and bit-identical values elsewhere (so -0.0 != 0.0)."""
+    bits = torch.int16 if out.dtype == torch.bfloat16 else torch.int32
+    nan = torch.isnan(want)
+    return (torch.equal(torch.isnan(out), nan)
+            and torch.equal(out[~nan].view(bits), want[~nan].view(bits)))
+
+
+def check_decode_exact(device="cpu", dtype=torch.float32):
+    """The GEMMs' weight decode (mxfp4_decode_probe.py) equals format.py dequantize_mxfp4 bit
+    for bit: every E2M1 code under every E8M0 byte, 0 (2^-127) and 255 (NaN) included, in
+    both nibbles; tiles of 32, 64 and 128 along K; row and K tails masked. bf16 on a GPU only:
+    the interpreter's fp32 -> bf16 cast mishandles fp32 subnormals (scale byte 0)."""
+    from mxfp4_decode_probe import mxfp4_decode_probe_kernel
+
+    from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(3)
+    # expert 0, row n: the 256 byte values (every low / high code pair), every scale byte n;
+    # expert 1: random bytes, a different random scale byte per group of 32 K values
+    packed = torch.stack([torch.arange(256).repeat(256, 1),
+                          torch.randint(0, 256, (256, 256), generator=gen)]).to(torch.uint8)
+    scale = torch.stack([torch.arange(256)[:, None].expand(256, 16),
+                         torch.randint(0, 256, (256, 16), generator=gen)]).to(torch.uint8)
+    packed, scale = packed.to(device), scale.to(device)          # [2, 256, 256], [2, 256, 16]
+    want0 = dequantize_mxfp4(packed[0], scale[0]).double()
+    assert (want0 == 0).any() and torch.isinf(want0).any() and torch.isnan(want0).any()
+    assert (want0.abs() == 2.0 ** -128).any() and torch.signbit(want0[want0 == 0]).any()
+    for n_rows, half_k in ((256, 256), (250, 240)):              # (250, 240): both tails
+        w, s = packed[:, :n_rows, :half_k], scale[:, :n_rows, :half_k // 16]
+        for block_n, block_k in ((16, 32), (64, 64), (128, 128)):
+            for e in range(2):
+                out = torch.full((n_rows, 2 * half_k), 12345.0, device=device, dtype=dtype)
+                with warnings.catch_warnings():     # NumPy under the interpreter: inf products
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    mxfp4_decode_probe_kernel[(-(-n_rows // block_n),)](
+                        w, s, out, e, n_rows, half_k, w.stride(0), w.stride(1), s.stride(0),
+                        s.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+                want = dequantize_mxfp4(w[e], s[e], dtype)
+                assert _same_bits(out, want), (f"decode {dtype} expert {e} rows {n_rows} "
+                                               f"K {2 * half_k} tiles {block_n}x{block_k}")
 
 
 def check_partials(device="cpu", dtype=torch.float32, N=5, E=8, k=3, D=64, inter=64,
@@ -94,6 +138,7 @@ def check_layer(device="cpu", dtype=torch.float32, N=7, E=8, k=2, L=64, inter=32
 
 
 def run_suite(device="cpu", dtype=torch.float32) -> None:
+    check_decode_exact(device, dtype)
     for N in (1, 5, 40):
         check_partials(device, dtype, N=N)
     check_partials(device, dtype, act="situ", beta=4.0, linear_beta=25.0)

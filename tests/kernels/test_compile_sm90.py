@@ -21,7 +21,7 @@ KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel
            "kda_recover_commit_kernel", "conv_spec_verify_kernel", "moe_gemm2_sum_kernel",
            "mxfp4_moe_gemm1_kernel", "mxfp4_moe_gemm2_kernel", "latent_moe_tail_kernel",
            "attn_res_kernel", "situ_and_mul_kernel", "sigmoid_gate_kernel",
-           "kda_gate_beta_kernel", "merge_attn_states_kernel"}
+           "kda_gate_beta_kernel", "merge_attn_states_kernel", "mxfp4_decode_probe_kernel"}
 
 
 def test_interpreter_launches_compile_for_sm90(tmp_path):

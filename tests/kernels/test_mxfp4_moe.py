@@ -22,6 +22,17 @@ experts)."""
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_decode_exact_on_gpu(dtype):
+    """Every code under every scale byte decodes bit-exactly on the device (scale byte 0 is an
+    fp32 subnormal: this fails if the multiply or the bf16 cast flushes it)."""
+    import mxfp4_moe_checks as checks
+
+    checks.check_decode_exact("cuda", dtype)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("N", [1, 5, 64])
 @pytest.mark.parametrize("act", ["silu", "situ"])
 def test_mxfp4_expert_gemms_on_gpu(N, act):
