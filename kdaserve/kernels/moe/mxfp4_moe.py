@@ -212,7 +212,7 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     # only the tail tiles are used, and they depend on N alone
     cfg = _fit(config or default_config(N, top_k, num_experts or 1), L, L, H)
     precision = "ieee" if up_weight.dtype == torch.float32 else "tf32"
-    latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m), cdiv(H, cfg.tail_block_n))](
+    latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m) * cdiv(H, cfg.tail_block_n),)](
         partials, topk_weights.contiguous(), topk_ids.contiguous(),
         norm_weight if norm_weight is not None else up_weight, up_weight,
         residual if residual is not None else out, out,

@@ -197,10 +197,15 @@ def latent_moe_tail_kernel(
 ):
     """out[n, cols] = r_n * ((sum_j w[n, j] * partial[n * top_k + j]) * g) @ W_up[cols]^T
     (+ residual[n, cols]); r_n = rsqrt(mean over the latent of the weighted sum^2 + eps), or 1
-    without HAS_NORM (g = 1 then). Entries with ids outside [0, E) are skipped (never read)."""
+    without HAS_NORM (g = 1 then). Entries with ids outside [0, E) are skipped (never read).
+    A 1-D grid over (row tile, column tile), the column tiles of one row tile consecutive, so
+    the programs re-reading the same partials run close together (the re-reads can hit L2)."""
     pdl_wait(USE_PDL)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < num_tokens
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
