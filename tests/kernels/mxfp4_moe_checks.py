@@ -4,6 +4,7 @@ CUDA (bf16), or as a script on CPU tensors under TRITON_INTERPRET=1 (fp32; test_
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,8 +30,52 @@ def _experts(E, D, inter, gen, device):
     return (*w(2 * inter, D), *w(D, inter))
 
 
+def _same_bits(out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal NaN positions, and bit-identical values elsewhere (so -0.0 != 0.0)."""
+    bits = torch.int16 if out.dtype == torch.bfloat16 else torch.int32
+    nan = torch.isnan(want)
+    return (torch.equal(torch.isnan(out), nan)
+            and torch.equal(out[~nan].view(bits), want[~nan].view(bits)))
+
+
+def check_decode_exact(device="cpu", dtype=torch.float32):
+    """The GEMMs' weight decode (mxfp4_decode_probe.py) equals format.py dequantize_mxfp4 bit
+    for bit: every E2M1 code under every E8M0 byte, 0 (2^-127) and 255 (NaN) included, in
+    both nibbles; tiles of 32, 64 and 128 along K; row and K tails masked. bf16 on a GPU only:
+    the interpreter's fp32 -> bf16 cast mishandles fp32 subnormals (scale byte 0)."""
+    from mxfp4_decode_probe import mxfp4_decode_probe_kernel
+
+    from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(3)
+    # expert 0, row n: the 256 byte values (every low / high code pair), every scale byte n;
+    # expert 1: random bytes, a different random scale byte per group of 32 K values
+    packed = torch.stack([torch.arange(256).repeat(256, 1),
+                          torch.randint(0, 256, (256, 256), generator=gen)]).to(torch.uint8)
+    scale = torch.stack([torch.arange(256)[:, None].expand(256, 16),
+                         torch.randint(0, 256, (256, 16), generator=gen)]).to(torch.uint8)
+    packed, scale = packed.to(device), scale.to(device)          # [2, 256, 256], [2, 256, 16]
+    want0 = dequantize_mxfp4(packed[0], scale[0]).double()
+    assert (want0 == 0).any() and torch.isinf(want0).any() and torch.isnan(want0).any()
+    assert (want0.abs() == 2.0 ** -128).any() and torch.signbit(want0[want0 == 0]).any()
+    for n_rows, half_k in ((256, 256), (250, 240)):              # (250, 240): both tails
+        w, s = packed[:, :n_rows, :half_k], scale[:, :n_rows, :half_k // 16]
+        for block_n, block_k in ((16, 32), (64, 64), (128, 128)):
+            for e in range(2):
+                out = torch.full((n_rows, 2 * half_k), 12345.0, device=device, dtype=dtype)
+                with warnings.catch_warnings():     # NumPy under the interpreter: inf products
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    mxfp4_decode_probe_kernel[(-(-n_rows // block_n),)](
+                        w, s, out, e, n_rows, half_k, w.stride(0), w.stride(1), s.stride(0),
+                        s.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+                want = dequantize_mxfp4(w[e], s[e], dtype)
+                assert _same_bits(out, want), (f"decode {dtype} expert {e} rows {n_rows} "
+                                               f"K {2 * half_k} tiles {block_n}x{block_k}")
+
+
 def check_partials(device="cpu", dtype=torch.float32, N=5, E=8, k=3, D=64, inter=64,
-                   act="silu", beta=None, linear_beta=None, bad_id=False, dense=False, seed=0):
+                   act="silu", beta=None, linear_beta=None, bad_id=False, dense=False, seed=0,
+                   config=None):
     from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
     from kdaserve.kernels.moe.mxfp4_moe import moe_partials
 
@@ -43,10 +88,11 @@ def check_partials(device="cpu", dtype=torch.float32, N=5, E=8, k=3, D=64, inter
     fn = _act(act, beta, linear_beta)
     if dense:   # the bf16 baseline: the same weights, dequantised
         w13, w2 = dequantize_mxfp4(w13p, w13s, dtype), dequantize_mxfp4(w2p, w2s, dtype)
-        out = moe_partials(x, w13, w2, ids, act=act, beta=beta, linear_beta=linear_beta)
+        out = moe_partials(x, w13, w2, ids, act=act, beta=beta, linear_beta=linear_beta,
+                           config=config)
         want = ref.moe_partials(x.float(), lambda e: (w13[e], w2[e]), E, ids, fn)
     else:
-        out = moe_partials(x, w13p, w2p, ids, w13s, w2s, act, beta, linear_beta)
+        out = moe_partials(x, w13p, w2p, ids, w13s, w2s, act, beta, linear_beta, config)
         want = ref.moe_partials_mxfp4(x.float(), w13p, w13s, w2p, w2s, ids, fn)
     ok = (ids.reshape(-1) >= 0)
     kc.assert_close(f"{'dense' if dense else 'mxfp4'} partials N={N} {act}", out[ok].float(),
@@ -54,7 +100,7 @@ def check_partials(device="cpu", dtype=torch.float32, N=5, E=8, k=3, D=64, inter
 
 
 def check_tail(device="cpu", dtype=torch.float32, N=5, k=3, E=8, L=64, H=48, norm=True,
-               residual=True, bad_id=False, seed=1):
+               residual=True, bad_id=False, seed=1, config=None):
     from kdaserve.kernels.moe.mxfp4_moe import latent_moe_tail
 
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +114,7 @@ def check_tail(device="cpu", dtype=torch.float32, N=5, k=3, E=8, L=64, H=48, nor
     g = (1 + 0.1 * torch.randn(L, generator=gen)).to(device, dtype) if norm else None
     res = torch.randn(N, H, generator=gen).to(device, dtype) if residual else None
     out = torch.full((N, H), float("nan"), device=device, dtype=dtype)   # poisoned
-    latent_moe_tail(partials, w, ids, up, g, 1e-5, res, num_experts=E, out=out)
+    latent_moe_tail(partials, w, ids, up, g, 1e-5, res, num_experts=E, out=out, config=config)
     want = ref.latent_moe_tail(partials, w, ids, up, g, 1e-5, res, num_experts=E)
     kc.assert_close(f"latent tail N={N} norm={norm} residual={residual}", out.float(),
                     want.float(), dtype)
@@ -93,7 +139,27 @@ def check_layer(device="cpu", dtype=torch.float32, N=7, E=8, k=2, L=64, inter=32
     kc.assert_close(f"latent MoE layer N={N}", out.float(), want, dtype)
 
 
+def check_dispatch() -> None:
+    """default_config by shape: kimi-k3-mini's decode step (one token and a batch of 64) on
+    the decode tiles, its 8000-token prefill on the prefill tiles; the suite's shapes below
+    land in the class each of them is there for."""
+    from kdaserve.kernels.moe.mxfp4_moe import (GEMM_CLASSES, TAIL_CLASSES, Mxfp4MoEConfig,
+                                                default_config)
+
+    assert default_config(1, 16, 256) == default_config(64, 16, 256) == Mxfp4MoEConfig()
+    for (N, k, E), gemm, tail in (((1, 16, 256), 0, 0), ((8000, 16, 256), 2, 2),
+                                  ((48, 2, 4), 1, 0), ((520, 2, 4), 2, 2), ((200, 2, 4), 1, 1),
+                                  ((600, 2, 4), 2, 2)):
+        got = vars(default_config(N, k, E))
+        want = {**GEMM_CLASSES[gemm][1], **TAIL_CLASSES[tail][1]}
+        assert {f: got[f] for f in want} == want, (N, k, E, got)
+
+
 def run_suite(device="cpu", dtype=torch.float32) -> None:
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_CLASSES, Mxfp4MoEConfig
+
+    check_decode_exact(device, dtype)
+    check_dispatch()
     for N in (1, 5, 40):
         check_partials(device, dtype, N=N)
     check_partials(device, dtype, act="situ", beta=4.0, linear_beta=25.0)
@@ -106,6 +172,24 @@ def run_suite(device="cpu", dtype=torch.float32) -> None:
     check_tail(device, dtype, N=4, L=80, bad_id=True)
     check_layer(device, dtype)
     check_layer(device, dtype, N=1)
+    # the larger classes unshrunk (D, I >= 128, H >= 256) with several row blocks per expert:
+    # 48 tokens x 2 of 4 experts ~ 24 rows each (the 64-row class); 520 x 2 of 4 ~ 260 rows
+    # each, 3 blocks of 128 (the prefill class, and the atomic alignment: > 1024 entries)
+    check_partials(device, dtype, N=48, E=4, k=2, D=128, inter=128, act="situ", beta=4.0,
+                   linear_beta=25.0)
+    check_partials(device, dtype, N=48, E=4, k=2, D=128, inter=128, dense=True, seed=8)
+    check_partials(device, dtype, N=520, E=4, k=2, D=128, inter=128, act="situ", beta=4.0,
+                   linear_beta=25.0, bad_id=True)
+    check_partials(device, dtype, N=520, E=4, k=2, D=160, inter=160, seed=3)  # N and K tails
+    check_partials(device, dtype, N=520, E=4, k=2, D=128, inter=128, act="situ", beta=4.0,
+                   linear_beta=25.0, dense=True, seed=4)
+    # forced through config=: 300 tokens on both of 2 experts, 3 blocks of 128 rows each
+    # (one partial), with the one-launch alignment (600 entries)
+    prefill = Mxfp4MoEConfig(**GEMM_CLASSES[-1][1])
+    check_partials(device, dtype, N=300, E=2, k=2, D=128, inter=128, config=prefill, seed=5)
+    check_tail(device, dtype, N=200, k=2, L=80, H=300, bad_id=True)                # 32 x 128
+    check_tail(device, dtype, N=600, k=2, L=80, H=300, residual=False, seed=6)     # 64 x 256
+    check_layer(device, dtype, N=520, E=4, k=2, L=128, inter=128, H=300, seed=7)
 
 
 if __name__ == "__main__":

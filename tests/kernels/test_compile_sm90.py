@@ -1,7 +1,10 @@
 """Every kernel launch of the interpreter checks also compiles for sm_90 (H100 / H200) with
 Triton's own toolchain, on a machine without a GPU: the interpreter accepts code the compiler
-rejects (a loop-carried value changing type, a tl.dot below 16, ...), and CI has no GPU."""
+rejects (a loop-carried value changing type, a tl.dot below 16, ...), and CI has no GPU. The
+MXFP4 MoE kernels must be among them at every tile class of their default_config, since the
+production tiles are constexprs that small test shapes would otherwise shrink away."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +24,7 @@ KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel
            "kda_recover_commit_kernel", "conv_spec_verify_kernel", "moe_gemm2_sum_kernel",
            "mxfp4_moe_gemm1_kernel", "mxfp4_moe_gemm2_kernel", "latent_moe_tail_kernel",
            "attn_res_kernel", "situ_and_mul_kernel", "sigmoid_gate_kernel",
-           "kda_gate_beta_kernel", "merge_attn_states_kernel"}
+           "kda_gate_beta_kernel", "merge_attn_states_kernel", "mxfp4_decode_probe_kernel"}
 
 
 def test_interpreter_launches_compile_for_sm90(tmp_path):
@@ -39,3 +42,24 @@ def test_interpreter_launches_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     compiled = set(out.stdout.strip().splitlines()[-1].split(": ", 1)[1].split())
     assert KERNELS <= compiled, sorted(KERNELS - compiled)
+    assert not _missing_mxfp4_moe_tiles(launches), _missing_mxfp4_moe_tiles(launches)
+
+
+def _missing_mxfp4_moe_tiles(launches: Path) -> list:
+    """The tile classes of kernels/moe/mxfp4_moe.py default_config (GEMMs and tail) that no
+    recorded launch used unshrunk: each one must be among the launches compiled above."""
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_CLASSES, TAIL_CLASSES
+
+    seen = set()
+    for line in launches.read_text().splitlines():
+        rec = json.loads(line)
+        consts = {n: a.get("value") for n, a in rec["args"].items() if n.isupper()}
+        seen.add((rec["name"], consts.get("BLOCK_M"), consts.get("BLOCK_N"),
+                  consts.get("BLOCK_K"), rec["options"].get("num_warps"),
+                  rec["options"].get("num_stages")))
+    want = [(name, t["block_m"], t["block_n"], t["block_k"], t["num_warps"], t["num_stages"])
+            for _, t in GEMM_CLASSES for name in ("mxfp4_moe_gemm1_kernel",
+                                                  "mxfp4_moe_gemm2_kernel")]
+    want += [("latent_moe_tail_kernel", t["tail_block_m"], t["tail_block_n"], t["tail_block_k"],
+              t["tail_num_warps"], t["tail_num_stages"]) for _, t in TAIL_CLASSES]
+    return [w for w in want if w not in seen]

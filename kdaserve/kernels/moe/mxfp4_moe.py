@@ -19,7 +19,7 @@ with programmatic dependent launch (inputs are all produced by the previous kern
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,28 +29,71 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
 
 @dataclass(frozen=True)
 class Mxfp4MoEConfig:
-    """Tiles of the two grouped GEMMs (block_k counts unpacked K values, a multiple of 32: the
-    two half-K products need block_k / 2 >= 16) and of the tail."""
+    """Tiles of the two grouped GEMMs (block_k counts unpacked K values, a power of two >= 32:
+    the two half-K products need block_k / 2 >= 16, and the decode takes 16 packed bytes per
+    scale) and of the tail. The defaults are the decode class of default_config."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     group_m: int = 1
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     tail_block_m: int = 16
     tail_block_n: int = 64
     tail_block_k: int = 64
+    tail_num_warps: int = 4
+    tail_num_stages: int = 3
+
+
+GEMM_CLASSES = (
+    (0, dict(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3)),
+    (16, dict(block_m=64, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3)),
+    (128, dict(block_m=128, block_n=128, block_k=64, group_m=4, num_warps=8, num_stages=3)),
+)
+"""(least mean routing rows per expert, GEMM tiles). Decode: 16-row blocks (the tl.dot
+minimum; about one block per used expert) on mma.sync, 3 stages (at 2, ptxas spills registers
+in gemm1). From 16 rows per expert: 64-row blocks on one warpgroup (wgmma), each weight tile
+decoded once per 64 rows. From 128 rows (prefill): 128 x 128 tiles on two warpgroups, each
+weight tile decoded once per 128 rows and the activations re-read half as often as with 64
+columns. ptxas -v (sm_90, bf16, MXFP4 and dense) reports no spills at any of them; gemm1 (two
+accumulators) at the prefill tiles takes all 255 registers a thread, no room for larger ones.
+Chosen from these static compile facts and the arithmetic above, not from timings."""
+
+TAIL_CLASSES = (
+    (0, dict(tail_block_m=16, tail_block_n=64, tail_block_k=64, tail_num_warps=4,
+             tail_num_stages=3)),
+    (128, dict(tail_block_m=32, tail_block_n=128, tail_block_k=64, tail_num_warps=4,
+               tail_num_stages=3)),
+    (512, dict(tail_block_m=64, tail_block_n=256, tail_block_k=64, tail_num_warps=8,
+               tail_num_stages=3)),
+)
+"""(least tokens, tail tiles). The tail reads the [N * k, L] partials once per tail_block_n
+columns of the output and the up weight once per tail_block_m rows, so wider tiles cut the
+re-reads, but they also make fewer, longer programs. The thresholds are where, at
+H = L = 2048 and k = 16 on 132 SMs, the wider class needs no more (waves of programs x bytes
+a program reads) than the narrower one: a bandwidth estimate, not timed."""
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> Mxfp4MoEConfig:
+    """Tiles from the shapes only (no host sync, CUDA-graph safe): the GEMM tiles by the mean
+    routing rows per expert, num_tokens * top_k / num_experts (GEMM_CLASSES); the tail tiles
+    by num_tokens (TAIL_CLASSES)."""
+    rows = num_tokens * top_k / max(1, num_experts)
+    gemm = [t for least, t in GEMM_CLASSES if rows >= least][-1]
+    tail = [t for least, t in TAIL_CLASSES if num_tokens >= least][-1]
+    return Mxfp4MoEConfig(**gemm, **tail)
 
 
 def _fit(cfg: Mxfp4MoEConfig, latent: int, inter: int, hidden: int) -> Mxfp4MoEConfig:
-    """Tiles no larger than the problem (small test models); never below the tl.dot minimum."""
+    """Tiles no larger than the problem (small test models); never below the tl.dot minimum.
+    block_m, the warps and the stages are kept."""
     def cap(v, n, low):
         return max(low, min(v, next_power_of_2(n)))
 
-    return Mxfp4MoEConfig(
-        cfg.block_m, cap(cfg.block_n, min(latent, inter), 16),
-        cap(cfg.block_k, min(latent, inter), 32), cfg.group_m, cfg.num_warps, cfg.num_stages,
-        cfg.tail_block_m, cap(cfg.tail_block_n, hidden, 16), cap(cfg.tail_block_k, latent, 16))
+    return replace(cfg, block_n=cap(cfg.block_n, min(latent, inter), 16),
+                   block_k=cap(cfg.block_k, min(latent, inter), 32),
+                   tail_block_n=cap(cfg.tail_block_n, hidden, 16),
+                   tail_block_k=cap(cfg.tail_block_k, latent, 16))
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype | None, ndim: int) -> None:
@@ -74,7 +117,8 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     w13 uint8 [E, 2I, D/2] + w13_scale [E, 2I, D/32] (rows [0, I) gate, [I, 2I) up), w2 uint8
     [E, D, I/2] + w2_scale [E, D, I/32]. Dense (scales None, the bf16 baseline): w13
     [E, 2I, D], w2 [E, D, I] in x.dtype. act: silu, or situ with beta (and linear_beta, the up
-    branch's clip; None = unclipped). Returns [N * k, D] in x.dtype."""
+    branch's clip; None = unclipped). config: the tiles (None: default_config(N, k, E)),
+    shrunk to the shapes by _fit. Returns [N * k, D] in x.dtype."""
     require_triton()
     from kdaserve.kernels.moe.fused_moe import moe_align_block_size
     from kdaserve.kernels.moe.triton_mxfp4_moe import (mxfp4_moe_gemm1_kernel,
@@ -106,7 +150,7 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     out = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    cfg = _fit(config or Mxfp4MoEConfig(), D, inter, D)
+    cfg = _fit(config or default_config(N, top_k, E), D, inter, D)
     topk_ids = topk_ids.contiguous()
     direct = N == 1
     if direct:
@@ -146,6 +190,7 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     up_weight^T (+ residual[n]) in one launch; without norm_weight the sum goes straight into
     the up projection. partials: [N * k, L]; topk_*: [N, k] (ids outside [0, num_experts)
     skipped; num_experts None = no upper bound); up_weight: [H, L]; residual: [N, H].
+    config: its tail_* tiles are used (None: default_config's, by N), shrunk to the shapes.
     Returns [N, H] in up_weight.dtype."""
     require_triton()
     from kdaserve.kernels.moe.triton_mxfp4_moe import latent_moe_tail_kernel
@@ -164,9 +209,10 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         out = torch.empty(N, H, dtype=up_weight.dtype, device=up_weight.device)
     if N == 0:
         return out
-    cfg = _fit(config or Mxfp4MoEConfig(), L, L, H)
+    # only the tail tiles are used, and they depend on N alone
+    cfg = _fit(config or default_config(N, top_k, num_experts or 1), L, L, H)
     precision = "ieee" if up_weight.dtype == torch.float32 else "tf32"
-    latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m), cdiv(H, cfg.tail_block_n))](
+    latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m) * cdiv(H, cfg.tail_block_n),)](
         partials, topk_weights.contiguous(), topk_ids.contiguous(),
         norm_weight if norm_weight is not None else up_weight, up_weight,
         residual if residual is not None else out, out,
@@ -175,5 +221,6 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         residual.stride(0) if residual is not None else 0, out.stride(0),
         BLOCK_M=cfg.tail_block_m, BLOCK_N=cfg.tail_block_n, BLOCK_K=cfg.tail_block_k,
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, **pdl_options(pdl, up_weight))
+        DOT_PRECISION=precision, num_warps=cfg.tail_num_warps,
+        num_stages=cfg.tail_num_stages, **pdl_options(pdl, up_weight))
     return out

@@ -1,9 +1,11 @@
 """Triton kernels of the MXFP4 latent MoE (imported lazily by mxfp4_moe.py).
 
 Weights stay 4-bit in memory (kernels/mxfp4/format.py layout): every weight tile is loaded as
-packed bytes [BLOCK_K / 2, BLOCK_N] plus its E8M0 scales, decoded to the activation dtype in
-registers (exact: an E2M1 value times a power of two), and multiplied as two half-K products,
-the even K columns (low nibbles) and the odd ones (high nibbles), so no interleave is needed.
+packed bytes [BLOCK_K / 2, BLOCK_N] plus its E8M0 scales (one per 16 packed bytes, loaded once
+per group), decoded to the activation dtype in registers with integer bit operations and one
+fp32 multiply per element (exact: an E2M1 value times a power of two), and multiplied as two
+half-K products, the even K columns (low nibbles) and the odd ones (high nibbles), so no
+interleave is needed.
 MXFP4=False reads dense [E, N, K] weights the same way: the bf16 baseline of the same layer.
 Routing entries are the flattened top-k pairs r = n * top_k + j, grouped by expert with
 fused_moe's alignment (or one entry per row block for one token, DIRECT).
@@ -26,46 +28,59 @@ from kdaserve.kernels.triton_pdl import pdl_wait
 
 @triton.jit
 def _e2m1(code):
-    """int32 E2M1 codes (0..15) -> fp32 values: sign bit 3, exponent bits 2..1 (bias 1),
-    mantissa bit 0, exponent 0 subnormal (0.5 * M)."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, tl.exp2((e - 1).to(tl.float32)) * (1.0 + 0.5 * m))
-    return tl.where((code & 8) != 0, -mag, mag)
+    """int32 E2M1 codes (0..15) -> fp32 values, exactly, built as fp32 bit patterns (no exp2).
+    c = code & 7 holds the exponent e (bits 2..1) and the mantissa m (bit 0). c >= 2 is
+    2^(e - 1) * (1 + m / 2): exponent field e + 126, mantissa bit 22 = m, i.e. the bits
+    (c << 22) + (126 << 23). c < 2 (E2M1's subnormals, 0 and 0.5) is c * (126 << 23). The sign
+    (code bit 3) becomes bit 31, so code 8 is -0.0. Every result is zero or a normal fp32."""
+    c = code & 7
+    mag = tl.where(c < 2, c * 0x3F000000, (c << 22) + 0x3F000000)
+    return (mag | ((code >> 3) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e8m0(s):
-    """uint8 exponent bytes -> 2^(s - 127) in fp32; 255 -> NaN."""
-    v = tl.exp2(s.to(tl.float32) - 127.0)
-    return tl.where(s == 255, float("nan"), v)
+    """int32 E8M0 bytes (0..255) -> 2^(s - 127) in fp32, exactly, from bits: s << 23 is the
+    exponent field for s in 1..254; s = 0 and s = 255 also set mantissa bit 22, giving 2^-127
+    (a subnormal) and a quiet NaN."""
+    edge = ((s + 1) & 254) == 0                             # s == 0 or s == 255
+    return ((s << 23) | tl.where(edge, 0x400000, 0)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we, stride_wn,
-                stride_se, stride_sn, DTYPE: tl.constexpr):
-    """Decoded weight tile of rows offs_n, packed bytes j0 + offs_j: (low [BKH, BN], high
-    [BKH, BN]) in DTYPE, i.e. the K columns 2j and 2j + 1."""
-    j = j0 + offs_j
-    mask = (j < half_k)[:, None] & mask_n[None, :]
-    rows = offs_n[None, :].to(tl.int64)
-    codes = tl.load(w_ptr + e * stride_we + rows * stride_wn + j[:, None], mask=mask,
-                    other=0).to(tl.int32)                                    # [BKH, BN]
-    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows * stride_sn + (j // 16)[:, None],
-                          mask=mask, other=127))
-    return (_e2m1(codes & 15) * scale).to(DTYPE), (_e2m1(codes >> 4) * scale).to(DTYPE)
+def _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we, stride_wn,
+                stride_se, stride_sn, BKH: tl.constexpr, DTYPE: tl.constexpr):
+    """Decoded weight tile of rows offs_n, packed bytes j0 .. j0 + BKH (j0 a multiple of 16):
+    (low [BKH, BN], high [BKH, BN]) in DTYPE, i.e. the K columns 2j and 2j + 1. The tile is
+    handled as [G, 16, BN]: one E8M0 byte per 16 packed bytes (32 K values), loaded and decoded
+    once per group of 16 and broadcast over it."""
+    G: tl.constexpr = BKH // 16
+    BN: tl.constexpr = offs_n.shape[0]
+    offs_g = j0 // 16 + tl.arange(0, G)                                      # [G] scale columns
+    mask_g = (offs_g < half_k // 16)[:, None] & mask_n[None, :]              # [G, BN]
+    rows = offs_n[None, :].to(tl.int64)                                      # [1, BN]
+    j = offs_g[:, None, None] * 16 + tl.arange(0, 16)[None, :, None]         # [G, 16, 1]
+    codes = tl.load(w_ptr + e * stride_we + rows[None, :, :] * stride_wn + j,
+                    mask=mask_g[:, None, :], other=0).to(tl.int32)           # [G, 16, BN]
+    scale = _e8m0(tl.load(s_ptr + e * stride_se + rows * stride_sn + offs_g[:, None],
+                          mask=mask_g, other=127).to(tl.int32))[:, None, :]  # [G, 1, BN]
+    lo = tl.reshape(_e2m1(codes & 15) * scale, [BKH, BN])
+    hi = tl.reshape(_e2m1(codes >> 4) * scale, [BKH, BN])
+    return lo.to(DTYPE), hi.to(DTYPE)
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we, stride_wn,
-                 stride_se, stride_sn, DTYPE: tl.constexpr, MXFP4: tl.constexpr):
-    """(even-K columns, odd-K columns) [BKH, BN] of the weight rows offs_n: decoded from MXFP4,
-    or read from a dense [E, N, K] weight (the bf16 baseline; s_ptr unused)."""
+def _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we, stride_wn,
+                 stride_se, stride_sn, BKH: tl.constexpr, DTYPE: tl.constexpr,
+                 MXFP4: tl.constexpr):
+    """(even-K columns, odd-K columns) [BKH, BN] of the weight rows offs_n for the packed
+    positions j0 .. j0 + BKH: decoded from MXFP4, or read from a dense [E, N, K] weight (the
+    bf16 baseline; s_ptr unused)."""
     if MXFP4:
-        lo, hi = _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k, stride_we,
-                             stride_wn, stride_se, stride_sn, DTYPE)
+        lo, hi = _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we,
+                             stride_wn, stride_se, stride_sn, BKH, DTYPE)
     else:
-        j = j0 + offs_j
+        j = j0 + tl.arange(0, BKH)
         mask = (j < half_k)[:, None] & mask_n[None, :]
         ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + 2 * j[:, None]
         lo = tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
@@ -113,11 +128,10 @@ def mxfp4_moe_gemm1_kernel(
         mask_a = valid[:, None] & (j0 + offs_j < half_k)[None, :]
         a_even = tl.load(a_base + 2 * (j0 + offs_j)[None, :], mask=mask_a, other=0.0)
         a_odd = tl.load(a_base + 2 * (j0 + offs_j)[None, :] + 1, mask=mask_a, other=0.0)
-        g_lo, g_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k,
-                                  stride_we, stride_wn, stride_se, stride_sn, dtype, MXFP4)
-        u_lo, u_hi = _weight_tile(w_ptr, s_ptr, e, offs_n + inter_size, mask_n, j0, offs_j,
-                                  half_k, stride_we, stride_wn, stride_se, stride_sn, dtype,
-                                  MXFP4)
+        g_lo, g_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we,
+                                  stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4)
+        u_lo, u_hi = _weight_tile(w_ptr, s_ptr, e, offs_n + inter_size, mask_n, j0, half_k,
+                                  stride_we, stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4)
         acc_g = tl.dot(a_even, g_lo, acc_g, input_precision=DOT_PRECISION)
         acc_g = tl.dot(a_odd, g_hi, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a_even, u_lo, acc_u, input_precision=DOT_PRECISION)
@@ -164,8 +178,8 @@ def mxfp4_moe_gemm2_kernel(
         mask_a = valid[:, None] & (j0 + offs_j < half_k)[None, :]
         a_even = tl.load(a_base + 2 * (j0 + offs_j)[None, :], mask=mask_a, other=0.0)
         a_odd = tl.load(a_base + 2 * (j0 + offs_j)[None, :] + 1, mask=mask_a, other=0.0)
-        w_lo, w_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, offs_j, half_k,
-                                  stride_we, stride_wn, stride_se, stride_sn, dtype, MXFP4)
+        w_lo, w_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we,
+                                  stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4)
         acc = tl.dot(a_even, w_lo, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(a_odd, w_hi, acc, input_precision=DOT_PRECISION)
     o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
@@ -183,10 +197,15 @@ def latent_moe_tail_kernel(
 ):
     """out[n, cols] = r_n * ((sum_j w[n, j] * partial[n * top_k + j]) * g) @ W_up[cols]^T
     (+ residual[n, cols]); r_n = rsqrt(mean over the latent of the weighted sum^2 + eps), or 1
-    without HAS_NORM (g = 1 then). Entries with ids outside [0, E) are skipped (never read)."""
+    without HAS_NORM (g = 1 then). Entries with ids outside [0, E) are skipped (never read).
+    A 1-D grid over (row tile, column tile), the column tiles of one row tile consecutive, so
+    the programs re-reading the same partials run close together (the re-reads can hit L2)."""
     pdl_wait(USE_PDL)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < num_tokens
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)

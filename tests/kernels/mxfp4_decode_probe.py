@@ -1,0 +1,33 @@
+"""A probe kernel for the checks: the MXFP4 weight decode of the expert GEMMs
+(kernels/moe/triton_mxfp4_moe.py _weight_tile), stored instead of multiplied, so that every
+decoded value can be compared bit for bit with kernels/mxfp4/format.py dequantize_mxfp4.
+
+A module of its own (not part of a check script) so that the launches record_launches.py sees
+name an importable module and test_compile_sm90.py compiles the probe for sm_90 as well.
+"""
+
+import triton
+import triton.language as tl
+
+from kdaserve.kernels.moe.triton_mxfp4_moe import _weight_tile
+
+
+@triton.jit
+def mxfp4_decode_probe_kernel(w_ptr, s_ptr, out_ptr, expert, n_rows, half_k, stride_we,
+                              stride_wn, stride_se, stride_sn, stride_om,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n, k] = the decoded weight [n, k] of expert `expert` in out_ptr's dtype: program i
+    covers rows [i * BLOCK_N, (i + 1) * BLOCK_N) and walks K in tiles of BLOCK_K, the low
+    nibbles going to the even K columns and the high ones to the odd, as in the GEMMs."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_rows
+    BKH: tl.constexpr = BLOCK_K // 2
+    dtype = out_ptr.dtype.element_ty
+    for j0 in range(0, half_k, BKH):
+        lo, hi = _weight_tile(w_ptr, s_ptr, expert, offs_n, mask_n, j0, half_k, stride_we,
+                              stride_wn, stride_se, stride_sn, BKH, dtype, True)  # [BKH, BN]
+        j = j0 + tl.arange(0, BKH)
+        ptrs = out_ptr + offs_n[None, :].to(tl.int64) * stride_om + 2 * j[:, None]
+        mask = (j < half_k)[:, None] & mask_n[None, :]
+        tl.store(ptrs, lo, mask=mask)
+        tl.store(ptrs + 1, hi, mask=mask)
