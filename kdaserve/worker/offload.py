@@ -98,29 +98,28 @@ class OffloadWorker:
                     else:
                         dev[d:d + n].copy_(host[h:h + n], non_blocking=True)
             return
-        ids = self._index(plan.dev_ids)                                  # [num rows] long
+        # staged from pageable memory without waiting for the device (as attention/builder.py)
+        ids = torch.tensor(plan.dev_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        staging: dict[tuple, torch.Tensor] = {}   # one buffer per row shape, reused by layers
+        chunks: dict[int, list] = {}
         for host, dev in pairs:
-            row_bytes = dev[0].numel() * dev.element_size()
-            step = max(1, STAGING_BYTES // row_bytes)
-            for c0 in range(0, len(plan.dev_ids), step):
-                c1 = min(c0 + step, len(plan.dev_ids))
+            step = max(1, STAGING_BYTES // (dev[0].numel() * dev.element_size()))
+            key = (tuple(dev.shape[1:]), dev.dtype)
+            if key not in staging:   # stream-ordered reuse: the next layer's copies queue behind
+                staging[key] = torch.empty((min(step, len(plan.dev_ids)),) + key[0],
+                                           dtype=dev.dtype, device=dev.device)
+            if step not in chunks:
+                chunks[step] = plan.chunks(step)
+            for c0, c1, runs in chunks[step]:
+                staged = staging[key][:c1 - c0]                      # [c1 - c0, *row]
                 if to_host:
-                    staged = dev.index_select(0, ids[c0:c1])             # [c1 - c0, *row]
-                    for h, lo, hi in plan.runs_in(c0, c1):
+                    torch.index_select(dev, 0, ids[c0:c1], out=staged)
+                    for h, lo, hi in runs:
                         host[h:h + hi - lo].copy_(staged[lo - c0:hi - c0], non_blocking=True)
                 else:
-                    staged = torch.empty((c1 - c0,) + tuple(dev.shape[1:]), dtype=dev.dtype,
-                                         device=dev.device)
-                    for h, lo, hi in plan.runs_in(c0, c1):
+                    for h, lo, hi in runs:
                         staged[lo - c0:hi - c0].copy_(host[h:h + hi - lo], non_blocking=True)
                     dev.index_copy_(0, ids[c0:c1], staged)
-
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        """Device row ids as a device tensor, without waiting on the stream (pinned source)."""
-        t = torch.tensor(rows, dtype=torch.long)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ---- file jobs ----
     def submit(self, jobs: list[DiskJob]) -> None:
@@ -239,6 +238,12 @@ class _Plan:
     """Per host run, its first device row (meaningful when `direct`)."""
     direct: bool
     """Every host run's device rows run on by one too: each run is one copy, no staging."""
+
+    def chunks(self, step: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """The copies cut into chunks of at most `step`: (c0, c1, runs_in(c0, c1))."""
+        n = len(self.dev_ids)
+        return [(c0, min(c0 + step, n), self.runs_in(c0, min(c0 + step, n)))
+                for c0 in range(0, n, step)]
 
     def runs_in(self, c0: int, c1: int) -> list[tuple[int, int, int]]:
         """The host runs' parts inside copies [c0, c1) of the plan's order, as (host slot,

@@ -36,7 +36,7 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
     for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
         computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
         if d <= max_rows:
-            exports = [(d, 64), (d, 70), (d + 1, 40)] if d == 0 else None
+            exports = [(0, 64), (0, 70), (1, 40)] if d == 0 else None
             _forward(runner, [1] * d + [100, 61], computed + [33, 0], exports)
         if d:                                   # decode only: eager past the graph sizes
             _forward(runner, [1] * d, computed)
