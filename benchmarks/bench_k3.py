@@ -178,10 +178,15 @@ def stage_decode(a: argparse.Namespace, bw: float) -> dict:
 # profile
 # ----------------------------------------------------------------------------------------------
 
+TOP_KERNELS = 18
+"""Kernels printed per profiled variant, by device time (the JSON keeps them all)."""
+
+
 def kernels_per_step(runner, vocab: int, a: argparse.Namespace,
-                     steps: int) -> tuple[dict, float]:
+                     steps: int) -> tuple[dict, float, dict]:
     """Eager decode steps under torch.profiler: ({kernel name: launches per step}, device
-    time per step in ms). On the CPU (smoke test) the events are the aten ops."""
+    time per step in ms, {kernel name: device us per step}). On the CPU (smoke test) the
+    events are the aten ops."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = runner.device.type == "cuda"
@@ -195,14 +200,15 @@ def kernels_per_step(runner, vocab: int, a: argparse.Namespace,
     # run_point's first step (new-request setup) is dropped from its times, not from the
     # profile: steps + 1 steps ran
     n = steps + 1
-    counts, total_us = Counter(), 0.0
+    counts, us = Counter(), Counter()
     for e in prof.events():
         is_kernel = (e.device_type == torch.autograd.DeviceType.CUDA if cuda
                      else e.name.startswith("aten::") and e.cpu_parent is None)
         if is_kernel:
             counts[e.name] += 1
-            total_us += e.time_range.elapsed_us()
-    return {k: v / n for k, v in sorted(counts.items())}, total_us / n / 1e3
+            us[e.name] += e.time_range.elapsed_us()
+    return ({k: v / n for k, v in sorted(counts.items())}, sum(us.values()) / n / 1e3,
+            {k: v / n for k, v in us.most_common()})
 
 
 def latent_round_trip_bytes(runner, vocab: int, a: argparse.Namespace) -> dict:
@@ -266,17 +272,21 @@ def stage_profile(a: argparse.Namespace) -> dict:
     out = {"command": " ".join(sys.argv), "batch": 1, "context": a.context,
            "profiled_steps": a.profile_steps, "mode": "eager (one launch per kernel)"}
     per = {}
-    for fused in (True, False):
-        worker = make_worker(a, "mxfp4", fused, eager=True)
+    # the bf16-expert step too: where the time goes besides the expert GEMMs (the MXFP4 / bf16
+    # ratio is bounded by everything the two steps share)
+    for experts, fused in (("mxfp4", True), ("mxfp4", False), ("bf16", True)):
+        worker = make_worker(a, experts, fused, eager=True)
         runner = worker.model_runner
         vocab = worker.args.vocab_size
-        kernels, dev_ms = kernels_per_step(runner, vocab, a, a.profile_steps)
+        kernels, dev_ms, kernel_us = kernels_per_step(runner, vocab, a, a.profile_steps)
         trip = latent_round_trip_bytes(runner, vocab, a)
-        key = "fused_tail" if fused else "unfused_tail"
+        key = ("fused_tail" if fused else "unfused_tail") + ("_bf16" if experts == "bf16" else "")
         per[key] = kernels
         out[key] = {"launches_per_step": sum(kernels.values()),
                     "device_ms_per_step": dev_ms, "latent_round_trip": trip,
-                    "kernels_per_step": kernels}
+                    "kernels_per_step": kernels, "device_us_per_step": kernel_us}
+        for name, t in list(kernel_us.items())[:TOP_KERNELS]:
+            print(f"  {t:8.1f} us/step  {kernels[name]:6.2f} launches  {name[:110]}")
         print(f"profile {key}: {sum(kernels.values()):.0f} launches/step, {dev_ms:.3f} ms "
               f"device time/step, latent round trip {trip['total_bytes_per_step']} B/step "
               f"({trip['module_calls']} unfused-tail module calls/step)", flush=True)

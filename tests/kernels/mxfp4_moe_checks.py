@@ -141,15 +141,16 @@ def check_layer(device="cpu", dtype=torch.float32, N=7, E=8, k=2, L=64, inter=32
 
 def check_dispatch() -> None:
     """default_config by shape: kimi-k3-mini's decode step (one token and a batch of 64) on
-    the decode tiles, its 8000-token prefill on the prefill tiles; the suite's shapes below
-    land in the class each of them is there for."""
+    the decode tiles (the tail in its GEMV form below 16 tokens), its 8000-token prefill on the
+    prefill tiles; the suite's shapes below land in the class each of them is there for."""
     from kdaserve.kernels.moe.mxfp4_moe import (GEMM_CLASSES, TAIL_CLASSES, Mxfp4MoEConfig,
                                                 default_config)
 
-    assert default_config(1, 16, 256) == default_config(64, 16, 256) == Mxfp4MoEConfig()
-    for (N, k, E), gemm, tail in (((1, 16, 256), 0, 0), ((8000, 16, 256), 2, 2),
-                                  ((48, 2, 4), 1, 0), ((520, 2, 4), 2, 2), ((200, 2, 4), 1, 1),
-                                  ((600, 2, 4), 2, 2)):
+    assert default_config(1, 16, 256) == default_config(15, 16, 256) == Mxfp4MoEConfig()
+    for (N, k, E), gemm, tail in (((1, 16, 256), 0, 0), ((64, 16, 256), 0, 1),
+                                  ((8000, 16, 256), 2, 3), ((20, 3, 8), 0, 1),
+                                  ((4, 3, 8), 0, 0), ((48, 2, 4), 1, 1), ((520, 2, 4), 2, 3),
+                                  ((200, 2, 4), 1, 2), ((600, 2, 4), 2, 3)):
         got = vars(default_config(N, k, E))
         want = {**GEMM_CLASSES[gemm][1], **TAIL_CLASSES[tail][1]}
         assert {f: got[f] for f in want} == want, (N, k, E, got)
@@ -169,7 +170,8 @@ def run_suite(device="cpu", dtype=torch.float32) -> None:
         check_partials(device, dtype, N=N, act="situ", beta=4.0, linear_beta=25.0, dense=True)
     for N, norm, residual in ((1, True, True), (20, True, False), (3, False, True)):
         check_tail(device, dtype, N=N, norm=norm, residual=residual)
-    check_tail(device, dtype, N=4, L=80, bad_id=True)
+    check_tail(device, dtype, N=4, L=80, bad_id=True)                 # GEMV form, unshrunk
+    check_tail(device, dtype, N=3, k=5, L=300, H=40, seed=9)           # K and N tails, odd k
     check_layer(device, dtype)
     check_layer(device, dtype, N=1)
     # the larger classes unshrunk (D, I >= 128, H >= 256) with several row blocks per expert:

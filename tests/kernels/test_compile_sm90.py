@@ -23,6 +23,7 @@ KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel
            "search_pass_kernel", "gemv_kernel", "kda_spec_verify_kernel",
            "kda_recover_commit_kernel", "conv_spec_verify_kernel", "moe_gemm2_sum_kernel",
            "mxfp4_moe_gemm1_kernel", "mxfp4_moe_gemm2_kernel", "latent_moe_tail_kernel",
+           "latent_moe_tail_gemv_kernel",
            "attn_res_kernel", "situ_and_mul_kernel", "sigmoid_gate_kernel",
            "kda_gate_beta_kernel", "merge_attn_states_kernel", "mxfp4_decode_probe_kernel"}
 
@@ -61,5 +62,7 @@ def _missing_mxfp4_moe_tiles(launches: Path) -> list:
             for _, t in GEMM_CLASSES for name in ("mxfp4_moe_gemm1_kernel",
                                                   "mxfp4_moe_gemm2_kernel")]
     want += [("latent_moe_tail_kernel", t["tail_block_m"], t["tail_block_n"], t["tail_block_k"],
+              t["tail_num_warps"], t["tail_num_stages"]) if t["tail_block_m"] > 1 else
+             ("latent_moe_tail_gemv_kernel", None, t["tail_block_n"], t["tail_block_k"],
               t["tail_num_warps"], t["tail_num_stages"]) for _, t in TAIL_CLASSES]
     return [w for w in want if w not in seen]

@@ -96,7 +96,7 @@ def test_bf16_expert_gemms_on_gpu(N):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("N", [1, 7, 64, 200, 2048])
+@pytest.mark.parametrize("N", [1, 7, 15, 16, 64, 200, 2048])
 @pytest.mark.parametrize("norm,residual", [(True, True), (False, True), (True, False)])
 def test_fused_tail_on_gpu(N, norm, residual):
     """The tail launch: top-k weighted sum + latent norm + up projection (+ shared output), at

@@ -18,6 +18,7 @@ Acknowledgements may arrive before this side learns of the hold: they wait in `_
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import logging
 import time
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ACK_PREFIX = b"kdaserve-ack:"
+SLOW_CALL_S = 0.25
+"""A NIXL call on the step's thread taking this long is logged (_timed)."""
 _NIXL_MODULES = ("nixl._api", "nixl_cu13", "nixl_cu12")
 
 
@@ -257,7 +260,8 @@ class NixlConnectorWorker(ConnectorWorker):
         states = {}
         for r, handle in load.posted.items():
             try:
-                states[r] = self.agent.check_xfer_state(handle)
+                with self._timed("check_xfer_state", rid):
+                    states[r] = self.agent.check_xfer_state(handle)
             except Exception as e:  # noqa: BLE001
                 states[r] = "ERR"
                 logger.warning("request %s: transfer state check failed: %s", rid, e)
@@ -306,17 +310,31 @@ class NixlConnectorWorker(ConnectorWorker):
             descs_l, descs_r = _desc_pair(rows_l, rows_r, local.device_id, rl.device_id)
             local_descs = self.agent.get_xfer_descs(descs_l, local.mem_type)
             remote_descs = self.agent.get_xfer_descs(descs_r, rl.mem_type)
-            handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
-                                                remote.agent_name,
-                                                ACK_PREFIX + spec.remote.ref.request_id.encode())
+            with self._timed("initialize_xfer", spec.req_id, len(rows_l)):
+                handle = self.agent.initialize_xfer(
+                    "READ", local_descs, remote_descs, remote.agent_name,
+                    ACK_PREFIX + spec.remote.ref.request_id.encode())
             load.posted[r] = handle
-            if self.agent.transfer(handle) == "ERR":
+            with self._timed("transfer", spec.req_id, len(rows_l)):
+                posted = self.agent.transfer(handle)
+            if posted == "ERR":
                 raise RuntimeError("posting the READ failed")
         except Exception as e:  # noqa: BLE001 - a gone producer raises here
             self._forget_remote(spec.remote.ref.engine_id, r)
             self._fail(load, f"the transfer could not start: {e}")
             return
         load.nbytes += sum(n for _, n in rows_l)
+
+    @contextlib.contextmanager
+    def _timed(self, call: str, req_id: str, num_descs: int | None = None):
+        """Warn when one NIXL call holds the engine's step (they run on its thread): a READ
+        the transport cannot serve by copy engine is progressed inside these calls."""
+        t0 = time.monotonic()
+        yield
+        dt = time.monotonic() - t0
+        if dt >= SLOW_CALL_S:
+            logger.warning("request %s: NIXL %s took %.2f s%s", req_id, call, dt,
+                           f" ({num_descs} descriptors)" if num_descs is not None else "")
 
     def _fail(self, load: _Load, reason: str) -> None:
         if load.error is None:

@@ -31,16 +31,17 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
 class Mxfp4MoEConfig:
     """Tiles of the two grouped GEMMs (block_k counts unpacked K values, a power of two >= 32:
     the two half-K products need block_k / 2 >= 16, and the decode takes 16 packed bytes per
-    scale) and of the tail. The defaults are the decode class of default_config."""
+    scale) and of the tail (tail_block_m = 1: the GEMV form of the tail, without tl.dot). The
+    defaults are the decode class of default_config."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    tail_block_m: int = 16
-    tail_block_n: int = 64
-    tail_block_k: int = 64
+    tail_block_m: int = 1
+    tail_block_n: int = 16
+    tail_block_k: int = 128
     tail_num_warps: int = 4
     tail_num_stages: int = 3
 
@@ -59,15 +60,23 @@ columns. ptxas -v (sm_90, bf16, MXFP4 and dense) reports no spills at any of the
 accumulators) at the prefill tiles takes all 255 registers a thread, no room for larger ones.
 Chosen from these static compile facts and the arithmetic above, not from timings."""
 
+TAIL_GEMV_BELOW = 16
+"""Token count from which the tail uses tl.dot tiles (16 rows, the tl.dot minimum)."""
+
 TAIL_CLASSES = (
-    (0, dict(tail_block_m=16, tail_block_n=64, tail_block_k=64, tail_num_warps=4,
+    (0, dict(tail_block_m=1, tail_block_n=16, tail_block_k=128, tail_num_warps=4,
              tail_num_stages=3)),
+    (TAIL_GEMV_BELOW, dict(tail_block_m=16, tail_block_n=64, tail_block_k=64, tail_num_warps=4,
+                           tail_num_stages=3)),
     (128, dict(tail_block_m=32, tail_block_n=128, tail_block_k=64, tail_num_warps=4,
                tail_num_stages=3)),
     (512, dict(tail_block_m=64, tail_block_n=256, tail_block_k=64, tail_num_warps=8,
                tail_num_stages=3)),
 )
-"""(least tokens, tail tiles). The tail reads the [N * k, L] partials once per tail_block_n
+"""(least tokens, tail tiles). Below TAIL_GEMV_BELOW tokens, tail_block_m = 1: the GEMV form
+(latent_moe_tail_gemv_kernel), one program per token and 16 output columns, so one token's
+tail spreads over hidden / 16 programs instead of the hidden / 64 of a 16-row tl.dot tile whose
+other 15 rows are padding. From there on, the tl.dot tiles: the tail reads the [N * k, L] partials once per tail_block_n
 columns of the output and the up weight once per tail_block_m rows, so wider tiles cut the
 re-reads, but they also make fewer, longer programs. The thresholds are where, at
 H = L = 2048 and k = 16 on 132 SMs, the wider class needs no more (waves of programs x bytes
@@ -193,7 +202,8 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     config: its tail_* tiles are used (None: default_config's, by N), shrunk to the shapes.
     Returns [N, H] in up_weight.dtype."""
     require_triton()
-    from kdaserve.kernels.moe.triton_mxfp4_moe import latent_moe_tail_kernel
+    from kdaserve.kernels.moe.triton_mxfp4_moe import (latent_moe_tail_gemv_kernel,
+                                                       latent_moe_tail_kernel)
 
     _check("partials", partials, None, 2)
     _check("up_weight", up_weight, None, 2)
@@ -211,16 +221,21 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         return out
     # only the tail tiles are used, and they depend on N alone
     cfg = _fit(config or default_config(N, top_k, num_experts or 1), L, L, H)
-    precision = "ieee" if up_weight.dtype == torch.float32 else "tf32"
-    latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m) * cdiv(H, cfg.tail_block_n),)](
-        partials, topk_weights.contiguous(), topk_ids.contiguous(),
-        norm_weight if norm_weight is not None else up_weight, up_weight,
-        residual if residual is not None else out, out,
-        N, L, H, top_k, num_experts if num_experts is not None else 2 ** 31 - 1, float(eps),
-        partials.stride(0), up_weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0),
-        BLOCK_M=cfg.tail_block_m, BLOCK_N=cfg.tail_block_n, BLOCK_K=cfg.tail_block_k,
-        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
-        DOT_PRECISION=precision, num_warps=cfg.tail_num_warps,
-        num_stages=cfg.tail_num_stages, **pdl_options(pdl, up_weight))
+    args = (partials, topk_weights.contiguous(), topk_ids.contiguous(),
+            norm_weight if norm_weight is not None else up_weight, up_weight,
+            residual if residual is not None else out, out,
+            N, L, H, num_experts if num_experts is not None else 2 ** 31 - 1, float(eps),
+            partials.stride(0), up_weight.stride(0),
+            residual.stride(0) if residual is not None else 0, out.stride(0))
+    opts = dict(TOP_K=top_k, BLOCK_N=cfg.tail_block_n, BLOCK_K=cfg.tail_block_k,
+                HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+                num_warps=cfg.tail_num_warps, num_stages=cfg.tail_num_stages,
+                **pdl_options(pdl, up_weight))
+    if cfg.tail_block_m == 1:
+        latent_moe_tail_gemv_kernel[(N * cdiv(H, cfg.tail_block_n),)](
+            *args, TOP_K_P2=next_power_of_2(top_k), **opts)
+    else:
+        precision = "ieee" if up_weight.dtype == torch.float32 else "tf32"
+        latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m) * cdiv(H, cfg.tail_block_n),)](
+            *args, BLOCK_M=cfg.tail_block_m, DOT_PRECISION=precision, **opts)
     return out

@@ -17,6 +17,7 @@ fused_moe's alignment (or one entry per row block for one token, DIRECT).
      The top-k weighted sum is computed inside the tail, per K chunk of the latent, and never
      stored: no finalize launch, no [N, L] round trip. The RMSNorm scale is a per-row scalar,
      so it applies after the up-projection's K loop (one pass over the latent).
+     latent_moe_tail_gemv_kernel is the same tail for a few tokens, without tl.dot.
 """
 
 import triton
@@ -186,12 +187,12 @@ def mxfp4_moe_gemm2_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def latent_moe_tail_kernel(
     partial_ptr, topk_weights_ptr, topk_ids_ptr, norm_ptr, up_ptr, residual_ptr, out_ptr,
-    num_tokens, latent, hidden, top_k, num_experts, eps,
+    num_tokens, latent, hidden, num_experts, eps,
     stride_pm, stride_un, stride_rm, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -199,7 +200,9 @@ def latent_moe_tail_kernel(
     (+ residual[n, cols]); r_n = rsqrt(mean over the latent of the weighted sum^2 + eps), or 1
     without HAS_NORM (g = 1 then). Entries with ids outside [0, E) are skipped (never read).
     A 1-D grid over (row tile, column tile), the column tiles of one row tile consecutive, so
-    the programs re-reading the same partials run close together (the re-reads can hit L2)."""
+    the programs re-reading the same partials run close together (the re-reads can hit L2).
+    TOP_K is the model's routing width: the loop over it unrolls, so its loads are independent
+    and in flight together instead of one dependent load chain per chunk."""
     pdl_wait(USE_PDL)
     num_pid_n = tl.cdiv(hidden, BLOCK_N)
     pid_m = tl.program_id(0) // num_pid_n
@@ -216,8 +219,8 @@ def latent_moe_tail_kernel(
         cols = k0 + offs_k
         mask_k = cols < latent
         lat = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for j in range(0, top_k):
-            r = offs_m.to(tl.int64) * top_k + j
+        for j in tl.static_range(TOP_K):
+            r = offs_m.to(tl.int64) * TOP_K + j
             eid = tl.load(topk_ids_ptr + r, mask=mask_m, other=-1)
             ok = mask_m & (eid >= 0) & (eid < num_experts)
             w = tl.load(topk_weights_ptr + r, mask=ok, other=0.0).to(tl.float32)
@@ -238,3 +241,53 @@ def latent_moe_tail_kernel(
                        mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def latent_moe_tail_gemv_kernel(
+    partial_ptr, topk_weights_ptr, topk_ids_ptr, norm_ptr, up_ptr, residual_ptr, out_ptr,
+    num_tokens, latent, hidden, num_experts, eps,
+    stride_pm, stride_un, stride_rm, stride_om,
+    TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """latent_moe_tail_kernel's math for a few tokens (decode): one program per (token, column
+    tile), no tl.dot (whose 16-row minimum would waste 15 of 16 rows at one token), so the
+    grid has hidden / BLOCK_N programs per token and the up weight streams through every SM.
+    Per latent chunk: the token's top-k partial rows as one [TOP_K_P2, BLOCK_K] load, their
+    weighted sum, then a [BLOCK_N, BLOCK_K] weight tile reduced along K (fp32 throughout).
+    Each program recomputes the weighted sum of its token (re-read from L2: top_k * latent
+    values a program, against BLOCK_N * latent weight values)."""
+    pdl_wait(USE_PDL)
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    row = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < hidden
+    offs_j = tl.arange(0, TOP_K_P2)
+    r = row.to(tl.int64) * TOP_K + offs_j                                     # [TOP_K_P2]
+    eid = tl.load(topk_ids_ptr + r, mask=offs_j < TOP_K, other=-1)
+    ok = (offs_j < TOP_K) & (eid >= 0) & (eid < num_experts)
+    w = tl.load(topk_weights_ptr + r, mask=ok, other=0.0).to(tl.float32)     # [TOP_K_P2]
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, latent, BLOCK_K):
+        cols = k0 + offs_k
+        mask_k = cols < latent
+        p = tl.load(partial_ptr + r[:, None] * stride_pm + cols[None, :],
+                    mask=ok[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        lat = tl.sum(w[:, None] * p, axis=0)                                  # [BLOCK_K]
+        sq += lat * lat
+        if HAS_NORM:
+            lat = lat * tl.load(norm_ptr + cols, mask=mask_k, other=0.0).to(tl.float32)
+        up = tl.load(up_ptr + offs_n[:, None].to(tl.int64) * stride_un + cols[None, :],
+                     mask=mask_n[:, None] & mask_k[None, :], other=0.0)       # [BN, BK]
+        acc += tl.sum(up.to(tl.float32) * lat[None, :], axis=1)
+    if HAS_NORM:
+        acc = acc * tl.rsqrt(tl.sum(sq, axis=0) / latent + eps)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + row.to(tl.int64) * stride_rm + offs_n, mask=mask_n,
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + row.to(tl.int64) * stride_om + offs_n,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_n)
