@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.attention import kda_checkpoint, kda_spec
-from kdaserve.attention.metadata import AttentionMetadata
+from kdaserve.attention.metadata import STATE_INDEX_COLUMNS, AttentionMetadata
 from kdaserve.kernels import reference as ref
 
 
@@ -117,7 +117,7 @@ def _delta_rule_into(q, k, v, g_raw, beta_logits, gate, md: AttentionMetadata, r
         rec_cache[slot].copy_(state)
 
 
-SHORT_PREFILL_MAX = 16
+SHORT_PREFILL_MAX = STATE_INDEX_COLUMNS
 """Rows of at most this many tokens that continue a state (a draft model's catch-up over the
 accepted tokens, a chunked prefill's short tail) run token by token in fla's fused recurrent
 kernel: one launch, where chunk_kda takes about ten and autotunes per shape (through

@@ -122,8 +122,10 @@ def _write_gpu_exports(inputs, kwargs: dict, h: torch.Tensor, md: AttentionMetad
                 state = h[0, first_chunk[r] + n].float()       # [H, K, V]
             if rem:
                 a = cu[r] + n * chunk
+                # copies, not views at token a: Triton specialises on 16-byte alignment, and a
+                # view of beta [1, T, H] (H elements a token) is aligned only at some a
                 _, final = fused_recurrent_kda(
-                    *(x[:, a:a + rem] for x in inputs), initial_state=state[None],
+                    *(x[:, a:a + rem].clone() for x in inputs), initial_state=state[None],
                     output_final_state=True,
                     use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False),
                     **in_kernel)

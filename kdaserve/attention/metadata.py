@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from kdaserve.attention.dcp import DCPMetadata
 
 
+STATE_INDEX_COLUMNS = 16
+"""Least width of AttentionMetadata.state_indices_per_token (kda_backend.SHORT_PREFILL_MAX):
+fla's fused recurrent kernel specialises on its row stride (stride_indices_seq is a constexpr),
+so a width that followed max_query_len would compile one variant per longest row."""
+
+
 @dataclass
 class AttentionMetadata:
     num_reqs: int
@@ -68,10 +74,13 @@ class AttentionMetadata:
 
     @cached_property
     def state_indices_per_token(self) -> torch.Tensor:
-        """[num_reqs, max_query_len] int32: each request's state slot in every column (the
-        per-token slot layout of fla's fused recurrent kernel); built once per step."""
+        """[num_reqs, max(max_query_len, STATE_INDEX_COLUMNS)] int32: each request's state slot
+        in every column (the per-token slot layout of fla's fused recurrent kernel); built once
+        per step. The width, whose row stride the kernel takes as a constexpr, is the same for
+        every step of rows up to STATE_INDEX_COLUMNS tokens."""
         n = self.num_reqs
-        return self.state_indices[:n, None].expand(n, self.max_query_len).contiguous()
+        width = max(self.max_query_len, STATE_INDEX_COLUMNS)
+        return self.state_indices[:n, None].expand(n, width).contiguous()
 
 
 @dataclass

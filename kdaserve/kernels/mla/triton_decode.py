@@ -219,7 +219,9 @@ def mla_decode_partial_t_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS[1:])
+# stride_lb: lse's row stride, or (no lse) part_lse's, heads * splits, whose divisibility by 16
+# follows the split count of the step.
+@triton.jit(do_not_specialize=_SPLIT_ARGS[1:] + ["stride_lb"])
 def mla_decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_po_b, stride_po_h, stride_po_s,

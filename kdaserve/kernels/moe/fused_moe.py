@@ -118,6 +118,28 @@ def _small_align_tiles(numel: int) -> tuple[int, int]:
     return block_t, 4 if block_t <= 256 else 8
 
 
+# Every section of the alignment workspace starts at a multiple of this many int32 (128 bytes).
+# Triton specialises pointer arguments on 16-byte alignment: sections at offsets that follow the
+# token count would make the align and GEMM kernels flip between compiled variants step by step.
+ALIGN_WS_ELEMS = 32
+
+ALIGN_WS_SECTIONS = ("counts", "expert_start", "cursor", "num_rows", "expert_ids", "sorted_ids")
+
+
+def align_workspace_layout(num_experts: int, max_blocks: int,
+                           max_rows: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """(start, length) in int32 elements of each ALIGN_WS_SECTIONS section of the alignment
+    workspace, and the workspace's length. Each section is rounded up to ALIGN_WS_ELEMS, so every
+    start is 128-byte aligned whatever the sizes (one kernel specialisation for every step)."""
+    lengths = dict(zip(ALIGN_WS_SECTIONS, (num_experts, num_experts, num_experts, 1,
+                                           max_blocks, max_rows)))
+    layout, pos = {}, 0
+    for name, n in lengths.items():
+        layout[name] = (pos, n)
+        pos += cdiv(n, ALIGN_WS_ELEMS) * ALIGN_WS_ELEMS
+    return layout, pos
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                          pdl: bool = False) -> MoEAlignment:
     """Group the flattened top-k entries by expert, each expert padded to a multiple of block_m.
@@ -135,14 +157,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     max_rows = numel + min(num_experts, numel) * (block_m - 1)
     max_blocks = max(1, cdiv(max_rows, block_m))
     small = numel <= SMALL_ALIGN_ENTRIES
-    # one int32 workspace: counts | expert_start | cursor | num_rows | expert_ids | sorted_ids
+    # one int32 workspace: counts | expert_start | cursor | num_rows | expert_ids | sorted_ids,
+    # each section 128-byte aligned (align_workspace_layout)
+    layout, size = align_workspace_layout(num_experts, max_blocks, max_rows)
     alloc = torch.empty if small else torch.zeros     # the atomic path counts from zero
-    ws = alloc(3 * num_experts + 1 + max_blocks + max_rows, dtype=torch.int32, device=ids.device)
-    counts, expert_start, cursor = ws[:num_experts], ws[num_experts:2 * num_experts], \
-        ws[2 * num_experts:3 * num_experts]
-    num_rows = ws[3 * num_experts:3 * num_experts + 1]
-    expert_ids = ws[3 * num_experts + 1:3 * num_experts + 1 + max_blocks]
-    sorted_ids = ws[3 * num_experts + 1 + max_blocks:]
+    ws = alloc(size, dtype=torch.int32, device=ids.device)
+    counts, expert_start, cursor, num_rows, expert_ids, sorted_ids = (
+        ws[a:a + n] for a, n in (layout[name] for name in ALIGN_WS_SECTIONS))
     block_e = next_power_of_2(num_experts)
     pdl_opts = pdl_options(pdl, ids)
     if small:

@@ -1,0 +1,203 @@
+"""The Triton kernels of a serving step specialise the same way whatever the step's composition
+(issue 19: no JIT compile after the warm-up). Triton compiles one variant per specialisation key:
+each pointer's 16-byte alignment and each specialised int's divisibility by 16 (or == 1). On CPU,
+without running any kernel: the launches are recorded and their keys computed with Triton's own
+binder, for many token counts, batch sizes and contexts; the non-constexpr part of a kernel's key
+must be one value. Also the layout the MoE alignment relies on, and the fixed row stride of the
+KDA per-token state slots.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+
+class _Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kw)` records the non-constexpr part
+    of the specialisation key Triton would compile for, launches nothing."""
+
+    def __init__(self, fn, keys: dict):
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import create_function_from_signature
+
+        self.name = fn.__name__
+        self.binder = create_function_from_signature(fn.signature, fn.params, BaseBackend)
+        self.keys = keys
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _, spec, _ = self.binder(*args, **kwargs)
+            key = tuple((i, s) for i, s in enumerate(spec) if s[0] != "constexpr")
+            self.keys[self.name].add(key)
+        return launch
+
+
+def _record(monkeypatch, module, names) -> dict[str, set]:
+    keys: dict[str, set] = defaultdict(set)
+    for name in names:
+        monkeypatch.setattr(module, name, _Recorder(getattr(module, name), keys))
+    return keys
+
+
+def _one_key_each(keys: dict[str, set], where: str) -> None:
+    for name, ks in keys.items():
+        assert len(ks) == 1, f"{name} ({where}): {len(ks)} specialisations: " + "; ".join(
+            str([(i, s[1]) for i, s in k]) for k in sorted(ks))
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE
+# ---------------------------------------------------------------------------------------------
+
+MOE_KERNELS = ["moe_align_small_kernel", "moe_count_kernel", "moe_offsets_kernel",
+               "moe_scatter_kernel", "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel"]
+
+
+def test_align_workspace_layout_aligned_and_disjoint():
+    from kdaserve.kernels.moe.fused_moe import (ALIGN_WS_ELEMS, ALIGN_WS_SECTIONS,
+                                                align_workspace_layout)
+
+    for E in (1, 2, 8, 9, 33, 256, 257):
+        for max_blocks in (1, 2, 5, 31, 32, 33, 100):
+            for max_rows in (1, 7, 16, 100, 1000, 4097):
+                layout, size = align_workspace_layout(E, max_blocks, max_rows)
+                want = dict(zip(ALIGN_WS_SECTIONS, (E, E, E, 1, max_blocks, max_rows)))
+                end = 0
+                for name in ALIGN_WS_SECTIONS:
+                    start, n = layout[name]
+                    assert n == want[name] and start % ALIGN_WS_ELEMS == 0 and start >= end, \
+                        (E, max_blocks, max_rows, name, start, n)
+                    end = start + n
+                assert end <= size, (E, max_blocks, max_rows)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(9, 3), (8, 2), (64, 8), (257, 9)])
+def test_moe_align_one_specialisation(monkeypatch, num_experts, top_k):
+    """Token counts 1..300 (both the one-program and the atomic path): every MoEAlignment field
+    is 16-byte aligned and each align kernel has one key."""
+    from kdaserve.kernels.moe import triton_moe
+    from kdaserve.kernels.moe.fused_moe import SMALL_ALIGN_ENTRIES, moe_align_block_size
+
+    keys = _record(monkeypatch, triton_moe, MOE_KERNELS)
+    paths = set()
+    for n in range(1, 301):
+        ids = torch.randint(0, num_experts, (n, top_k), dtype=torch.int32)
+        for block_m in (16, 64):
+            a = moe_align_block_size(ids, num_experts, block_m)
+            for field in ("sorted_ids", "expert_ids", "expert_start", "counts", "num_rows"):
+                t = getattr(a, field)
+                assert t.data_ptr() % 16 == 0, f"N={n} E={num_experts} bm={block_m}: {field}"
+        paths.add(n * top_k <= SMALL_ALIGN_ENTRIES)
+    _one_key_each(keys, f"E={num_experts} k={top_k}")
+    assert "moe_align_small_kernel" in keys
+    assert ("moe_count_kernel" in keys) == (False in paths)
+
+
+def test_fused_moe_gemms_one_specialisation(monkeypatch):
+    """fused_moe from 2 to 300 tokens (past one token, which skips the alignment: DIRECT): the
+    align, GEMM and sum kernels each have one key."""
+    from kdaserve.kernels.moe import fused_moe as fm
+    from kdaserve.kernels.moe import triton_moe
+
+    keys = _record(monkeypatch, triton_moe, MOE_KERNELS)
+    monkeypatch.setattr(fm, "check_kernel_device", lambda t: None)
+    E, D, inter, k = 9, 64, 32, 3
+    w13 = torch.randn(E, 2 * inter, D, dtype=torch.bfloat16)
+    w2 = torch.randn(E, D, inter, dtype=torch.bfloat16)
+    for n in range(2, 301):
+        x = torch.randn(n, D, dtype=torch.bfloat16)
+        ids = torch.randint(0, E, (n, k), dtype=torch.int32)
+        fm.fused_moe(x, w13, w2, torch.rand(n, k), ids)
+    _one_key_each(keys, "fused_moe")
+    assert {"moe_gemm1_kernel", "moe_gemm2_kernel", "moe_align_small_kernel"} <= set(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA decode
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_mla_decode_one_specialisation(monkeypatch, return_lse):
+    """Batch sizes 1..40 over block tables of 1..64 pages: the split count (and with it the
+    partial buffers' strides, part_lse's row stride among them) varies; each kernel has one
+    key."""
+    from kdaserve.kernels.mla import decode, triton_decode
+
+    keys = _record(monkeypatch, triton_decode, ["mla_decode_partial_kernel",
+                                                "mla_decode_partial_t_kernel",
+                                                "mla_decode_reduce_kernel"])
+    monkeypatch.setattr(decode, "check_kernel_device", lambda t: None)
+    H, rank, rope, page = 4, 32, 8, 16
+    kv = torch.randn(64, page, rank + rope, dtype=torch.bfloat16)
+    splits = set()
+    for B in range(1, 41):
+        for width in (1, 3, 8, 64):
+            proj = torch.randn(B, H, rank + rope, dtype=torch.bfloat16)
+            q, q_pe = proj[..., :rank], proj[..., rank:]
+            table = torch.zeros(B, width, dtype=torch.int32)
+            lens = torch.full((B,), width * page, dtype=torch.int32)
+            decode.mla_decode(q, kv, table, lens, 0.1, rank, q_pe=q_pe, return_lse=return_lse)
+            cfg = decode.default_config(B, H, q.dtype)
+            splits.add(decode.choose_num_kv_splits(B, -(-H // cfg.block_h), width * page,
+                                                   q.device, waves=1 if cfg.transposed else 2))
+    assert len(splits) > 4, splits
+    _one_key_each(keys, f"return_lse={return_lse}")
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA (fla's fused recurrent kernel)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_state_indices_per_token_fixed_stride():
+    """fla's kernel takes the row stride of ssm_state_indices as a constexpr: every step whose
+    rows are short enough for the one-launch path gives the same stride."""
+    from kdaserve.attention.builder import build_metadata
+    from kdaserve.attention.kda_backend import SHORT_PREFILL_MAX
+
+    for longest in range(1, SHORT_PREFILL_MAX + 1):
+        lens = [1, 1, longest, max(1, longest // 2)]
+        md = build_metadata(lens, [5, 9, 3, 40], [[0, 1, 2, 3]] * 4, [4, 1, 7, 2], 16, "cpu")
+        idx = md.state_indices_per_token
+        assert idx.stride() == (SHORT_PREFILL_MAX, 1), (longest, idx.shape, idx.stride())
+        assert torch.equal(idx[:, :longest], md.state_indices[:, None].expand(4, longest))
+
+
+def test_checkpoint_remainder_inputs_aligned(monkeypatch):
+    """The fused recurrence over an export's off-grid remainder gets 16-byte aligned inputs at
+    every offset (views of beta at the remainder's first token are not)."""
+    from kdaserve.attention import kda_checkpoint
+    from kdaserve.attention.builder import build_metadata
+    from kdaserve.attention.metadata import KDACheckpointRequest
+
+    seen = []
+
+    def fake_recurrent(*xs, initial_state, **kw):
+        seen.append([x.data_ptr() % 16 for x in xs])
+        return None, initial_state
+
+    fla = types.ModuleType("fla.ops.kda")
+    fla.fused_recurrent_kda = fake_recurrent
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name, types.ModuleType(name)))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fla)
+    T, H, K = 200, 2, 16
+    inputs = tuple(torch.randn(1, T, H, K, dtype=torch.bfloat16) for _ in range(4)) \
+        + (torch.randn(1, T, H, dtype=torch.bfloat16),)
+    rec_cache = torch.zeros(8, H, K, K)
+    for first in (3, 5, 9, 13):
+        lens = [first, T - first]
+        md = build_metadata(lens, [0, 0], [list(range(16))] * 2, [0, 1], 16, "cpu")
+        md.kda_checkpoints = KDACheckpointRequest([0, 1, 1], [first - 1, 7, 70], [5, 6, 7])
+        cu = torch.tensor([0, first, T])
+        h = torch.zeros(1, 8, H, K, K)
+        kda_checkpoint._write_gpu_exports(inputs, dict(cu_seqlens_cpu=cu), h, md, rec_cache)
+    assert len(seen) == 12 and all(m == [0] * 5 for m in seen), seen
