@@ -129,6 +129,18 @@ def _all_short_with_state(md: AttentionMetadata) -> bool:
     return md.max_query_len <= SHORT_PREFILL_MAX and md.all_continue_state
 
 
+def _fla_rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """x[a:b] as a contiguous [1, b - a, ...] input of fla's kernels: the view when it is
+    contiguous and 16-byte aligned, else a copy. Triton specialises on pointer alignment, and a
+    view's follows a: beta [T, H], a column slice of the input projection, is a contiguous view
+    when b - a == 1, aligned only at some a where the projection's row is not a multiple of 16
+    bytes. The pointer test is host-side: no sync, CUDA-graph safe."""
+    y = x[None, a:b]
+    if y.is_contiguous() and y.data_ptr() % 16 == 0:
+        return y
+    return y.clone(memory_format=torch.contiguous_format)
+
+
 def _short_rows_recurrent(q, k, v, g, beta, in_kernel: dict, md: AttentionMetadata,
                           rec_cache: torch.Tensor, o: torch.Tensor) -> None:
     """Every row (decodes and short prefills alike) in one fused recurrent launch. The kernel's
@@ -139,7 +151,7 @@ def _short_rows_recurrent(q, k, v, g, beta, in_kernel: dict, md: AttentionMetada
 
     n, t = md.num_reqs, md.num_actual_tokens
     fused_recurrent_kda_fwd(
-        *(x[None, :t].contiguous() for x in (q, k, v, g, beta)), out=o[None, :t],
+        *(_fla_rows(x, 0, t) for x in (q, k, v, g, beta)), out=o[None, :t],
         initial_state=rec_cache, inplace_final_state=True,
         cu_seqlens=md.query_start_loc[:n + 1], ssm_state_indices=md.state_indices_per_token,
         use_qk_l2norm_in_kernel=True, **in_kernel)
@@ -162,7 +174,7 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o
     if nd:
         # [1, nd, H, *]: one token per sequence; the kernel reads and writes the pool in place.
         fused_recurrent_kda_fwd(
-            *(x[None, :nd].contiguous() for x in (q, k, v, g, beta)), out=o[None, :nd],
+            *(_fla_rows(x, 0, nd) for x in (q, k, v, g, beta)), out=o[None, :nd],
             initial_state=rec_cache, inplace_final_state=True,
             # int32 as they are: the kernel widens each loaded index itself (two launches
             # fewer per layer than .long())
@@ -178,7 +190,7 @@ def _delta_rule_cuda(q, k, v, g, beta, gate, md: AttentionMetadata, rec_cache, o
         run = (chunk_kda if md.kda_checkpoints is None
                else kda_checkpoint.exporting(chunk_kda, md, rec_cache))
         op, final = run(
-            *(x[None, t0:t1].contiguous() for x in (q, k, v, g, beta)),
+            *(_fla_rows(x, t0, t1) for x in (q, k, v, g, beta)),
             initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True,
             **in_kernel, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
         o[t0:t1] = op[0]

@@ -171,6 +171,24 @@ def test_state_indices_per_token_fixed_stride():
         assert torch.equal(idx[:, :longest], md.state_indices[:, None].expand(4, longest))
 
 
+def test_fla_rows_aligned():
+    """The rows handed to fla's kernels are 16-byte aligned at every first row: beta, a column
+    slice of a projection whose rows are 130 bf16 (the tiny model's), is copied where its
+    one-row view is not aligned; aligned contiguous views are passed as they are."""
+    from kdaserve.attention.kda_backend import _fla_rows
+
+    proj = torch.randn(40, 130, dtype=torch.bfloat16)
+    beta = proj[:, 128:]                                         # [T, 2]
+    planes = torch.randn(3, 40, 2, 16, dtype=torch.bfloat16)    # q | k | v [T, H, K] planes
+    for a in range(20):
+        for b in (a + 1, a + 2, 40):
+            rows = _fla_rows(beta, a, b)
+            assert rows.is_contiguous() and rows.data_ptr() % 16 == 0, (a, b)
+            assert torch.equal(rows[0], beta[a:b])
+            q = _fla_rows(planes[1], a, b)
+            assert q.data_ptr() == planes[1, a:b].data_ptr(), (a, b)
+
+
 def test_checkpoint_remainder_inputs_aligned(monkeypatch):
     """The fused recurrence over an export's off-grid remainder gets 16-byte aligned inputs at
     every offset (views of beta at the remainder's first token are not)."""
