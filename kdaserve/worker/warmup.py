@@ -16,6 +16,7 @@ import torch
 
 from kdaserve.attention.builder import build_metadata
 from kdaserve.attention.forward_context import ForwardContext
+from kdaserve.attention.kda_backend import SHORT_PREFILL_MAX
 from kdaserve.attention.metadata import KDACheckpointRequest
 from kdaserve.config import SchedulerConfig
 from kdaserve.sample.metadata import SamplingMetadata
@@ -29,8 +30,9 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
     """Every count of decode rows from 0 to 16 and some beyond (the prefill rows' index arrays
     start after them), each alone (eager decode steps: past the captured graph sizes, or
     enforce_eager) and next to a chunk over a cached prefix and a fresh prefill, one decode row
-    at a long context (the MLA split count follows the longest context), fresh prefills
-    across the token budget, and budget-filling chunks next to a few decode rows."""
+    at a long context (the MLA split count follows the longest context), short rows that all
+    continue a state, fresh prefills across the token budget, and budget-filling chunks next
+    to a few decode rows."""
     max_rows = min(sc.max_num_seqs, runner.num_slots) - 2
     long_ctx = min(sc.max_model_len, runner.num_blocks * runner.block_size // 2) - 1
     for d in [d for d in range(max_rows + 3) if d <= 16 or d % 8 == 0 or d >= max_rows]:
@@ -40,6 +42,14 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
             _forward(runner, [1] * d + [100, 61], computed + [33, 0], exports)
         if d:                                   # decode only: eager past the graph sizes
             _forward(runner, [1] * d, computed)
+    # steps whose every row continues a state within SHORT_PREFILL_MAX tokens (a chunked
+    # prefill's short tail next to decodes, a draft catch-up): fla's fused recurrent kernel
+    # instead of chunk_kda, a path no step above takes
+    for d in (0, 1, 3, 13):
+        if d <= max_rows:
+            computed = [long_ctx] + [17 + 3 * i for i in range(1, d)] if d else []
+            for q in (2, SHORT_PREFILL_MAX):
+                _forward(runner, [1] * d + [q], computed + [40])
     budget = min(sc.max_num_batched_tokens, sc.max_model_len)
     for j in range(1, 9):
         _forward(runner, [max(1, budget * j // 8 - 3)], [0])

@@ -43,6 +43,9 @@ def test_warmup_leaves_no_trace(make_llm, monkeypatch):
     # checkpoint exports on and off the 64-token grid, with and without an initial state
     assert [e for _, _, e in calls if e] == [[(0, 64), (0, 70), (1, 40)]]
     assert mixed == list(range(7)) and alone == list(range(1, 9)), (mixed, alone)
+    short = [(q, c) for q, c, _ in calls if q[-1] in (2, 16) and c and c[-1] == 40]
+    assert [q for q, _ in short] == [[1] * d + [q] for d in (0, 1, 3) for q in (2, 16)]
+    assert all(min(c) > 0 for _, c in short)       # every row continues a state
     assert [q for q, _, _ in calls[-11:-3]] == [[max(1, 64 * j // 8 - 3)] for j in range(1, 9)]
     assert [q for q, _, _ in calls[-3:]] == [[1] * d + [64 - d] for d in (1, 2, 3)]
     got = llm.generate(ps, params, use_tqdm=False)
