@@ -11,7 +11,11 @@
 #          one eager batch-1 decode step, the K3 pieces' kernels off then on
 #   bench  benchmarks/bench_k3.py --stages decode,profile on kimi-k3-mini (dummy weights made
 #          on the GPU): batch-1 decode at 8000 tokens of context with CUDA graphs, MXFP4 vs bf16
-#          experts (ratio, step floor), MXFP4 unfused tail; the fused-tail profile
+#          experts (ratio, step floor), MXFP4 unfused tail, both MXFP4 tails without PDL; the
+#          profile (top kernels by device time; fused, unfused, bf16)
+#   tiles  benchmarks/bench_mxfp4_tiles.py: the latent-MoE kernels' tile candidates at decode
+#          sizes (TILE_TOKENS, default 1,4,16; MXFP4 and bf16) against their floors and the
+#          unfused tail, into $OUT/mxfp4_tiles.json
 #   kl     bench_k3.py --stages kl: mean KL(bf16 || MXFP4) on kimi-k3-mini, KL_PROMPTS x
 #          KL_LEN (default 64 x 128)
 #   serve  W1-nospec served (kdaserve serve kimi-k3-mini --load-format dummy), concurrency
@@ -62,6 +66,12 @@ if [[ $STAGES == *bench* ]]; then
     --context ${CONTEXT:-8000} --steps ${STEPS:-64} --out "$JSON" 2>&1 | grep -v Warning \
     | tail -40 | tee "$OUT/k3_bench.log"
   echo "bench: $((SECONDS - t0)) s"
+fi
+if [[ $STAGES == *tiles* ]]; then
+  timeout ${TILES_TIMEOUT:-480} python3 benchmarks/bench_mxfp4_tiles.py --tokens ${TILE_TOKENS:-1,4,16} \
+    --experts ${TILE_EXPERTS:-mxfp4,bf16} ${TILE_ARGS:-} --out "$OUT/mxfp4_tiles.json" 2>&1 \
+    | grep -v Warning | tail -40 | tee "$OUT/k3_tiles.log"
+  echo "tiles: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *kl* ]]; then
   make_mini

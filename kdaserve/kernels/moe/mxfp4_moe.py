@@ -76,9 +76,9 @@ TAIL_CLASSES = (
 """(least tokens, tail tiles). Below TAIL_GEMV_BELOW tokens, tail_block_m = 1: the GEMV form
 (latent_moe_tail_gemv_kernel), one program per token and 16 output columns, so one token's
 tail spreads over hidden / 16 programs instead of the hidden / 64 of a 16-row tl.dot tile whose
-other 15 rows are padding. From there on, the tl.dot tiles: the tail reads the [N * k, L] partials once per tail_block_n
-columns of the output and the up weight once per tail_block_m rows, so wider tiles cut the
-re-reads, but they also make fewer, longer programs. The thresholds are where, at
+other 15 rows are padding. From there on, the tl.dot tiles: the tail reads the [N * k, L]
+partials once per tail_block_n columns of the output and the up weight once per tail_block_m
+rows, so wider tiles cut the re-reads, but they also make fewer, longer programs. The thresholds are where, at
 H = L = 2048 and k = 16 on 132 SMs, the wider class needs no more (waves of programs x bytes
 a program reads) than the narrower one: a bandwidth estimate, not timed."""
 

@@ -219,7 +219,7 @@ def latent_moe_tail_kernel(
         cols = k0 + offs_k
         mask_k = cols < latent
         lat = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):
+        for j in range(0, TOP_K):
             r = offs_m.to(tl.int64) * TOP_K + j
             eid = tl.load(topk_ids_ptr + r, mask=mask_m, other=-1)
             ok = mask_m & (eid >= 0) & (eid < num_experts)
