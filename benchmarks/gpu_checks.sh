@@ -5,7 +5,8 @@
 # (fastapi >= 0.165 imports opentelemetry; without it the server cannot start there).
 #
 # Stages (STAGES, comma list): tests, engine, prefix, roofline (W4 with the full default grid
-# unless ROOFLINE_ARGS narrows it), profile, seed, kbench (bench_gemv, bench_sampler),
+# unless ROOFLINE_ARGS narrows it), profile, seed, dspark (W1-nospec then W1 with a DSpark
+# drafter, K = 8, synthetic acceptance length 4.0, DSPARK_ARGS e.g. "--time-budget 500"), kbench (bench_gemv, bench_sampler),
 # offload (bench_offload.py on W2's shape, OFFLOAD_ARGS),
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
@@ -58,6 +59,13 @@ if [[ $STAGES == *seed* ]]; then   # W1-nospec and W1 tables (issue 5), needs op
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${SEED_TIMEOUT:-600} python3 benchmarks/seed_table.py /tmp/k48 --draft-model /tmp/k48-draft \
     --out-dir "$OUT/seed" ${SEED_ARGS:-} 2>&1 | grep -v Warning | tail -25 | tee "$OUT/seed.log"
+fi
+if [[ $STAGES == *dspark* ]]; then   # W1-nospec and W1 with the DSpark drafter (issue 20), same lease
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${DSPARK_TIMEOUT:-590} python3 benchmarks/seed_table.py /tmp/k48 --configs ${DSPARK_CONFIGS:-W1-nospec,W1} \
+    --spec-config '{"method":"dspark","num_speculative_tokens":8,"draft_sample_method":"probabilistic","rejection_sample_method":"synthetic","synthetic_acceptance_length":4.0}' \
+    --draft-model /tmp/k48-dspark --out-dir "$OUT/seed" --tag dspark ${DSPARK_ARGS:-} 2>&1 \
+    | grep -v Warning | tail -25 | tee "$OUT/dspark.log"
 fi
 if [[ $STAGES == *kbench* ]]; then   # the GEMV candidate vs cuBLAS, the sampler kernels
   timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 | tail -30 | tee "$OUT/gemv.log"

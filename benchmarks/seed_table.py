@@ -69,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec-config", default=json.dumps(SPEC_CONFIG),
                    help="W1's --speculative-config JSON. Default: %(default)s.")
     p.add_argument("--draft-model", default=None,
-                   help="Draft model folder, put into the spec config's \"model\".")
+                   help="Draft model folder, put into the spec config's \"model\" (made if "
+                        "missing: a DSpark drafter for \"method\": \"dspark\", else a small "
+                        "draft model).")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--input-len", type=int, default=8000)
     p.add_argument("--output-len", type=int, default=1000)
@@ -107,9 +109,12 @@ def server_args_for(args: argparse.Namespace, config: str) -> list[str]:
         spec = json.loads(args.spec_config)
         if args.draft_model:
             if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
-                from kdaserve.models.make_model import make_draft_model
+                # a random drafter of the spec's method (the synthetic acceptance decides what
+                # is accepted; the drafter's weights only have to run)
+                from kdaserve.models.make_model import make_draft_model, make_dspark_model
 
-                make_draft_model(args.model, args.draft_model)
+                make = make_dspark_model if spec.get("method") == "dspark" else make_draft_model
+                make(args.model, args.draft_model)
             spec["model"] = args.draft_model
         flags += ["--speculative-config", json.dumps(spec)]
     return flags

@@ -76,3 +76,18 @@ def test_table_rows_reference_layout(seed_table):
     assert rows[2][0].startswith("HF transformers+fla")
     assert rows[2][2] == f"{(1131 + 999 * 96) / 1000:.2f} s"
     assert rows[3][0] == "HF transformers (measured)" and rows[3][5] == "90.00 ms"
+
+
+def test_w1_makes_a_drafter_of_the_spec_method(seed_table, tiny_model, tmp_path):
+    """W1's --draft-model folder is made when missing, of the spec config's method: a DSpark
+    drafter (speculators format) for "dspark", the small draft model otherwise."""
+    for method, want in (("dspark", "dspark"), ("draft_model", None)):
+        spec = {"method": method, "num_speculative_tokens": 4,
+                "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0}
+        folder = str(tmp_path / method)
+        args = seed_table.parse_args([tiny_model, "--configs", "W1", "--draft-model", folder,
+                                      "--spec-config", json.dumps(spec)])
+        flags = seed_table.server_args_for(args, "W1")
+        assert json.loads(flags[flags.index("--speculative-config") + 1])["model"] == folder
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            assert json.load(f).get("speculators_model_type") == want
