@@ -3,8 +3,9 @@
 candidate next to its byte floor, against the unfused tail (issue 22).
 
 For every token count N: moe_partials (the two grouped expert GEMMs, MXFP4 or bf16 weights) at
-each GEMM candidate, then latent_moe_tail at each tail candidate, then the unfused tail (the
-top-k weighted sum, the latent RMSNorm and the up projection as torch ops). Each candidate is
+each GEMM candidate (below GEMV_BELOW tokens also their GEMV form, block_m = 1), then
+latent_moe_tail at each tail candidate, then the unfused tail (the top-k weighted sum, the
+latent RMSNorm and the up projection as torch ops). Each candidate is
 first checked against the plain-PyTorch twin (kernels/reference.py; a candidate off by more
 than the METHOD.md bf16 bound is reported as wrong, not timed), then timed as REPEATS
 back-to-back launches captured in one CUDA graph, median of REPLAYS replays, without PDL: the
@@ -51,17 +52,25 @@ BF16_TOL = 1e-2
 
 GEMM_CANDIDATES = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 256),
                        num_warps=(4, 8), num_stages=(2, 3))
+GEMM_GEMV_CANDIDATES = dict(block_m=(1,), block_n=(8, 16, 32), block_k=(128, 256, 512),
+                            num_warps=(2, 4, 8), num_stages=(2,))
+"""The GEMV form of the expert GEMMs (block_m = 1, opt-in), swept next to the tl.dot tiles below
+GEMV_BELOW tokens. One stage count: its loads feed no tl.dot, so Triton pipelines nothing and
+the sm_90 build is the same at 1, 2 and 3 stages."""
+GEMV_BELOW = 16
 TAIL_GEMV_CANDIDATES = dict(tail_block_n=(8, 16, 32, 64), tail_block_k=(128, 256, 512),
                             tail_num_warps=(2, 4, 8))
 TAIL_DOT_CANDIDATES = dict(tail_block_n=(32, 64, 128), tail_block_k=(64, 128),
                            tail_num_warps=(4, 8))
 QUICK = dict(block_n=(64,), num_stages=(3,), tail_block_n=(16, 32), tail_num_warps=(4,))
 """--quick: a few candidates per class (the smoke test, a first look)."""
+QUICK_GEMV = dict(block_n=(16,), block_k=(256,), num_warps=(4,))
+"""--quick for GEMM_GEMV_CANDIDATES: one candidate."""
 
 
-def grid(space: dict, quick: bool) -> list[dict]:
+def grid(space: dict, quick: bool, quick_space: dict = QUICK) -> list[dict]:
     keys = list(space)
-    vals = [QUICK.get(k, space[k]) if quick else space[k] for k in keys]
+    vals = [quick_space.get(k, space[k]) if quick else space[k] for k in keys]
     return [dict(zip(keys, v)) for v in itertools.product(*vals)]
 
 
@@ -147,7 +156,8 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
     default = dataclasses.asdict(default_config(N, k, E))
     point = {"experts": fmt, "tokens": N, "distinct_experts": used,
              "gemm_floor_us": round(gemm_floor_us, 2), "gemm": [], "tail": []}
-    for cand in grid(GEMM_CANDIDATES, a.quick):
+    gemv = grid(GEMM_GEMV_CANDIDATES, a.quick, QUICK_GEMV) if N < GEMV_BELOW else []
+    for cand in grid(GEMM_CANDIDATES, a.quick) + gemv:
         cfg = dataclasses.replace(default_config(N, k, E), **cand)
         res = try_candidate(
             lambda cfg=cfg: moe_partials(x, w13, w2, ids, s13, s2, *act, config=cfg),

@@ -154,6 +154,7 @@ def check_dispatch() -> None:
         got = vars(default_config(N, k, E))
         want = {**GEMM_CLASSES[gemm][1], **TAIL_CLASSES[tail][1]}
         assert {f: got[f] for f in want} == want, (N, k, E, got)
+        assert got["block_m"] > 1, "the GEMV form (block_m = 1) is opt-in only"
 
 
 def run_suite(device="cpu", dtype=torch.float32) -> None:
@@ -192,6 +193,31 @@ def run_suite(device="cpu", dtype=torch.float32) -> None:
     check_tail(device, dtype, N=200, k=2, L=80, H=300, bad_id=True)                # 32 x 128
     check_tail(device, dtype, N=600, k=2, L=80, H=300, residual=False, seed=6)     # 64 x 256
     check_layer(device, dtype, N=520, E=4, k=2, L=128, inter=128, H=300, seed=7)
+    check_gemv_form(device, dtype)
+
+
+def check_gemv_form(device="cpu", dtype=torch.float32) -> None:
+    """The GEMV form of the expert GEMMs (block_m = 1, through config=): MXFP4 and dense, silu
+    and SiTU (up branch clipped and not), one token and several, -1 entries, K tails (D = 96:
+    a half-empty last chunk of 64; D = I = 160 at 128: N and K tails), block_n below the
+    tl.dot minimum, and GEMM_GEMV's tiles unshrunk (D = I = 256)."""
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_GEMV, Mxfp4MoEConfig
+
+    gemv = Mxfp4MoEConfig(block_m=1, block_n=16, block_k=64, num_warps=4, num_stages=2)
+    situ = dict(act="situ", beta=4.0)
+    for dense in (False, True):
+        for N, kw in ((1, {}), (5, dict(situ, linear_beta=25.0)),
+                      (1, dict(situ, linear_beta=None, bad_id=True)), (5, dict(bad_id=True))):
+            check_partials(device, dtype, N=N, dense=dense, config=gemv, seed=10 + N, **kw)
+        check_partials(device, dtype, N=5, D=96, inter=32, bad_id=True, dense=dense,
+                       config=gemv, seed=12)
+        check_partials(device, dtype, N=3, D=160, inter=160, dense=dense, seed=13,
+                       config=Mxfp4MoEConfig(block_m=1, block_n=64, block_k=128), **situ,
+                       linear_beta=25.0)
+    check_partials(device, dtype, N=2, config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=32),
+                   seed=14)
+    check_partials(device, dtype, N=1, D=256, inter=256, config=Mxfp4MoEConfig(**GEMM_GEMV),
+                   seed=15, **situ, linear_beta=25.0)
 
 
 if __name__ == "__main__":

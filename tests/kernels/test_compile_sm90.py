@@ -22,7 +22,8 @@ KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel
            "topk_sigmoid_kernel", "add_rms_norm_kernel", "rms_norm_gated_kernel",
            "search_pass_kernel", "gemv_kernel", "kda_spec_verify_kernel",
            "kda_recover_commit_kernel", "conv_spec_verify_kernel", "moe_gemm2_sum_kernel",
-           "mxfp4_moe_gemm1_kernel", "mxfp4_moe_gemm2_kernel", "latent_moe_tail_kernel",
+           "mxfp4_moe_gemm1_kernel", "mxfp4_moe_gemm2_kernel", "mxfp4_moe_gemv1_kernel",
+           "mxfp4_moe_gemv2_kernel", "latent_moe_tail_kernel",
            "latent_moe_tail_gemv_kernel",
            "attn_res_kernel", "situ_and_mul_kernel", "sigmoid_gate_kernel",
            "kda_gate_beta_kernel", "merge_attn_states_kernel", "mxfp4_decode_probe_kernel"}
@@ -47,9 +48,10 @@ def test_interpreter_launches_compile_for_sm90(tmp_path):
 
 
 def _missing_mxfp4_moe_tiles(launches: Path) -> list:
-    """The tile classes of kernels/moe/mxfp4_moe.py default_config (GEMMs and tail) that no
-    recorded launch used unshrunk: each one must be among the launches compiled above."""
-    from kdaserve.kernels.moe.mxfp4_moe import GEMM_CLASSES, TAIL_CLASSES
+    """The tile classes of kernels/moe/mxfp4_moe.py default_config (GEMMs and tail), and the
+    opt-in GEMV tile GEMM_GEMV, that no recorded launch used unshrunk: each one must be among
+    the launches compiled above."""
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_CLASSES, GEMM_GEMV, TAIL_CLASSES
 
     seen = set()
     for line in launches.read_text().splitlines():
@@ -61,6 +63,9 @@ def _missing_mxfp4_moe_tiles(launches: Path) -> list:
     want = [(name, t["block_m"], t["block_n"], t["block_k"], t["num_warps"], t["num_stages"])
             for _, t in GEMM_CLASSES for name in ("mxfp4_moe_gemm1_kernel",
                                                   "mxfp4_moe_gemm2_kernel")]
+    want += [(name, None, GEMM_GEMV["block_n"], GEMM_GEMV["block_k"], GEMM_GEMV["num_warps"],
+              GEMM_GEMV["num_stages"]) for name in ("mxfp4_moe_gemv1_kernel",
+                                                    "mxfp4_moe_gemv2_kernel")]
     want += [("latent_moe_tail_kernel", t["tail_block_m"], t["tail_block_n"], t["tail_block_k"],
               t["tail_num_warps"], t["tail_num_stages"]) if t["tail_block_m"] > 1 else
              ("latent_moe_tail_gemv_kernel", None, t["tail_block_n"], t["tail_block_k"],

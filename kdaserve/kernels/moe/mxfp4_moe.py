@@ -31,8 +31,9 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
 class Mxfp4MoEConfig:
     """Tiles of the two grouped GEMMs (block_k counts unpacked K values, a power of two >= 32:
     the two half-K products need block_k / 2 >= 16, and the decode takes 16 packed bytes per
-    scale) and of the tail (tail_block_m = 1: the GEMV form of the tail, without tl.dot). The
-    defaults are the decode class of default_config."""
+    scale; block_m = 1: the GEMV form of the GEMMs, without tl.dot, GEMM_GEMV) and of the tail
+    (tail_block_m = 1: the GEMV form of the tail). The defaults are the decode class of
+    default_config."""
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
@@ -59,6 +60,15 @@ weight tile decoded once per 128 rows and the activations re-read half as often 
 columns. ptxas -v (sm_90, bf16, MXFP4 and dense) reports no spills at any of them; gemm1 (two
 accumulators) at the prefill tiles takes all 255 registers a thread, no room for larger ones.
 Chosen from these static compile facts and the arithmetic above, not from timings."""
+
+GEMM_GEMV = dict(block_m=1, block_n=16, block_k=256, group_m=1, num_warps=4, num_stages=2)
+"""An opt-in GEMM tile (config=, not in GEMM_CLASSES): block_m = 1 selects the GEMV form
+(mxfp4_moe_gemv1_kernel / mxfp4_moe_gemv2_kernel) for one or a few tokens, one program per
+(routing entry, block_n output columns) reducing block_k values of K per step. At one token
+the 16-row tl.dot tile wastes 15 rows and steps through K 64 values at a time, a chain of
+dependent steps; the GEMV form spreads the same weight bytes over many short programs. Its
+tiles are a starting point from that arithmetic, not timed: the sweep
+(benchmarks/bench_mxfp4_tiles.py) decides whether and where it replaces the decode class."""
 
 TAIL_GEMV_BELOW = 16
 """Token count from which the tail uses tl.dot tiles (16 rows, the tl.dot minimum)."""
@@ -94,12 +104,14 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> Mxfp4MoECon
 
 
 def _fit(cfg: Mxfp4MoEConfig, latent: int, inter: int, hidden: int) -> Mxfp4MoEConfig:
-    """Tiles no larger than the problem (small test models); never below the tl.dot minimum.
+    """Tiles no larger than the problem (small test models); never below the tl.dot minimum
+    (the GEMV form, block_m = 1, has none for block_n; block_k stays >= 32, one scale group).
     block_m, the warps and the stages are kept."""
     def cap(v, n, low):
         return max(low, min(v, next_power_of_2(n)))
 
-    return replace(cfg, block_n=cap(cfg.block_n, min(latent, inter), 16),
+    low_n = 1 if cfg.block_m == 1 else 16
+    return replace(cfg, block_n=cap(cfg.block_n, min(latent, inter), low_n),
                    block_k=cap(cfg.block_k, min(latent, inter), 32),
                    tail_block_n=cap(cfg.tail_block_n, hidden, 16),
                    tail_block_k=cap(cfg.tail_block_k, latent, 16))
@@ -127,7 +139,8 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     [E, D, I/2] + w2_scale [E, D, I/32]. Dense (scales None, the bf16 baseline): w13
     [E, 2I, D], w2 [E, D, I] in x.dtype. act: silu, or situ with beta (and linear_beta, the up
     branch's clip; None = unclipped). config: the tiles (None: default_config(N, k, E)),
-    shrunk to the shapes by _fit. Returns [N * k, D] in x.dtype."""
+    shrunk to the shapes by _fit; block_m = 1 runs the GEMV form (GEMM_GEMV), without the
+    alignment step. Returns [N * k, D] in x.dtype."""
     require_triton()
     from kdaserve.kernels.moe.fused_moe import moe_align_block_size
     from kdaserve.kernels.moe.triton_mxfp4_moe import (mxfp4_moe_gemm1_kernel,
@@ -161,6 +174,11 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
         return out
     cfg = _fit(config or default_config(N, top_k, E), D, inter, D)
     topk_ids = topk_ids.contiguous()
+    h = torch.empty(N * top_k, inter, dtype=x.dtype, device=x.device)           # [N*k, I]
+    if cfg.block_m == 1:
+        _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_beta, cfg,
+                       pdl, h, out)
+        return out
     direct = N == 1
     if direct:
         blocks, sorted_ids, expert_ids, expert_start, counts, num_rows = \
@@ -176,7 +194,6 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
     s13 = w13_scale if mxfp4 else w13
     s2 = w2_scale if mxfp4 else w2
-    h = torch.empty(N * top_k, inter, dtype=x.dtype, device=x.device)           # [N*k, I]
     mxfp4_moe_gemm1_kernel[(blocks * cdiv(inter, cfg.block_n),)](
         x, w13, s13, h, sorted_ids, expert_ids, expert_start, counts, num_rows,
         inter, D, top_k, blocks, E, float(beta or 1.0), float(linear_beta or 1.0),
@@ -188,6 +205,30 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         **opts)
     return out
+
+
+def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_beta,
+                   cfg: Mxfp4MoEConfig, pdl: bool, h: torch.Tensor, out: torch.Tensor) -> None:
+    """moe_partials in its GEMV form (cfg.block_m = 1), arguments checked by it: gemv1 into h
+    [N * k, I], gemv2 into out [N * k, D], each over (routing entries x column tiles)."""
+    from kdaserve.kernels.moe.triton_mxfp4_moe import (mxfp4_moe_gemv1_kernel,
+                                                       mxfp4_moe_gemv2_kernel)
+
+    mxfp4 = w13_scale is not None
+    s13 = w13_scale if mxfp4 else w13
+    s2 = w2_scale if mxfp4 else w2
+    entries, (D, inter) = topk_ids.numel(), (x.shape[1], h.shape[1])
+    opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **pdl_options(pdl, x))
+    mxfp4_moe_gemv1_kernel[(entries * cdiv(inter, cfg.block_n),)](
+        x, w13, s13, h, topk_ids, inter, D, topk_ids.shape[1], w13.shape[0],
+        float(beta or 1.0), float(linear_beta or 1.0),
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
+        ACT=0 if act == "silu" else 1, CLIP_UP=linear_beta is not None, **opts)
+    mxfp4_moe_gemv2_kernel[(entries * cdiv(D, cfg.block_n),)](
+        h, w2, s2, out, topk_ids, D, inter, w2.shape[0],
+        h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+        **opts)
 
 
 def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

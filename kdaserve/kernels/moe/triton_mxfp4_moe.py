@@ -12,6 +12,9 @@ fused_moe's alignment (or one entry per row block for one token, DIRECT).
 
   1. mxfp4_moe_gemm1_kernel  inter[r] = act(x[n] @ W1_e^T, x[n] @ W3_e^T)   (silu * up, or SiTU)
   2. mxfp4_moe_gemm2_kernel  partial[r] = inter[r] @ W2_e^T                  (unweighted)
+     mxfp4_moe_gemv1_kernel / mxfp4_moe_gemv2_kernel: the same two products for one or a few
+     tokens without tl.dot (Mxfp4MoEConfig.block_m = 1): one program per (routing entry,
+     column tile), no alignment, the packed weight tile [BLOCK_N, BLOCK_K / 2] reduced along K.
   3. latent_moe_tail_kernel  out[n] = r_n * ((sum_j w[n, j] partial[n k + j]) * g) @ W_up^T
                                       + residual[n],  r_n = rsqrt(mean(lat_n^2) + eps)
      The top-k weighted sum is computed inside the tail, per K chunk of the latent, and never
@@ -94,6 +97,22 @@ def _tanh(z):
     return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
 
 
+@triton.jit
+def _glu(g, u, beta, linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr):
+    """The gated activation of the fp32 gate and up products. ACT 0: silu(g) * u; ACT 1: SiTU,
+    beta * tanh(g / beta) * sigmoid(g) * u', with u' = linear_beta * tanh(u / linear_beta)
+    when CLIP_UP, else u."""
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    if ACT == 0:
+        h = g * sig * u
+    else:
+        up = u
+        if CLIP_UP:
+            up = linear_beta * _tanh(u / linear_beta)
+        h = beta * _tanh(g / beta) * sig * up
+    return h
+
+
 @triton.jit(do_not_specialize=["max_blocks"])
 def mxfp4_moe_gemm1_kernel(
     x_ptr, w_ptr, s_ptr, inter_ptr,
@@ -137,14 +156,7 @@ def mxfp4_moe_gemm1_kernel(
         acc_g = tl.dot(a_odd, g_hi, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a_even, u_lo, acc_u, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a_odd, u_hi, acc_u, input_precision=DOT_PRECISION)
-    sig = 1.0 / (1.0 + tl.exp(-acc_g))
-    if ACT == 0:
-        h = acc_g * sig * acc_u
-    else:
-        up = acc_u
-        if CLIP_UP:
-            up = linear_beta * _tanh(acc_u / linear_beta)
-        h = beta * _tanh(acc_g / beta) * sig * up
+    h = _glu(acc_g, acc_u, beta, linear_beta, ACT, CLIP_UP)
     o_ptrs = inter_ptr + rows[:, None] * stride_im + offs_n[None, :]
     tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
@@ -185,6 +197,126 @@ def mxfp4_moe_gemm2_kernel(
         acc = tl.dot(a_odd, w_hi, acc, input_precision=DOT_PRECISION)
     o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """The activation chunk k0 .. k0 + BLOCK_K of one row, in fp32, shaped for _gemv_dot.
+    MXFP4: (even K values [1, G, 16], odd K values [1, G, 16]), G = BLOCK_K / 32 scale groups,
+    packed position j = 16 g + t holding K values 2j (low nibble) and 2j + 1 (high nibble), so
+    the packed weight bytes need no interleave. Dense: (the chunk [1, BLOCK_K], the same)."""
+    if MXFP4:
+        G: tl.constexpr = BLOCK_K // 32
+        j = k0 // 2 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]   # [G, 16]
+        mask = j < K // 2
+        lo = tl.load(row_ptr + 2 * j, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+        hi = tl.load(row_ptr + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        lo = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride_sn,
+              BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """[BN] fp32: the weight rows offs_n of one expert (w_ptr, s_ptr at the expert) dotted with
+    the activation chunk k0 .. k0 + BLOCK_K of _gemv_x. MXFP4: the packed bytes as [BN, G, 16]
+    (contiguous along K), one E8M0 scale per group of 16 bytes applied to the group's sum (an
+    exact power of two, so the same value as scaling each decoded element, up to fp32
+    rounding); both nibbles decoded with _e2m1 against the even / odd activations. Dense: a
+    [BN, BLOCK_K] tile of an [N, K] weight (s_ptr unused)."""
+    rows = offs_n.to(tl.int64)
+    if MXFP4:
+        G: tl.constexpr = BLOCK_K // 32
+        offs_g = k0 // 32 + tl.arange(0, G)                                      # [G]
+        mask_g = mask_n[:, None] & (offs_g < K // 32)[None, :]                   # [BN, G]
+        j = offs_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]         # [1, G, 16]
+        codes = tl.load(w_ptr + rows[:, None, None] * stride_wn + j,
+                        mask=mask_g[:, :, None], other=0).to(tl.int32)           # [BN, G, 16]
+        scale = _e8m0(tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :],
+                              mask=mask_g, other=127).to(tl.int32))              # [BN, G]
+        part = _e2m1(codes & 15) * x_lo + _e2m1(codes >> 4) * x_hi               # [BN, G, 16]
+        acc = tl.sum(tl.sum(part, axis=2) * scale, axis=1)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :],
+                    mask=mask_n[:, None] & (k < K)[None, :], other=0.0)          # [BN, BK]
+        acc = tl.sum(w.to(tl.float32) * x_lo, axis=1)
+    return acc
+
+
+@triton.jit
+def _gemv_entry(topk_ids_ptr, num_experts, out_cols, BLOCK_N: tl.constexpr):
+    """(routing entry r, its expert e (int64), the output columns offs_n, their mask, whether
+    e is outside [0, E), i.e. nothing to do) of this program: the grid is (entries x column
+    tiles), the column tiles of one entry consecutive (they share its activation row)."""
+    num_pid_n = tl.cdiv(out_cols, BLOCK_N)
+    r = (tl.program_id(0) // num_pid_n).to(tl.int64)
+    offs_n = (tl.program_id(0) % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = tl.load(topk_ids_ptr + r).to(tl.int64)
+    return r, e, offs_n, offs_n < out_cols, (e < 0) | (e >= num_experts)
+
+
+@triton.jit
+def mxfp4_moe_gemv1_kernel(
+    x_ptr, w_ptr, s_ptr, inter_ptr, topk_ids_ptr,
+    inter_size, hidden, top_k, num_experts, beta, linear_beta,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
+    MXFP4: tl.constexpr = True, USE_PDL: tl.constexpr = False,
+):
+    """mxfp4_moe_gemm1_kernel's math for one or a few tokens, without tl.dot (whose 16-row
+    minimum pads 15 of 16 rows at one token): one program per (routing entry r = n * top_k + j,
+    BLOCK_N columns of the intermediate), inter[r, cols] = act(W1_e[cols] x[n], W3_e[cols]
+    x[n]) with e = topk_ids[r] (gate rows cols, up rows I + cols of w13). No alignment: the
+    entry reads its token's row directly. Entries with ids outside [0, E) are left unwritten.
+    Per BLOCK_K chunk the gate and up tiles reduce along K into fp32 [BLOCK_N] accumulators,
+    so wide K chunks make a short loop and many small programs fill the SMs."""
+    pdl_wait(USE_PDL)
+    r, e, offs_n, mask_n, skip = _gemv_entry(topk_ids_ptr, num_experts, inter_size, BLOCK_N)
+    if skip:
+        return
+    w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    x_row = x_ptr + (r // top_k) * stride_xm
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        x_lo, x_hi = _gemv_x(x_row, k0, hidden, BLOCK_K, MXFP4)
+        acc_g += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, hidden, x_lo, x_hi, stride_wn,
+                           stride_sn, BLOCK_K, MXFP4)
+        acc_u += _gemv_dot(w_e, s_e, offs_n + inter_size, mask_n, k0, hidden, x_lo, x_hi,
+                           stride_wn, stride_sn, BLOCK_K, MXFP4)
+    h = _glu(acc_g, acc_u, beta, linear_beta, ACT, CLIP_UP)
+    tl.store(inter_ptr + r * stride_im + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def mxfp4_moe_gemv2_kernel(
+    inter_ptr, w_ptr, s_ptr, out_ptr, topk_ids_ptr,
+    hidden, inter_size, num_experts,
+    stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr = True,
+    USE_PDL: tl.constexpr = False,
+):
+    """mxfp4_moe_gemm2_kernel's math in mxfp4_moe_gemv1_kernel's form: one program per
+    (routing entry r, BLOCK_N columns of the latent), partial[r, cols] = W2_e[cols] inter[r],
+    unweighted; entries with ids outside [0, E) left unwritten."""
+    pdl_wait(USE_PDL)
+    r, e, offs_n, mask_n, skip = _gemv_entry(topk_ids_ptr, num_experts, hidden, BLOCK_N)
+    if skip:
+        return
+    w_e = w_ptr + e * stride_we
+    s_e = s_ptr + e * stride_se
+    a_row = inter_ptr + r * stride_im
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        a_lo, a_hi = _gemv_x(a_row, k0, inter_size, BLOCK_K, MXFP4)
+        acc += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, inter_size, a_lo, a_hi, stride_wn,
+                         stride_sn, BLOCK_K, MXFP4)
+    tl.store(out_ptr + r * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
