@@ -262,10 +262,10 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         return out
     # only the tail tiles are used, and they depend on N alone
     cfg = _fit(config or default_config(N, top_k, num_experts or 1), L, L, H)
-    args = (partials, topk_weights.contiguous(), topk_ids.contiguous(),
+    ptrs = (partials, topk_weights.contiguous(), topk_ids.contiguous(),
             norm_weight if norm_weight is not None else up_weight, up_weight,
-            residual if residual is not None else out, out,
-            N, L, H, num_experts if num_experts is not None else 2 ** 31 - 1, float(eps),
+            residual if residual is not None else out, out)
+    dims = (L, H, num_experts if num_experts is not None else 2 ** 31 - 1, float(eps),
             partials.stride(0), up_weight.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0))
     opts = dict(TOP_K=top_k, BLOCK_N=cfg.tail_block_n, BLOCK_K=cfg.tail_block_k,
@@ -274,9 +274,9 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
                 **pdl_options(pdl, up_weight))
     if cfg.tail_block_m == 1:
         latent_moe_tail_gemv_kernel[(N * cdiv(H, cfg.tail_block_n),)](
-            *args, TOP_K_P2=next_power_of_2(top_k), **opts)
+            *ptrs, *dims, TOP_K_P2=next_power_of_2(top_k), **opts)
     else:
         precision = "ieee" if up_weight.dtype == torch.float32 else "tf32"
         latent_moe_tail_kernel[(cdiv(N, cfg.tail_block_m) * cdiv(H, cfg.tail_block_n),)](
-            *args, BLOCK_M=cfg.tail_block_m, DOT_PRECISION=precision, **opts)
+            *ptrs, N, *dims, BLOCK_M=cfg.tail_block_m, DOT_PRECISION=precision, **opts)
     return out

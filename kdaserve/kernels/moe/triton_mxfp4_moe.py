@@ -375,10 +375,10 @@ def latent_moe_tail_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit
 def latent_moe_tail_gemv_kernel(
     partial_ptr, topk_weights_ptr, topk_ids_ptr, norm_ptr, up_ptr, residual_ptr, out_ptr,
-    num_tokens, latent, hidden, num_experts, eps,
+    latent, hidden, num_experts, eps,
     stride_pm, stride_un, stride_rm, stride_om,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False,
