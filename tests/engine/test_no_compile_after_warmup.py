@@ -35,13 +35,11 @@ def _params(rng: random.Random):
     return SamplingParams(**base, **extra)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 19): on the H200 at 958c26d this run "
-                   "compiled 8 kernels after start-up (mla_decode_reduce_kernel, "
-                   "moe_align_small_kernel, moe_gemm1_kernel, moe_gemm2_kernel: pointer and stride "
-                   "specialisations that followed the step's composition; fla's "
-                   "fused_recurrent_kda_fwd_kernel: a path the warm-up did not take). The fixes "
-                   "(aligned MoE workspace, unspecialised strides, the short-rows warm-up) have "
-                   "not run on a GPU yet; strict, so the test fails once it passes")
+@pytest.mark.xfail(strict=True, reason="known gap (issue 19): on the H200 at f786b75 this run "
+                   "compiled 1 kernel after start-up (moe_align_small_kernel, a pointer-alignment "
+                   "specialisation: routing ids at another offset); the align kernels no longer "
+                   "specialise on alignment since, not yet run on a GPU; strict, so the test "
+                   "fails once it passes")
 def test_warm_engine_compiles_nothing(tmp_path):
     pytest.importorskip("triton")
     from tests.engine.conftest import _write_tokenizer

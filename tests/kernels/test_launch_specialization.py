@@ -81,7 +81,8 @@ def test_align_workspace_layout_aligned_and_disjoint():
 @pytest.mark.parametrize("num_experts,top_k", [(9, 3), (8, 2), (64, 8), (257, 9)])
 def test_moe_align_one_specialisation(monkeypatch, num_experts, top_k):
     """Token counts 1..300 (both the one-program and the atomic path): every MoEAlignment field
-    is 16-byte aligned and each align kernel has one key."""
+    is 16-byte aligned and each align kernel has one key, also for routing ids at an unaligned
+    offset."""
     from kdaserve.kernels.moe import triton_moe
     from kdaserve.kernels.moe.fused_moe import SMALL_ALIGN_ENTRIES, moe_align_block_size
 
@@ -89,8 +90,10 @@ def test_moe_align_one_specialisation(monkeypatch, num_experts, top_k):
     paths = set()
     for n in range(1, 301):
         ids = torch.randint(0, num_experts, (n, top_k), dtype=torch.int32)
-        for block_m in (16, 64):
-            a = moe_align_block_size(ids, num_experts, block_m)
+        # a view at an odd row offset (a step's rows sliced out of a larger routing tensor)
+        ids_view = torch.randint(0, num_experts, (n + 1, top_k), dtype=torch.int32)[1:]
+        for block_m, routed in ((16, ids), (64, ids), (16, ids_view)):
+            a = moe_align_block_size(routed, num_experts, block_m)
             for field in ("sorted_ids", "expert_ids", "expert_start", "counts", "num_rows"):
                 t = getattr(a, field)
                 assert t.data_ptr() % 16 == 0, f"N={n} E={num_experts} bm={block_m}: {field}"

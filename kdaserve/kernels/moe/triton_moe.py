@@ -27,7 +27,13 @@ import triton.language as tl
 from kdaserve.kernels.triton_pdl import pdl_wait
 
 
-@triton.jit(do_not_specialize=["numel"])
+# The alignment kernels (count, offsets, align_small, scatter) move a few hundred bytes: their
+# pointers are not specialised on 16-byte alignment (do_not_specialize_on_alignment), so a step
+# whose routing tensors sit at another offset reuses the warm-up's build instead of compiling.
+
+
+@triton.jit(do_not_specialize=["numel"],
+            do_not_specialize_on_alignment=["topk_ids_ptr", "counts_ptr"])
 def moe_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, BLOCK: tl.constexpr,
                      USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
@@ -63,7 +69,9 @@ def _expert_offsets(counts, mask_e, expert_start_ptr, expert_ids_ptr, num_rows_p
     return start
 
 
-@triton.jit(do_not_specialize=["max_blocks"])
+@triton.jit(do_not_specialize=["max_blocks"],
+            do_not_specialize_on_alignment=["counts_ptr", "expert_start_ptr", "cursor_ptr",
+                                            "expert_ids_ptr", "num_rows_ptr"])
 def moe_offsets_kernel(counts_ptr, expert_start_ptr, cursor_ptr, expert_ids_ptr, num_rows_ptr,
                        num_experts, max_blocks, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                        USE_PDL: tl.constexpr = False):
@@ -84,7 +92,9 @@ def _load_experts(topk_ids_ptr, offs, numel, num_experts):
     return tl.where(ok, e, -1).to(tl.int32), ok
 
 
-@triton.jit(do_not_specialize=["numel", "max_blocks"])   # both follow the step's token count
+@triton.jit(do_not_specialize=["numel", "max_blocks"],   # both follow the step's token count
+            do_not_specialize_on_alignment=["topk_ids_ptr", "counts_ptr", "expert_start_ptr",
+                                            "expert_ids_ptr", "num_rows_ptr", "sorted_ids_ptr"])
 def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_ids_ptr,
                            num_rows_ptr, sorted_ids_ptr, numel, num_experts, max_blocks,
                            BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -111,7 +121,8 @@ def moe_align_small_kernel(topk_ids_ptr, counts_ptr, expert_start_ptr, expert_id
     tl.store(sorted_ids_ptr + row, key % BLOCK_T, mask=valid)
 
 
-@triton.jit(do_not_specialize=["numel"])
+@triton.jit(do_not_specialize=["numel"],
+            do_not_specialize_on_alignment=["topk_ids_ptr", "cursor_ptr", "sorted_ids_ptr"])
 def moe_scatter_kernel(topk_ids_ptr, cursor_ptr, sorted_ids_ptr, numel, num_experts,
                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
