@@ -19,6 +19,11 @@ scales; the tail's up weight and partials) over the device's measured copy bandw
 
     python benchmarks/bench_mxfp4_tiles.py --out $OUT/mxfp4_tiles.json
     python benchmarks/bench_mxfp4_tiles.py --tokens 1 --experts mxfp4,bf16 --quick
+    python benchmarks/bench_mxfp4_tiles.py --write-configs kdaserve/kernels/configs
+
+--write-configs DIR merges each point's fastest tiles into DIR's
+mxfp4_moe_gemm_device_name=GPU.json (per expert format) and latent_moe_tail_device_name=GPU.json
+(the tail's fastest over the formats' runs), the files moe_partials / latent_moe_tail read.
 
 On the CPU (the smoke test) it runs under TRITON_INTERPRET=1 at small shapes with wall-clock
 timing; those times mean nothing.
@@ -42,8 +47,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.mxfp4.format import quantize_mxfp4  # noqa: E402
-from kdaserve.kernels.moe.mxfp4_moe import (Mxfp4MoEConfig, default_config,  # noqa: E402
-                                            latent_moe_tail, moe_partials)
+from kdaserve.kernels.configs import config_file_name  # noqa: E402
+from kdaserve.kernels.moe.mxfp4_moe import (GEMM_FIELDS, TAIL_FIELDS,  # noqa: E402
+                                            default_config, gemm_shape_key, latent_moe_tail,
+                                            moe_partials, tail_shape_key)
 
 REPEATS = 20
 REPLAYS = 5
@@ -51,7 +58,9 @@ BF16_TOL = 1e-2
 """METHOD.md's bound for bf16 kernels against their fp32 twin (relative to the output's max)."""
 
 GEMM_CANDIDATES = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 256),
-                       num_warps=(4, 8), num_stages=(2, 3))
+                       num_warps=(4,), num_stages=(3,))
+"""The tl.dot tiles at decode sizes: 16-row blocks on 4 warps, 3 stages (at 2 stages ptxas
+spills registers in gemm1); the column and K tiles are what varies."""
 GEMM_GEMV_CANDIDATES = dict(block_m=(1,), block_n=(8, 16, 32), block_k=(128, 256, 512),
                             num_warps=(2, 4, 8), num_stages=(2,))
 """The GEMV form of the expert GEMMs (block_m = 1, opt-in), swept next to the tl.dot tiles below
@@ -203,6 +212,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few candidates per class")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--write-configs", default=None, metavar="DIR",
+                    help="merge the fastest tiles into DIR's config files (CUDA only)")
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator().manual_seed(a.seed)
@@ -236,6 +247,36 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
+    if a.write_configs and device.type == "cuda":
+        for path, entries in tuned_entries(a, out["points"], out["gpu"], a.write_configs).items():
+            old = json.load(open(path)) if os.path.isfile(path) else {}
+            old.update(entries)
+            with open(path, "w") as f:
+                f.write("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}"
+                                            for k, v in sorted(old.items())) + "\n}\n")
+            print(f"wrote {len(entries)} configs into {path}")
+
+
+def tuned_entries(a, points: list[dict], gpu: str, config_dir: str) -> dict[str, dict]:
+    """{file path: {shape key: tiles}}: each point's fastest GEMM tiles (by expert format) and
+    the fastest tail tiles per token count over all formats' runs, completed with the
+    default_config fields the sweep does not vary."""
+    gemm, tail, tail_us = {}, {}, {}
+    for p in points:
+        N = p["tokens"]
+        base = dataclasses.asdict(default_config(N, a.top_k, a.num_experts))
+        if p["best_gemm"]:
+            best = {f: p["best_gemm"].get(f, base[f]) for f in GEMM_FIELDS}
+            gemm[gemm_shape_key(N, a.num_experts, a.top_k, a.latent, a.intermediate,
+                                p["experts"])] = best
+        bt = p["best_tail"]
+        if bt and bt["us"] < tail_us.get(N, float("inf")):
+            tail_us[N] = bt["us"]
+            tail[tail_shape_key(N, a.top_k, a.latent, a.hidden)] = {
+                f: bt.get(f, 1 if f == "tail_block_m" and N < GEMV_BELOW else base[f])
+                for f in TAIL_FIELDS}
+    return {os.path.join(config_dir, config_file_name("mxfp4_moe_gemm", gpu)): gemm,
+            os.path.join(config_dir, config_file_name("latent_moe_tail", gpu)): tail}
 
 
 if __name__ == "__main__":

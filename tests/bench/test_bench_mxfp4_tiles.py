@@ -45,3 +45,38 @@ def test_tile_sweep_checks_and_reports(tmp_path):
             assert p[f"best_{kind}"] in cands
         assert "us" in p["unfused_tail"]
         assert p["gemm_floor_us"] > 0 and p["tail_floor_us"] > 0
+
+
+def test_tuned_entries_take_each_points_fastest():
+    """--write-configs: the GEMM winner per (format, N), the tail winner per N over the formats,
+    completed with the fields the sweep does not vary, under the kernels' shape keys."""
+    import argparse
+    import importlib.util
+
+    from kdaserve.kernels.moe.mxfp4_moe import (GEMM_FIELDS, TAIL_FIELDS, gemm_shape_key,
+                                                tail_shape_key)
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_mxfp4_tiles", os.path.join(ROOT, "benchmarks", "bench_mxfp4_tiles.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    a = argparse.Namespace(top_k=16, num_experts=256, latent=2048, intermediate=2048, hidden=2048)
+
+    def point(fmt, N, gemm_us, tail_us, tail_n):
+        return {"experts": fmt, "tokens": N,
+                "best_gemm": dict(block_m=1, block_n=16, block_k=256, num_warps=4, num_stages=2,
+                                  us=gemm_us),
+                "best_tail": dict(tail_block_n=tail_n, tail_block_k=256, tail_num_warps=2,
+                                  us=tail_us)}
+
+    files = bench.tuned_entries(a, [point("mxfp4", 1, 20.0, 9.0, 32), point("bf16", 1, 40.0, 8.0, 8),
+                                    point("mxfp4", 16, 30.0, 12.0, 64)], "NVIDIA H200", "/cfg")
+    gemm = files["/cfg/mxfp4_moe_gemm_device_name=NVIDIA_H200.json"]
+    tail = files["/cfg/latent_moe_tail_device_name=NVIDIA_H200.json"]
+    assert set(gemm) == {gemm_shape_key(1, 256, 16, 2048, 2048, "mxfp4"),
+                         gemm_shape_key(1, 256, 16, 2048, 2048, "bf16"),
+                         gemm_shape_key(16, 256, 16, 2048, 2048, "mxfp4")}
+    assert all(set(v) == set(GEMM_FIELDS) and v["group_m"] == 1 for v in gemm.values())
+    t1 = tail[tail_shape_key(1, 16, 2048, 2048)]
+    assert set(t1) == set(TAIL_FIELDS) and t1["tail_block_n"] == 8 and t1["tail_block_m"] == 1
+    assert tail[tail_shape_key(16, 16, 2048, 2048)]["tail_block_m"] == 16

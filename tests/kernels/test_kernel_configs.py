@@ -82,3 +82,28 @@ def test_config_files_are_package_data():
     for path in files:
         rel = path.relative_to(root / "kdaserve").as_posix()
         assert any(fnmatch(rel, g) for g in globs), f"{rel} is not package data: {globs}"
+
+
+def test_mxfp4_moe_tuned_tiles_nearest_measured_count(monkeypatch):
+    """The MoE kernels take the device's measured tiles at the nearest measured token count
+    (ties: the smaller), only within the measured range, per shape; nothing for CPU tensors."""
+    import torch
+
+    from kdaserve.kernels.moe import mxfp4_moe as m
+
+    shape = (256, 16, 2048, 2048, "mxfp4")
+    files = {("mxfp4_moe_gemm", "GPU"): {m.gemm_shape_key(1, *shape): {"block_n": 1},
+                                         m.gemm_shape_key(4, *shape): {"block_n": 4},
+                                         m.gemm_shape_key(16, *shape): {"block_n": 16}}}
+    monkeypatch.setattr(m, "load_configs", lambda kernel, name, sms: files.get((kernel, name), {}))
+    m._tuned_tiles.cache_clear()
+    try:
+        got = {n: (m._tuned_tiles("mxfp4_moe_gemm", n, shape, "GPU", 132) or {}).get("block_n")
+               for n in (1, 2, 3, 5, 10, 16, 17)}
+        assert got == {1: 1, 2: 1, 3: 4, 5: 4, 10: 4, 16: 16, 17: None}
+        assert m._tuned_tiles("mxfp4_moe_gemm", 1, shape[:-1] + ("bf16",), "GPU", 132) is None
+        assert m._tuned_tiles("latent_moe_tail", 1, (16, 2048, 2048), "GPU", 132) is None
+        assert m._tuned_tiles("mxfp4_moe_gemm", 1, shape, "other", 132) is None
+    finally:
+        m._tuned_tiles.cache_clear()
+    assert m.tuned_tiles("mxfp4_moe_gemm", 1, shape, torch.device("cpu")) is None

@@ -19,12 +19,14 @@ with programmatic dependent launch (inputs are all produced by the previous kern
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 
-from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
-                                    require_triton)
+from kdaserve.kernels.configs import device_name, load_configs, shape_key
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
+                                    pdl_options, require_triton)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,49 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> Mxfp4MoECon
     return Mxfp4MoEConfig(**gemm, **tail)
 
 
+GEMM_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+TAIL_FIELDS = ("tail_block_m", "tail_block_n", "tail_block_k", "tail_num_warps",
+               "tail_num_stages")
+
+
+def gemm_shape_key(num_tokens: int, num_experts: int, top_k: int, latent: int, inter: int,
+                   experts: str) -> str:
+    """The key of kernels/configs/mxfp4_moe_gemm_*.json (experts: "mxfp4" or "bf16")."""
+    return shape_key(N=num_tokens, E=num_experts, k=top_k, L=latent, I=inter, experts=experts)
+
+
+def tail_shape_key(num_tokens: int, top_k: int, latent: int, hidden: int) -> str:
+    """The key of kernels/configs/latent_moe_tail_*.json."""
+    return shape_key(N=num_tokens, k=top_k, L=latent, H=hidden)
+
+
+_KEY_OF = {"mxfp4_moe_gemm": gemm_shape_key, "latent_moe_tail": tail_shape_key}
+_MAX_TUNED_TOKENS = 512
+"""Largest token count a config file may hold (decode and verify sizes)."""
+
+
+def tuned_tiles(kernel: str, num_tokens: int, shape: tuple, device: torch.device) -> dict | None:
+    """The measured tiles of `kernel` ("mxfp4_moe_gemm" or "latent_moe_tail"; files written by
+    benchmarks/bench_mxfp4_tiles.py --write-configs) for the shape (the arguments of its key
+    function after the token count) at the measured token count nearest to num_tokens, only
+    within the measured range (a decode sweep says nothing about prefill tiles); None where the
+    device has no file for it, and for CPU tensors. Cached: a launch costs a dict lookup."""
+    if device.type != "cuda":
+        return None
+    return _tuned_tiles(kernel, num_tokens, shape, device_name(device), num_sms(device))
+
+
+@functools.cache
+def _tuned_tiles(kernel: str, num_tokens: int, shape: tuple, dev_name: str,
+                 sms: int) -> dict | None:
+    tuned = load_configs(kernel, dev_name, sms)
+    key_of = _KEY_OF[kernel]
+    counts = [n for n in range(1, _MAX_TUNED_TOKENS + 1) if key_of(n, *shape) in tuned]
+    if not counts or num_tokens > max(counts):
+        return None
+    return tuned[key_of(min(counts, key=lambda n: (abs(n - num_tokens), n)), *shape)]
+
+
 def _fit(cfg: Mxfp4MoEConfig, latent: int, inter: int, hidden: int) -> Mxfp4MoEConfig:
     """Tiles no larger than the problem (small test models); never below the tl.dot minimum
     (the GEMV form, block_m = 1, has none for block_n; block_k stays >= 32, one scale group).
@@ -138,7 +183,8 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     w13 uint8 [E, 2I, D/2] + w13_scale [E, 2I, D/32] (rows [0, I) gate, [I, 2I) up), w2 uint8
     [E, D, I/2] + w2_scale [E, D, I/32]. Dense (scales None, the bf16 baseline): w13
     [E, 2I, D], w2 [E, D, I] in x.dtype. act: silu, or situ with beta (and linear_beta, the up
-    branch's clip; None = unclipped). config: the tiles (None: default_config(N, k, E)),
+    branch's clip; None = unclipped). config: the tiles (None: the device's measured tiles
+    for the shape, kernels/configs/mxfp4_moe_gemm_*.json, else default_config(N, k, E)),
     shrunk to the shapes by _fit; block_m = 1 runs the GEMV form (GEMM_GEMV), without the
     alignment step. Returns [N * k, D] in x.dtype."""
     require_triton()
@@ -172,7 +218,13 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     out = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)
     if N == 0:
         return out
-    cfg = _fit(config or default_config(N, top_k, E), D, inter, D)
+    if config is None:
+        config = default_config(N, top_k, E)
+        tuned = tuned_tiles("mxfp4_moe_gemm", N, (E, top_k, D, inter,
+                                                  "mxfp4" if mxfp4 else "bf16"), x.device)
+        if tuned is not None:
+            config = replace(config, **{f: tuned[f] for f in GEMM_FIELDS})
+    cfg = _fit(config, D, inter, D)
     topk_ids = topk_ids.contiguous()
     h = torch.empty(N * top_k, inter, dtype=x.dtype, device=x.device)           # [N*k, I]
     if cfg.block_m == 1:
@@ -240,7 +292,8 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     up_weight^T (+ residual[n]) in one launch; without norm_weight the sum goes straight into
     the up projection. partials: [N * k, L]; topk_*: [N, k] (ids outside [0, num_experts)
     skipped; num_experts None = no upper bound); up_weight: [H, L]; residual: [N, H].
-    config: its tail_* tiles are used (None: default_config's, by N), shrunk to the shapes.
+    config: its tail_* tiles are used (None: the device's measured tiles,
+    kernels/configs/latent_moe_tail_*.json, else default_config's by N), shrunk to the shapes.
     Returns [N, H] in up_weight.dtype."""
     require_triton()
     from kdaserve.kernels.moe.triton_mxfp4_moe import (latent_moe_tail_gemv_kernel,
@@ -261,7 +314,12 @@ def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     if N == 0:
         return out
     # only the tail tiles are used, and they depend on N alone
-    cfg = _fit(config or default_config(N, top_k, num_experts or 1), L, L, H)
+    if config is None:
+        config = default_config(N, top_k, num_experts or 1)
+        tuned = tuned_tiles("latent_moe_tail", N, (top_k, L, H), up_weight.device)
+        if tuned is not None:
+            config = replace(config, **{f: tuned[f] for f in TAIL_FIELDS})
+    cfg = _fit(config, L, L, H)
     ptrs = (partials, topk_weights.contiguous(), topk_ids.contiguous(),
             norm_weight if norm_weight is not None else up_weight, up_weight,
             residual if residual is not None else out, out)
