@@ -244,6 +244,10 @@ def main() -> None:
                       f"{sum('skipped' in c for c in p[kind])} skipped, "
                       f"{sum('wrong' in c for c in p[kind])} wrong", flush=True)
             print(f"{fmt:5s} N={N:3d} unfused tail: {p['unfused_tail']}", flush=True)
+            save(a, out, device)            # after every point: a cut-off sweep keeps its part
+
+
+def save(a, out: dict, device) -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
@@ -254,7 +258,6 @@ def main() -> None:
             with open(path, "w") as f:
                 f.write("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}"
                                             for k, v in sorted(old.items())) + "\n}\n")
-            print(f"wrote {len(entries)} configs into {path}")
 
 
 def tuned_entries(a, points: list[dict], gpu: str, config_dir: str) -> dict[str, dict]:

@@ -19,6 +19,8 @@ from kdaserve.attention.forward_context import ForwardContext
 from kdaserve.attention.kda_backend import SHORT_PREFILL_MAX
 from kdaserve.attention.metadata import KDACheckpointRequest
 from kdaserve.config import SchedulerConfig
+from kdaserve.kernels.moe.fused_moe import SMALL_ALIGN_ENTRIES, small_align_tiles
+from kdaserve.layers.moe import TopkRouter
 from kdaserve.sample.metadata import SamplingMetadata
 from kdaserve.sample.sampler import Sampler
 from kdaserve.sampling_params import SamplingParams
@@ -60,8 +62,29 @@ def warmup_steps(runner: ModelRunner, sc: SchedulerConfig) -> None:
         if d <= max_rows and budget > d:
             computed = [long_ctx] + [17 + 3 * i for i in range(1, d)]
             _forward(runner, [1] * d + [budget - d], computed + [0])
+    # the MoE alignment kernel's one-program variants follow the step's routing entries (its
+    # BLOCK_T bucket) and the GEMM tile class (its block_m): both ends of every bucket
+    for t in _alignment_token_counts(runner, budget):
+        _forward(runner, [t], [0])
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _alignment_token_counts(runner: ModelRunner, budget: int) -> list[int]:
+    """The least and the largest token count (<= budget) of every BLOCK_T bucket of
+    moe_align_small_kernel, for each routing width of the model's routers (top_k, and
+    top_k + 1 where the shared experts ride along as an extra routed expert). The GEMM tile
+    class grows with the token count too, so a class boundary inside a bucket has its two
+    sides at the bucket's two ends."""
+    widths = {w for m in runner.model.modules() if isinstance(m, TopkRouter)
+              for w in (m.top_k, m.top_k + 1)}
+    counts: set[int] = set()
+    for w in widths:
+        ends: dict[int, list[int]] = {}
+        for t in range(1, min(budget, SMALL_ALIGN_ENTRIES // w) + 1):
+            ends.setdefault(small_align_tiles(t * w)[0], []).append(t)
+        counts.update(t for ts in ends.values() for t in (ts[0], ts[-1]))
+    return sorted(counts)
 
 
 def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int],

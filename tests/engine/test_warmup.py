@@ -39,7 +39,11 @@ def test_warmup_leaves_no_trace(make_llm, monkeypatch):
     # sizes across the budget, then budget-filling chunks next to 1, 2, 3 decode rows (16 and
     # 17 rows exceed max_num_seqs - 2)
     mixed = [sum(1 for x in q if x == 1) for q, _, _ in calls if q[-2:] == [100, 61]]
-    alone = [len(q) for q, _, _ in calls if set(q) == {1}]
+    alone = [len(q) for q, c, _ in calls if set(q) == {1} and c[0] > 0]
+    # last, one fresh prefill at each end of every MoE alignment bucket
+    aligned = warmup._alignment_token_counts(runner, 64)
+    assert aligned and [q for q, _, _ in calls[len(calls) - len(aligned):]] == [[t] for t in aligned]
+    calls = calls[:len(calls) - len(aligned)]
     # checkpoint exports on and off the 64-token grid, with and without an initial state
     assert [e for _, _, e in calls if e] == [[(0, 64), (0, 70), (1, 40)]]
     assert mixed == list(range(7)) and alone == list(range(1, 9)), (mixed, alone)
@@ -55,3 +59,28 @@ def test_warmup_leaves_no_trace(make_llm, monkeypatch):
             for da, db in zip(ca.logprobs or [], cb.logprobs or []):
                 assert {t: round(v.logprob, 4) for t, v in da.items()} == \
                     {t: round(v.logprob, 4) for t, v in db.items()}
+
+
+def test_alignment_token_counts_cover_every_bucket_end():
+    """The warm-up's extra prefills hit the least and the largest token count of every
+    BLOCK_T bucket of the MoE alignment kernel, for top_k and top_k + 1 entries a token."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from kdaserve.kernels.moe.fused_moe import SMALL_ALIGN_ENTRIES, small_align_tiles
+    from kdaserve.layers.moe import TopkRouter
+    from kdaserve.worker.warmup import _alignment_token_counts
+
+    router = TopkRouter.__new__(TopkRouter)
+    nn.Module.__init__(router)
+    router.top_k = 3
+    runner = SimpleNamespace(model=nn.Sequential(router))
+    got = _alignment_token_counts(runner, budget=256)
+    for w in (3, 4):
+        buckets = {}
+        for t in range(1, min(256, SMALL_ALIGN_ENTRIES // w) + 1):
+            buckets.setdefault(small_align_tiles(t * w)[0], []).append(t)
+        for ts in buckets.values():
+            assert ts[0] in got and ts[-1] in got, (w, ts)
+    assert max(got) <= 256 and len(got) <= 4 * len(buckets)

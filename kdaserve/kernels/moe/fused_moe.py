@@ -109,7 +109,7 @@ class MoEAlignment:
 SMALL_ALIGN_ENTRIES = 1024
 
 
-def _small_align_tiles(numel: int) -> tuple[int, int]:
+def small_align_tiles(numel: int) -> tuple[int, int]:
     """(BLOCK_T, num_warps) of moe_align_small_kernel, from the entry count only (CUDA-graph
     safe): BLOCK_T holds every entry; 8 warps from 512 up (at BLOCK_T = 1024 the sm_90 kernel is
     ~2500 straight-line SASS instructions a thread at 8 warps, ~3800 at 4; static count, not
@@ -167,7 +167,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_e = next_power_of_2(num_experts)
     pdl_opts = pdl_options(pdl, ids)
     if small:
-        block_t, warps = _small_align_tiles(numel)
+        block_t, warps = small_align_tiles(numel)
         moe_align_small_kernel[(1,)](ids, counts, expert_start, expert_ids, num_rows, sorted_ids,
                                      numel, num_experts, max_blocks, BLOCK_M=block_m,
                                      BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps, **pdl_opts)
