@@ -35,11 +35,6 @@ def _params(rng: random.Random):
     return SamplingParams(**base, **extra)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (issue 19): on the H200 at f786b75 this run "
-                   "compiled 1 kernel after start-up (moe_align_small_kernel, a pointer-alignment "
-                   "specialisation: routing ids at another offset); the align kernels no longer "
-                   "specialise on alignment since, not yet run on a GPU; strict, so the test "
-                   "fails once it passes")
 def test_warm_engine_compiles_nothing(tmp_path):
     pytest.importorskip("triton")
     from tests.engine.conftest import _write_tokenizer
