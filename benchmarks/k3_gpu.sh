@@ -15,7 +15,10 @@
 #          profile (top kernels by device time; fused, unfused, bf16)
 #   tiles  benchmarks/bench_mxfp4_tiles.py: the latent-MoE kernels' tile candidates at decode
 #          sizes (TILE_TOKENS, default 1,4,16; MXFP4 and bf16) against their floors and the
-#          unfused tail, into $OUT/mxfp4_tiles.json
+#          unfused tail, into $OUT/mxfp4_tiles.json; the winners are merged into the config
+#          files in kdaserve/kernels/configs (--write-configs; copies land in $OUT), so the stages after it
+#          (kl, serve) run with them. A cold sweep compiles ~140 kernels a format:
+#          give it a call of its own (TILE_TOKENS / TILE_EXPERTS narrow it)
 #   kl     bench_k3.py --stages kl: mean KL(bf16 || MXFP4) on kimi-k3-mini, KL_PROMPTS x
 #          KL_LEN (default 64 x 128)
 #   serve  W1-nospec served (kdaserve serve kimi-k3-mini --load-format dummy), concurrency
@@ -69,8 +72,10 @@ if [[ $STAGES == *bench* ]]; then
 fi
 if [[ $STAGES == *tiles* ]]; then
   timeout ${TILES_TIMEOUT:-480} python3 benchmarks/bench_mxfp4_tiles.py --tokens ${TILE_TOKENS:-1,4,16} \
-    --experts ${TILE_EXPERTS:-mxfp4,bf16} ${TILE_ARGS:-} --out "$OUT/mxfp4_tiles.json" 2>&1 \
-    | grep -v Warning | tail -40 | tee "$OUT/k3_tiles.log"
+    --experts ${TILE_EXPERTS:-mxfp4,bf16} ${TILE_ARGS:-} --out "$OUT/mxfp4_tiles.json" \
+    --write-configs kdaserve/kernels/configs 2>&1 | grep -v Warning | tail -40 | tee "$OUT/k3_tiles.log"
+  cp kdaserve/kernels/configs/mxfp4_moe_gemm_*.json kdaserve/kernels/configs/latent_moe_tail_*.json \
+    "$OUT/" 2>/dev/null
   echo "tiles: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *kl* ]]; then
