@@ -96,10 +96,28 @@ def kernel_paths() -> dict:
            "causal_conv1d_installed": importlib.util.find_spec("causal_conv1d") is not None}
     for fn in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
                "causal_conv1d_fn", "causal_conv1d_update"):
-        impl = inspect.getclosurevars(getattr(m, fn)).nonlocals.get("implementation")
+        impl = _bound_implementation(getattr(m, fn))
         module = getattr(impl, "__module__", None) or "unknown"
         out[fn] = "torch (transformers reference)" if module.startswith("transformers") else module
     return out
+
+
+def _bound_implementation(obj):
+    """The implementation a transformers hub-kernel function dispatches to: the `implementation`
+    its closure holds; newer releases (with the `kernels` package) wrap the function in a
+    module whose forward closes over it as `func`, unwrapped here. None where neither holds."""
+    for _ in range(4):
+        if not inspect.isfunction(obj):
+            forward = getattr(type(obj), "forward", None)
+            if not inspect.isfunction(forward):
+                return None
+            obj = inspect.getclosurevars(forward).nonlocals.get("func")
+            continue
+        nonlocals = inspect.getclosurevars(obj).nonlocals
+        if "implementation" in nonlocals:
+            return nonlocals["implementation"]
+        return obj
+    return None
 
 
 def sync(device: torch.device) -> None:
