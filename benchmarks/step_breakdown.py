@@ -11,7 +11,7 @@ graph replay that bench_engine.py and the roofline time.
 
 Cases: greedy and W1 sampling (temperature 1.0, top_p 0.95, a seed per request) at the given
 batches without speculation; with --draft-model instead, the W1 speculative config (8 drafts,
-synthetic acceptance length 4.0) at the given spec batches (one engine per invocation: run
+synthetic acceptance length 4.0; --draft-method dspark for a DSpark drafter) at the given spec batches (one engine per invocation: run
 the script twice for both).
 """
 
@@ -81,6 +81,15 @@ def run_case(engine: LLMEngine, name: str, batch: int, kind: str, prompt_len: in
         engine.step()
         _sync()
         times.append((time.perf_counter() - t) * 1e3)
+    # Back to back, one sync at the end: the steady-state step under async scheduling, where
+    # a step's host work overlaps the previous step's device work (the synced times above
+    # serialise them).
+    _sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    pipelined_ms = (time.perf_counter() - t) * 1e3 / steps
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -90,10 +99,11 @@ def run_case(engine: LLMEngine, name: str, batch: int, kind: str, prompt_len: in
     engine.abort_request(ids)
     times.sort()
     out = {"case": name, "batch": batch, "sampling": kind, "median_step_ms": times[len(times) // 2],
-           "mean_step_ms": sum(times) / len(times),
+           "mean_step_ms": sum(times) / len(times), "pipelined_step_ms": pipelined_ms,
            "top_cumulative": top_functions(prof, "cumulative", 40),
            "top_own": top_functions(prof, "tottime", 25)}
-    print(f"{name}: batch {batch} {kind}: median {out['median_step_ms']:.2f} ms/step", flush=True)
+    print(f"{name}: batch {batch} {kind}: median {out['median_step_ms']:.2f} ms/step synced, "
+          f"{pipelined_ms:.2f} ms/step back to back", flush=True)
     for r in out["top_cumulative"][:28]:
         print(f"   {r['cum_ms'] / steps:8.3f} ms/step cum {r['own_ms'] / steps:8.3f} own  "
               f"{r['calls'] // steps:>5}x  {r['function']}", flush=True)
@@ -107,6 +117,8 @@ def main() -> None:
     ap.add_argument("--draft-model", default=None,
                     help="Run only the speculative cases, with this draft model (made first "
                          "when the folder has no config.json).")
+    ap.add_argument("--draft-method", default="draft_model", choices=["draft_model", "dspark"],
+                    help="The speculative config's method (the drafter made if missing is of it).")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--spec-batches", default="1,4")
     ap.add_argument("--prompt-len", type=int, default=1000)
@@ -129,12 +141,15 @@ def main() -> None:
                 result["cases"].append(run_case(engine, f"nospec-{kind}-b{b}", b, kind,
                                                 args.prompt_len, args.steps, rng))
     else:
-        from kdaserve.models.make_model import make_draft_model
+        from kdaserve.models.make_model import make_draft_model, make_dspark_model
 
         if not os.path.isfile(os.path.join(args.draft_model, "config.json")):
-            make_draft_model(args.model, args.draft_model)
-        engine = LLMEngine.from_engine_args(**common,
-                                            speculative_config={**SPEC, "model": args.draft_model})
+            make = make_dspark_model if args.draft_method == "dspark" else make_draft_model
+            make(args.model, args.draft_model)
+        spec = {**SPEC, "method": args.draft_method, "model": args.draft_model}
+        if args.draft_method == "dspark":
+            spec["draft_sample_method"] = "probabilistic"
+        engine = LLMEngine.from_engine_args(**common, speculative_config=spec)
         for b in (int(x) for x in args.spec_batches.split(",")):
             result["cases"].append(run_case(engine, f"spec-w1-b{b}", b, "w1", args.prompt_len,
                                             args.steps, rng))
