@@ -166,7 +166,10 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
     point = {"experts": fmt, "tokens": N, "distinct_experts": used,
              "gemm_floor_us": round(gemm_floor_us, 2), "gemm": [], "tail": []}
     gemv = grid(GEMM_GEMV_CANDIDATES, a.quick, QUICK_GEMV) if N < GEMV_BELOW else []
-    for cand in grid(GEMM_CANDIDATES, a.quick) + gemv:
+    dot = grid(GEMM_CANDIDATES, a.quick)
+    if a.gemv_only and gemv:   # the default tl.dot tile only, as the reference point
+        dot = [{f: default[f] for f in GEMM_CANDIDATES}]
+    for cand in dot + gemv:
         cfg = dataclasses.replace(default_config(N, k, E), **cand)
         res = try_candidate(
             lambda cfg=cfg: moe_partials(x, w13, w2, ids, s13, s2, *act, config=cfg),
@@ -180,6 +183,9 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
     want_tail = ref.latent_moe_tail(partials, topk_w, ids, up, g, 1e-6, shared, num_experts=E)
     tail_bytes = up.numel() * up.element_size() + partials.numel() * partials.element_size()
     point["tail_floor_us"] = round(tail_bytes / bandwidth * 1e6, 2)
+    if a.no_tail:
+        point["unfused_tail"] = {"skipped": "--no-tail"}
+        return point
     space = TAIL_GEMV_CANDIDATES if N < 16 else TAIL_DOT_CANDIDATES
     block_m = 1 if N < 16 else default["tail_block_m"]
     for cand in grid(space, a.quick):
@@ -210,6 +216,9 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="a few candidates per class")
+    ap.add_argument("--gemv-only", action="store_true",
+                    help="below the GEMV threshold, the GEMV candidates and the default tile only")
+    ap.add_argument("--no-tail", action="store_true", help="sweep the expert GEMMs only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--write-configs", default=None, metavar="DIR",
