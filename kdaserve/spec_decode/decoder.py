@@ -170,9 +170,18 @@ class SpecDecoder:
 
     @property
     def needs_hidden(self) -> bool:
-        """The proposer reads the target's hidden states (methods mtp and dspark): the runner
-        runs the target eagerly and hands them over (add_hidden)."""
+        """The proposer reads the target's hidden states (methods mtp and dspark): every
+        forward, eager or a graph replay, returns them too (hidden_outputs) and the runner
+        hands them over (add_hidden, or keep_aux under async scheduling)."""
         return self.method in ("mtp", "dspark")
+
+    @property
+    def hidden_outputs(self) -> dict:
+        """The target forward's keyword arguments that return the proposer's hidden rows as a
+        second output ({} when it reads none)."""
+        if not self.needs_hidden:
+            return {}
+        return dict(return_prenorm=True, aux_layers=self.aux_layers)
 
     @property
     def aux_layers(self) -> tuple[int, ...] | None:
@@ -205,7 +214,8 @@ class SpecDecoder:
         draft model's steps. pad_slot: the KDA scratch row of padding requests."""
         if not self.per_position and self.layout == "contiguous":
             self.verify_graphs = SpecVerifyGraphs(graphs, model, caches, self.k, pad_slot,
-                                                  block_size, self.max_model_len, self.device)
+                                                  block_size, self.max_model_len, self.device,
+                                                  self.hidden_outputs)
             self.verify_graphs.capture()
         capture = getattr(self.proposer, "capture_graphs", None)
         if capture is not None:
@@ -216,15 +226,17 @@ class SpecDecoder:
         return self.verify_graphs is not None and self.verify_graphs.can_run(batch)
 
     def replay_verify(self, batch: "StepBatch", states: list["CachedRequestState"],
-                      patch: Callable[[SpecVerifyGraphs], None] | None = None) -> torch.Tensor:
-        """Replay the verification graph of the step; returns the hidden states of every window
-        token [n * (1 + K), D] and keeps the captured commit for `commit`. patch(graphs): runs
+                      patch: Callable[[SpecVerifyGraphs], None] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay the verification graph of the step; returns (the hidden states of every
+        window token [n * (1 + K), D], the drafter's hidden rows of them or None: see
+        SpecVerifyGraphs.run) and keeps the captured commit for `commit`. patch(graphs): runs
         after the host inputs are in the buffers (device-side inputs, async scheduling)."""
         vg = self.verify_graphs
-        hidden, step, bs = vg.run(batch, states, patch)
+        hidden, aux, step, bs = vg.run(batch, states, patch)
         self._pending = _PendingCommit(step, [s.state_slot for s in states], [], bs,
                                        lambda accepted: vg.commit(bs, step, accepted))
-        return hidden
+        return hidden, aux
 
     # -----------------------------------------------------------------------------------------
     # Sizing

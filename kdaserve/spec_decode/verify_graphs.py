@@ -84,8 +84,10 @@ class WindowBuffers(StepBuffers):
 class SpecVerifyGraphs(WindowBuffers):
     def __init__(self, graphs: "CudaGraphManager", model: torch.nn.Module, caches: ModelCaches,
                  k: int, pad_slot: int, block_size: int, max_model_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, hidden_outputs: dict | None = None) -> None:
+        """hidden_outputs: as DecodeGraphs' (the drafter's hidden rows, a second output)."""
         self.graphs, self.model, self.caches = graphs, model, caches
+        self.hidden_outputs = hidden_outputs or {}
         self.block_size = block_size
         self.sizes = graphs.sizes
         super().__init__(self.sizes[-1], k + 1, -(-(max_model_len + k) // block_size),
@@ -113,18 +115,18 @@ class SpecVerifyGraphs(WindowBuffers):
         md.spec.records.clear()
         md.spec.conv_inputs.clear()
         ctx = ForwardContext(md, self.caches, self.graphs.plan(self.descriptor(bs)))
-        return self.model(self.input_ids[:t], ctx)
+        return self.model(self.input_ids[:t], ctx, **self.hidden_outputs)
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):
             md = self._metadata(bs)
-            self.graphs.capture(self.descriptor(bs), lambda: self._forward(bs, md))
+            self.graphs.capture(self.descriptor(bs), lambda bs=bs, md=md: self._forward(bs, md))
             self.steps[bs] = md.spec
             # the buffers hold padding rows here: the warm-up commits zero tokens to scratch
             self.graphs.capture(self.descriptor(bs, "commit"),
-                                lambda: self._commit_work(bs, md.spec), warmups=1)
+                                lambda bs=bs, md=md: self._commit_work(bs, md.spec), warmups=1)
         torch.cuda.synchronize()
         logger.info("captured %d spec-verify CUDA graphs (sizes %s, %d tokens per request) in "
                     "%.1f s", len(self.sizes), self.sizes, self.k1, time.perf_counter() - t0)
@@ -164,16 +166,20 @@ class SpecVerifyGraphs(WindowBuffers):
         return bs
 
     def run(self, batch: "StepBatch", states: list["CachedRequestState"], patch=None
-            ) -> tuple[torch.Tensor, SpecStep, int]:
-        """Replay the step: (hidden states of every window token [n * (1 + K), D], the SpecStep
-        the commit reads, the capture size replayed). patch(self): called after fill (inputs
-        written on the device from the previous step's results, async scheduling)."""
+            ) -> tuple[torch.Tensor, torch.Tensor | None, SpecStep, int]:
+        """Replay the step: (hidden states of every window token [n * (1 + K), D], the
+        drafter's hidden rows of them [n * (1 + K), W] (None without hidden_outputs; a view
+        the next replay rewrites), the SpecStep the commit reads, the capture size
+        replayed). patch(self): called after fill (inputs written on the device from the
+        previous step's results, async scheduling)."""
         bs = self.fill(batch, states)
         if patch is not None:
             patch(self)
-        hidden, step = self._run(bs)
+        out, step = self._run(bs)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
         self.num_replays += 1
-        return hidden[:len(batch.req_ids) * self.k1], step, bs
+        t = len(batch.req_ids) * self.k1
+        return hidden[:t], (aux[:t] if aux is not None else None), step, bs
 
     def _commit_work(self, bs: int, step: SpecStep) -> None:
         """The captured commit: the first num_accepted[i] window tokens into row i's slot."""

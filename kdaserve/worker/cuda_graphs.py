@@ -105,11 +105,15 @@ class DecodeGraphs(StepBuffers):
 
     def __init__(self, graphs: CudaGraphManager, model: torch.nn.Module, caches: ModelCaches,
                  pad_slot: int, block_size: int, max_model_len: int,
-                 device: torch.device, dcp: DCPGroup | None = None) -> None:
+                 device: torch.device, dcp: DCPGroup | None = None,
+                 hidden_outputs: dict | None = None) -> None:
         """dcp: decode context parallelism (attention/dcp.py): the graphs store only this
         rank's positions and attend over its shard (local lengths in local_seq_lens), with the
-        group's collectives captured inside."""
+        group's collectives captured inside. hidden_outputs: the model's keyword arguments
+        that make it also return the hidden states a drafter reads (return_prenorm and
+        aux_layers: the MTP and DSpark drafters), captured as a second output."""
         self.graphs, self.model, self.caches = graphs, model, caches
+        self.hidden_outputs = hidden_outputs or {}
         self.block_size, self.sizes = block_size, graphs.sizes
         self.dcp = dcp
         max_blocks = -(-max_model_len // block_size)
@@ -139,7 +143,8 @@ class DecodeGraphs(StepBuffers):
             desc = self.descriptor(bs)
             ctx = ForwardContext(self.decode_metadata(bs), self.caches, self.graphs.plan(desc))
             ids = self.input_ids[:bs]
-            self.graphs.capture(desc, lambda: self.model(ids, ctx))
+            self.graphs.capture(desc, lambda ids=ids, ctx=ctx: self.model(ids, ctx,
+                                                                          **self.hidden_outputs))
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (sizes %s) in %.1f s", len(self.sizes),
                     self.sizes, time.perf_counter() - t0)
@@ -200,10 +205,15 @@ class DecodeGraphs(StepBuffers):
         self.block_table[:bs, :width].copy_(h.table[:bs, :width], non_blocking=True)
         return bs
 
-    def replay(self, bs: int, batch: "StepBatch") -> torch.Tensor:
-        """The hidden states of the batch's sampling rows (a view when every row samples)."""
-        hidden = self.graphs.replay(self.descriptor(bs))
+    def replay(self, bs: int, batch: "StepBatch") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(The hidden states of the batch's sampling rows (a view when every row samples),
+        the drafter's hidden rows of every batch row [n, W], a view of the graph's output
+        buffer that the next replay rewrites; None without hidden_outputs)."""
+        out = self.graphs.replay(self.descriptor(bs))
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
         n = len(batch.req_ids)
+        aux = aux[:n] if aux is not None else None
         if len(batch.sample_rows) == n:            # every decode row samples: a view, no copy
-            return hidden[:n]
-        return hidden[torch.tensor(batch.sample_rows, dtype=torch.long, device=hidden.device)]
+            return hidden[:n], aux
+        return hidden[torch.tensor(batch.sample_rows, dtype=torch.long,
+                                   device=hidden.device)], aux

@@ -352,9 +352,7 @@ class ModelRunner:
         verifying K drafts) without checkpoint exports replay a captured graph; the others run
         eager (without PDL)."""
         n = len(batch.req_ids)
-        # the MTP / DSpark drafters read every position's hidden: the target runs eager
-        needs_hidden = self.spec is not None and self.spec.needs_hidden
-        if kda_checkpoints is None and self.graphs is not None and not needs_hidden:
+        if kda_checkpoints is None and self.graphs is not None:
             corrected = batch.carry is not None and batch.carry.corrected
             if (self.decode_graphs is not None and not corrected
                     and self.decode_graphs.can_run(batch)):
@@ -386,13 +384,20 @@ class ModelRunner:
                 self._step_ids = self.decode_graphs.input_ids[:n]
             else:
                 self.patch_pending_inputs(self.decode_graphs.input_ids, batch)
-            return self.decode_graphs.replay(bs, batch)
+            hidden, aux = self.decode_graphs.replay(bs, batch)
+            if aux is not None:
+                self._hand_hidden(batch, states, list(range(n + 1)), aux, graph_buffer=True)
+            return hidden
         if plan.mode is ExecMode.VERIFY_GRAPH:
             def patch(vg) -> None:
                 self.carry.patch_ids(vg.input_ids, carry)
                 correct_window(vg, fix, batch.num_computed, self.block_size)
-            hidden = self.spec.replay_verify(batch, states, patch if carry else None)
+            hidden, aux = self.spec.replay_verify(batch, states, patch if carry else None)
             self._step_ids = self.spec.verify_graphs.input_ids[:sum(batch.query_lens)]
+            if aux is not None:
+                k1 = self.spec.verify_graphs.k1
+                self._hand_hidden(batch, states, [i * k1 for i in range(n + 1)], aux,
+                                  graph_buffer=True)
             return hidden
         md = build_metadata(batch.query_lens, batch.num_computed,
                             [s.block_np[:len(s.block_ids)] for s in states],
@@ -416,17 +421,27 @@ class ModelRunner:
         ctx = ForwardContext(md, self.caches, plan)
         qsl = md.query_start_loc_cpu.tolist()
         if self.spec is not None and self.spec.needs_hidden:
-            hidden, prenorm = self.model(ids, ctx, return_prenorm=True,
-                                         aux_layers=self.spec.aux_layers)  # [T, D], [T, *]
-            if self.carry is not None:
-                self.spec.keep_aux(prenorm)
-            else:
-                self.spec.add_hidden(states, batch.num_computed, qsl, prenorm)
+            hidden, prenorm = self.model(ids, ctx, **self.spec.hidden_outputs)  # [T, D], [T, *]
+            self._hand_hidden(batch, states, qsl, prenorm)
         else:
             hidden = self.model(ids, ctx)
         rows = [t for i in batch.sample_rows
                 for t in range(qsl[i + 1] - 1 - len(batch.drafts[i]), qsl[i + 1])]
         return hidden[to_device(rows, torch.long, self.device)]
+
+    def _hand_hidden(self, batch: StepBatch, states: list[CachedRequestState], qsl: list[int],
+                     prenorm: torch.Tensor, graph_buffer: bool = False) -> None:
+        """The drafter's hidden rows of this step [T, W] (request i's rows qsl[i]..qsl[i+1])
+        to the spec decoder: under async scheduling kept for propose_device, which this
+        launch queues before any later forward (stream order), so a graph's output buffer is
+        read before the next replay rewrites it; otherwise held per request across steps,
+        so a graph buffer is copied first."""
+        if self.carry is not None:
+            self.spec.keep_aux(prenorm)
+            return
+        if graph_buffer:
+            prenorm = prenorm.clone()
+        self.spec.add_hidden(states, batch.num_computed, qsl, prenorm)
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]

@@ -334,7 +334,8 @@ class Worker:
         graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
         pad_slot = runner.num_slots
         decode = DecodeGraphs(graphs, self.model, runner.caches, pad_slot, self.block_size,
-                              sc.max_model_len, self.device, dcp=runner.dcp)
+                              sc.max_model_len, self.device, dcp=runner.dcp,
+                              hidden_outputs=self.spec.hidden_outputs if self.spec else None)
         decode.capture()
         if self.spec is not None:
             self.spec.capture_graphs(graphs, self.model, runner.caches, pad_slot,

@@ -188,3 +188,34 @@ def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
         del llm
     for name in outs:
         assert outs[name] == outs["plain"], name
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_gpu_hidden_drafters_replay_graphs(tmp_path, method):
+    """The drafters that read the target's hidden states (a DSpark drafter on the tiny
+    model, MTP on tiny-mtp), K=4, async scheduling: decode and verification steps replay
+    their CUDA graphs (the hidden rows a second graph output) and the greedy tokens equal
+    plain decoding's and the eager run's."""
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.models.make_model import make_dspark_model, make_model
+
+    target = str(tmp_path / "target")
+    make_model(target, "tiny-mtp" if method == "mtp" else "tiny")
+    spec = {"method": method, "num_speculative_tokens": 4}
+    if method == "dspark":
+        spec["model"] = make_dspark_model(target, str(tmp_path / "dspark"))
+    ps = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, kw in (("plain", {}), ("eager", {"speculative_config": spec, "enforce_eager": True}),
+                     ("graphs", {"speculative_config": spec})):
+        llm = LLM(target, max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
+                  dtype="float32", **kw)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        if name == "graphs":
+            runner = llm.llm_engine.model_runner
+            assert runner.spec.verify_graphs is not None
+            assert runner.spec.verify_graphs.num_replays > 0
+            assert runner.spec.stats.num_draft_tokens > 0
+        del llm
+    assert outs["eager"] == outs["plain"] and outs["graphs"] == outs["plain"]

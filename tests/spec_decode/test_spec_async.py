@@ -519,3 +519,93 @@ def test_graph_paths_with_device_drafts(make_ds_llm, plain, draft_dirs):
     assert _drive(llm, _prompts(), _params()) == plain
     assert any(patched), "no verification graph took its positions from the step in flight"
     assert steps and "LL" in "".join(calls)
+
+
+class _EagerGraphManager:
+    """A CudaGraphManager whose "graphs" run their work again at each replay, over the same
+    static buffers: the graph paths of the runner on the CPU."""
+
+    def __init__(self, max_num_seqs: int) -> None:
+        from kdaserve.worker.cuda_graphs import CudaGraphManager
+
+        self._real = CudaGraphManager(max_num_seqs, pdl=False)
+        self.sizes, self.max_size, self.pdl = self._real.sizes, self._real.max_size, False
+        self.work, self.replays = {}, []
+
+    def padded_size(self, n):
+        return self._real.padded_size(n)
+
+    def plan(self, batch):
+        return self._real.plan(batch)
+
+    def __contains__(self, batch):
+        return batch in self.work
+
+    def capture(self, batch, work, warmups: int = 2):
+        self.work[batch] = work
+        return work()
+
+    def replay(self, batch):
+        self.replays.append(batch)
+        return self.work[batch]()
+
+
+def _bind_eager_graphs(llm, monkeypatch) -> _EagerGraphManager:
+    """The worker's graph set-up (decode graphs, then the spec decoder's) on the CPU."""
+    from kdaserve.worker.cuda_graphs import DecodeGraphs
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *a, **k: t)   # no CUDA host
+    runner = llm.llm_engine.model_runner
+    graphs = _EagerGraphManager(8)
+    decode = DecodeGraphs(graphs, runner.model, runner.caches, runner.num_slots,
+                          runner.block_size, runner.config.scheduler_config.max_model_len,
+                          runner.device, hidden_outputs=runner.spec.hidden_outputs)
+    decode.capture()
+    runner.spec.capture_graphs(graphs, runner.model, runner.caches, runner.num_slots,
+                               runner.block_size)
+    runner.bind_graphs(graphs, decode)
+    return graphs
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_graph_paths_hand_hidden_to_dspark(make_ds_llm, plain, dspark_dir, async_scheduling,
+                                           monkeypatch):
+    """Decode and verification steps replay their graphs with a DSpark drafter too (its
+    context is the target's aux-layer outputs, a second graph output): under async
+    scheduling the drafter reads the graph's buffer in the same launch, one step at a time
+    it keeps a copy. Greedy output: the plain one."""
+    from kdaserve.attention.forward_context import ExecMode
+
+    def run(graph_paths: bool):
+        llm = make_ds_llm(speculative_config=_dspark(dspark_dir), max_num_seqs=8,
+                          async_scheduling=async_scheduling)
+        graphs = _bind_eager_graphs(llm, monkeypatch) if graph_paths else None
+        assert _drive(llm, _prompts(), _params()) == plain
+        return graphs, llm.llm_engine.spec_decoding_stats.as_dict()
+
+    graphs, stats = run(True)
+    modes = {b.mode for b in graphs.replays}
+    assert ExecMode.VERIFY_GRAPH in modes and ExecMode.DECODE_GRAPH in modes, modes
+    # the drafter saw the same context as in the eager run: the same drafts were accepted
+    assert stats["num_draft_tokens"] > 0 and stats == run(False)[1]
+
+
+def test_graph_paths_hand_hidden_to_mtp(tiny_mtp_dir, monkeypatch):
+    """As above for the MTP drafter (the pre-final-norm hidden as the second output)."""
+    from kdaserve.attention.forward_context import ExecMode
+
+    factory = llm_factory(tiny_mtp_dir, after=assert_drafter_free)
+    make = next(factory)
+    plain = _drive(make(), _prompts(), _params())
+    spec = {"method": "mtp", "num_speculative_tokens": K}
+    eager = make(speculative_config=spec, max_num_seqs=8)
+    assert _drive(eager, _prompts(), _params()) == plain
+    llm = make(speculative_config=spec, max_num_seqs=8)
+    graphs = _bind_eager_graphs(llm, monkeypatch)
+    assert _drive(llm, _prompts(), _params()) == plain
+    assert ExecMode.VERIFY_GRAPH in {b.mode for b in graphs.replays}
+    stats = llm.llm_engine.spec_decoding_stats.as_dict()
+    assert stats["num_accepted_tokens"] > 0
+    assert stats == eager.llm_engine.spec_decoding_stats.as_dict()
+    next(factory, None)
