@@ -269,8 +269,6 @@ def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_
     mxfp4 = w13_scale is not None
     s13 = w13_scale if mxfp4 else w13
     s2 = w2_scale if mxfp4 else w2
-    if mxfp4:   # the GEMV kernels read packed MXFP4 as int32 words (8 codes each)
-        w13, w2 = _as_words(w13), _as_words(w2)
     entries, (D, inter) = topk_ids.numel(), (x.shape[1], h.shape[1])
     opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **pdl_options(pdl, x))
@@ -283,15 +281,6 @@ def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_
         h, w2, s2, out, topk_ids, D, inter, w2.shape[0],
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         **opts)
-
-
-def _as_words(w: torch.Tensor) -> torch.Tensor:
-    """uint8 [E, N, K / 2] packed MXFP4 as int32 [E, N, K / 8] (little-endian: byte b of a word
-    at bits 8b, its low nibble the even K value), a view where the layout allows (K / 2 a
-    multiple of 16, given D and I multiples of 32), else a contiguous copy."""
-    if w.stride(2) != 1 or w.stride(1) % 4 or w.stride(0) % 4 or w.storage_offset() % 4:
-        w = w.contiguous()
-    return w.view(torch.int32)
 
 
 def latent_moe_tail(partials: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -14,8 +14,7 @@ fused_moe's alignment (or one entry per row block for one token, DIRECT).
   2. mxfp4_moe_gemm2_kernel  partial[r] = inter[r] @ W2_e^T                  (unweighted)
      mxfp4_moe_gemv1_kernel / mxfp4_moe_gemv2_kernel: the same two products for one or a few
      tokens without tl.dot (Mxfp4MoEConfig.block_m = 1): one program per (routing entry,
-     column tile), no alignment, the packed weight tile read as int32 words [BLOCK_N,
-     BLOCK_K / 8] and reduced along K.
+     column tile), no alignment, the packed weight tile [BLOCK_N, BLOCK_K / 2] reduced along K.
   3. latent_moe_tail_kernel  out[n] = r_n * ((sum_j w[n, j] partial[n k + j]) * g) @ W_up^T
                                       + residual[n],  r_n = rsqrt(mean(lat_n^2) + eps)
      The top-k weighted sum is computed inside the tail, per K chunk of the latent, and never
@@ -201,57 +200,48 @@ def mxfp4_moe_gemm2_kernel(
 @triton.jit
 def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     """The activation chunk k0 .. k0 + BLOCK_K of one row, in fp32, shaped for _gemv_dot.
-    MXFP4: [1, G, 4, 8], G = BLOCK_K / 32 scale groups, element (g, w, i) = K value
-    32 g + 8 w + i (packed word w of the group holds its 8 values, nibble i = value i), times
-    2^64: the prescale that keeps _gemv_dot's products of unscaled codes (x 2^-126) normal
-    (exact for |x| < 2^64). Dense: the chunk [1, BLOCK_K]."""
+    MXFP4: (even K values [1, G, 16], odd K values [1, G, 16]), G = BLOCK_K / 32 scale groups,
+    packed position j = 16 g + t holding K values 2j (low nibble) and 2j + 1 (high nibble), so
+    the packed weight bytes need no interleave. Dense: (the chunk [1, BLOCK_K], the same)."""
     if MXFP4:
         G: tl.constexpr = BLOCK_K // 32
-        k = (k0 + tl.arange(0, G)[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8
-             + tl.arange(0, 8)[None, None, :])                                  # [G, 4, 8]
-        x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :, :, :]
-        x = x * 18446744073709551616.0                                          # 2^64
+        j = k0 // 2 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]   # [G, 16]
+        mask = j < K // 2
+        lo = tl.load(row_ptr + 2 * j, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+        hi = tl.load(row_ptr + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)[None, :, :]
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
-    return x
+        lo = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
+        hi = lo
+    return lo, hi
 
 
 @triton.jit
-def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, xk, stride_wn, stride_sn,
+def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride_sn,
               BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     """[BN] fp32: the weight rows offs_n of one expert (w_ptr, s_ptr at the expert) dotted with
-    the activation chunk k0 .. k0 + BLOCK_K of _gemv_x. MXFP4: the packed weight read as int32
-    words (w_ptr an int32 view, stride_wn in words), [BN, G, 4] for the chunk's G scale groups
-    of 4 words (8 E2M1 codes a word, code i in bits 4i .. 4i + 3). Each code becomes an fp32
-    in three integer ops: u = word << (28 - 4i) puts it at bits 28..31, its sign bit already
-    at 31, and (u >> 6) & 0x01C00000 moves its exponent and mantissa bits to fp32's bits
-    22..24. That pattern is the E2M1 value times 2^-126 exactly (codes 1 and 9, E2M1's
-    subnormal +-0.5, become fp32 subnormals, which the non-ftz multiply keeps); against the
-    2^64-prescaled activations the products are normal and exact, so each group's sum times
-    2^62 and its E8M0 scale is the exact-product dot up to fp32 summation order. Dense: a
+    the activation chunk k0 .. k0 + BLOCK_K of _gemv_x. MXFP4: the packed bytes as [BN, G, 16]
+    (contiguous along K), one E8M0 scale per group of 16 bytes applied to the group's sum (an
+    exact power of two, so the same value as scaling each decoded element, up to fp32
+    rounding); both nibbles decoded with _e2m1 against the even / odd activations. Dense: a
     [BN, BLOCK_K] tile of an [N, K] weight (s_ptr unused)."""
     rows = offs_n.to(tl.int64)
     if MXFP4:
         G: tl.constexpr = BLOCK_K // 32
         offs_g = k0 // 32 + tl.arange(0, G)                                      # [G]
         mask_g = mask_n[:, None] & (offs_g < K // 32)[None, :]                   # [BN, G]
-        wd = offs_g[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]          # [1, G, 4]
-        words = tl.load(w_ptr + rows[:, None, None] * stride_wn + wd,
-                        mask=mask_g[:, :, None], other=0)                        # [BN, G, 4]
-        shift = 28 - 4 * tl.arange(0, 8)                                         # [8]
-        u = words[:, :, :, None] << shift[None, None, None, :]                   # [BN, G, 4, 8]
-        bits = (u & -2147483648) | ((u >> 6) & 0x01C00000)
-        vals = bits.to(tl.float32, bitcast=True)                                 # E2M1 * 2^-126
-        part = tl.sum(tl.sum(vals * xk, axis=3), axis=2)                         # [BN, G]
+        j = offs_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]         # [1, G, 16]
+        codes = tl.load(w_ptr + rows[:, None, None] * stride_wn + j,
+                        mask=mask_g[:, :, None], other=0).to(tl.int32)           # [BN, G, 16]
         scale = _e8m0(tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :],
                               mask=mask_g, other=127).to(tl.int32))              # [BN, G]
-        acc = tl.sum(part * 4611686018427387904.0 * scale, axis=1)              # 2^62
+        part = _e2m1(codes & 15) * x_lo + _e2m1(codes >> 4) * x_hi               # [BN, G, 16]
+        acc = tl.sum(tl.sum(part, axis=2) * scale, axis=1)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :],
                     mask=mask_n[:, None] & (k < K)[None, :], other=0.0)          # [BN, BK]
-        acc = tl.sum(w.to(tl.float32) * xk, axis=1)
+        acc = tl.sum(w.to(tl.float32) * x_lo, axis=1)
     return acc
 
 
@@ -292,11 +282,11 @@ def mxfp4_moe_gemv1_kernel(
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        xk = _gemv_x(x_row, k0, hidden, BLOCK_K, MXFP4)
-        acc_g += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, hidden, xk, stride_wn, stride_sn,
-                           BLOCK_K, MXFP4)
-        acc_u += _gemv_dot(w_e, s_e, offs_n + inter_size, mask_n, k0, hidden, xk, stride_wn,
+        x_lo, x_hi = _gemv_x(x_row, k0, hidden, BLOCK_K, MXFP4)
+        acc_g += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, hidden, x_lo, x_hi, stride_wn,
                            stride_sn, BLOCK_K, MXFP4)
+        acc_u += _gemv_dot(w_e, s_e, offs_n + inter_size, mask_n, k0, hidden, x_lo, x_hi,
+                           stride_wn, stride_sn, BLOCK_K, MXFP4)
     h = _glu(acc_g, acc_u, beta, linear_beta, ACT, CLIP_UP)
     tl.store(inter_ptr + r * stride_im + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
 
@@ -321,9 +311,9 @@ def mxfp4_moe_gemv2_kernel(
     a_row = inter_ptr + r * stride_im
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
-        ak = _gemv_x(a_row, k0, inter_size, BLOCK_K, MXFP4)
-        acc += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, inter_size, ak, stride_wn, stride_sn,
-                         BLOCK_K, MXFP4)
+        a_lo, a_hi = _gemv_x(a_row, k0, inter_size, BLOCK_K, MXFP4)
+        acc += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, inter_size, a_lo, a_hi, stride_wn,
+                         stride_sn, BLOCK_K, MXFP4)
     tl.store(out_ptr + r * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
