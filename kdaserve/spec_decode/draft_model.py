@@ -53,7 +53,10 @@ DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 def sample_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, V] fp32, temps [n] -> (draft ids [n], q [n, V] or None). greedy: argmax, no
-    q; probabilistic: sampled from softmax(logits / T), T = 0 rows argmax with a one-hot q."""
+    q; probabilistic: sampled from softmax(logits / T), T = 0 rows argmax with a one-hot q.
+    The draw is an exponential race, argmax(q / E) with E ~ Exp(1) i.i.d. (the argmax is
+    category i with probability q_i): one elementwise pass and an argmax, where
+    torch.multinomial runs a cumulative sum and a search per row."""
     greedy = logits.argmax(dim=-1)
     if method == "greedy":
         return greedy, None
@@ -62,7 +65,8 @@ def sample_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str
     q = torch.softmax(logits / t[:, None], dim=-1)
     q = torch.where(is_greedy[:, None],
                     torch.nn.functional.one_hot(greedy, q.shape[-1]).to(q.dtype), q)
-    sampled = torch.multinomial(q, 1).squeeze(1)
+    e = torch.empty_like(q).exponential_().clamp_min_(1e-20)   # no 0 / 0 for q_i = 0
+    sampled = (q / e).argmax(dim=-1)
     return torch.where(is_greedy, greedy, sampled), q
 
 

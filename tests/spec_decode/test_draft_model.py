@@ -264,3 +264,29 @@ def test_window_catchup_matches_varlen(model_dirs):
     for r in ("a", "b", "c"):
         win.free(r)
     assert sorted(win._slots.free) == list(range(8))
+
+
+def test_sample_drafts_follow_q():
+    """The exponential-race draw of probabilistic drafts: counts over many rows match q (a
+    chi-square bound far in the tail), zero-probability ids never come out, T = 0 rows take
+    the argmax with a one-hot q, greedy returns no q."""
+    from kdaserve.spec_decode.draft_model import sample_drafts
+
+    torch.manual_seed(0)
+    n, V = 20000, 6
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, float("-inf"), 0.5]).repeat(n, 1)
+    temps = torch.full((n,), 0.8)
+    temps[:10] = 0.0
+    ids, q = sample_drafts(logits, temps, "probabilistic")
+    assert (ids[:10] == 3).all() and torch.equal(q[0], torch.nn.functional.one_hot(
+        torch.tensor(3), V).float())
+    want = torch.softmax(logits[0] / 0.8, -1)
+    assert torch.allclose(q[10], want)
+    counts = torch.bincount(ids[10:], minlength=V).double()
+    assert counts[4] == 0                                   # -inf logit: probability 0
+    exp = want.double() * (n - 10)
+    keep = exp > 0
+    chi2 = float((((counts - exp) ** 2)[keep] / exp[keep]).sum())
+    assert chi2 < 25.0, (chi2, counts.tolist(), exp.tolist())   # 4 dof: p ~ 5e-5
+    g, none = sample_drafts(logits[:3], temps[:3], "greedy")
+    assert none is None and (g == 3).all()
