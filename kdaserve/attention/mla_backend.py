@@ -12,8 +12,12 @@ chunks all-gather their context's latents first (attention/dcp.py).
 
 from __future__ import annotations
 
+import functools
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kdaserve.attention import dcp as dcp_attn
@@ -57,6 +61,23 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 
 
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Prefill attention's backend order where _cudnn_first holds: PyTorch's default order would
+take the memory-efficient kernel for the bottom-right mask with v_head_dim != qk_head_dim."""
+
+
+@functools.cache
+def _cudnn_first(device: torch.device) -> bool:
+    """Whether prefill attention runs cuDNN's fused attention with v at its own head dim on
+    `device` (sm_90+ with cuDNN): faster there than padding v to the qk head dim for flash
+    attention, plain causal and bottom-right masked alike (benchmarks/bench_prefill.py sdpa,
+    PERF_NOTES.md). Elsewhere v is padded for flash attention."""
+    if not torch.backends.cudnn.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                       expand, scale: float, out: torch.Tensor, reqs: list[int]) -> None:
     """Causal attention of the prefill chunks of requests `reqs` over their cached context plus
@@ -83,15 +104,17 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]
         q_len, kv_len = e - s, k.shape[0]
         v_dim = v.shape[-1]
-        if q.is_cuda and v_dim != k.shape[-1]:
+        cudnn = q.is_cuda and _cudnn_first(q.device)
+        if q.is_cuda and v_dim != k.shape[-1] and not cudnn:
             # flash attention wants one head dim for q, k and v: pad v with zeros, slice after
             v = F.pad(v, (0, k.shape[-1] - v_dim))
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]           # [1, H, L, d]
-        if q_len == kv_len:   # no cached prefix: plain causal (fused kernels, no mask tensor)
-            o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
-        else:
-            # bottom-right aligned causal: query j sees keys <= kv_len - q_len + j. The bias
-            # object dispatches to the fused kernels without materialising a mask.
-            o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
-                                               attn_mask=causal_lower_right(q_len, kv_len))
+        with sdpa_kernel(SDPA_PRIORITY, set_priority=True) if cudnn else nullcontext():
+            if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)
+                o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+            else:
+                # bottom-right aligned causal: query j sees keys <= kv_len - q_len + j. The
+                # bias object dispatches to the fused kernels without materialising a mask.
+                o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
+                                                   attn_mask=causal_lower_right(q_len, kv_len))
         out[s:e] = o[0].transpose(0, 1)[..., :v_dim]                         # [q_len, H, v]

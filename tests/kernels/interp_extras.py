@@ -1,5 +1,6 @@
 """Interpreter checks (fp32) of the split-plane conv output, the router's shared-expert column and
-the fused RMS norms; run by test_interp_extras.py in a subprocess with TRITON_INTERPRET=1."""
+logits GEMM, and the fused RMS norms; run by test_interp_extras.py in a subprocess with
+TRITON_INTERPRET=1."""
 
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ kernel_checks.patch_triton_interpreter()
 
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402,E501
-from kdaserve.kernels.moe.router import moe_topk_sigmoid  # noqa: E402
+from kdaserve.kernels.moe.router import (RouterGemmConfig, moe_topk_sigmoid,  # noqa: E402
+                                         router_gemm_config, router_logits)
 from kdaserve.kernels.norm.rms_norm import add_rms_norm, rms_norm_gated  # noqa: E402
 
 
@@ -68,10 +70,34 @@ def check_norms() -> None:
     w = torch.rand(32) + 0.5
     torch.testing.assert_close(rms_norm_gated(x, g, w, 1e-5), ref.rms_norm_gated(x, g, w, 1e-5),
                                rtol=1e-5, atol=1e-5)
+    # many rows: several rows a program, the last program partly past N
+    x, g = torch.randn(8250, 40), torch.randn(8250, 2, 40)[:, 0]
+    w = torch.rand(40) + 0.5
+    torch.testing.assert_close(rms_norm_gated(x, g, w, 1e-5), ref.rms_norm_gated(x, g, w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+def check_router_logits() -> None:
+    """bf16 x against fp32 weights: the three-way bf16 split of each weight reproduces the fp32
+    GEMM (to fp32 rounding), far closer than a bf16 weight would (~1e-3 here). Masked and
+    unmasked K, partial row and expert tiles, the default tiles shrunk to a small problem."""
+    torch.manual_seed(3)
+    cases = [(70, 24, 100, RouterGemmConfig(32, 16, 32, 4, 1)),
+             (33, 16, 64, RouterGemmConfig(16, 16, 16, 4, 1)),
+             (65, 40, 64, router_gemm_config(65, 40, 64))]
+    for n, e, d, cfg in cases:
+        x = torch.randn(n, d).bfloat16()
+        w = torch.randn(e, d) * 0.05
+        want = torch.nn.functional.linear(x.double(), w.double())
+        got = router_logits(x, w, cfg)
+        assert got.dtype == torch.float32 and got.shape == (n, e)
+        err = (got.double() - want).abs().max().item()
+        assert err < 1e-6 * want.abs().max().item() * d ** 0.5, err
 
 
 if __name__ == "__main__":
     check_conv_split()
     check_router_extra()
+    check_router_logits()
     check_norms()
     print("ok")

@@ -26,8 +26,12 @@ def run_under_interpreter(script: str, timeout: float = 120) -> subprocess.Compl
 
 
 def patch_triton_interpreter() -> None:
-    """Triton 3.6's interpreter turns 1-element scalars into ints with int(ndarray), which NumPy
-    >= 2.4 rejects; dynamic loop bounds (range(start, end)) then fail. Use .item() instead."""
+    """Two fixes to Triton 3.6's interpreter. It turns 1-element scalars into ints with
+    int(ndarray), which NumPy >= 2.4 rejects (dynamic loop bounds, range(start, end), then
+    fail): use .item() instead. Its tl.dot multiplies bf16 operands as their raw 16-bit
+    patterns (NumPy has no bf16): widen them to fp32 first (bf16 products are exact in fp32)."""
+    import numpy as np
+    import triton.language as tl
     import triton.runtime.interpreter as interp
 
     if getattr(interp, "_kdaserve_patched", False):
@@ -39,6 +43,19 @@ def patch_triton_interpreter() -> None:
         tensor.__index__ = lambda self: int(self.handle.data.item())
 
     interp._patch_lang_tensor = patched
+    builder = interp.InterpreterBuilder
+    dot = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint16).astype(np.uint32) << 16
+        return interp.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
     interp._kdaserve_patched = True
 
 

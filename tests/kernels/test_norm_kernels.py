@@ -95,13 +95,14 @@ def test_add_rms_norm_pdl_gpu(n, d, dtype):
     assert torch.equal(out, add_rms_norm(x, w, 1e-5, r)[0]) and torch.equal(out32, out.float())
 
 
+@pytest.mark.parametrize("n", [64, 20001])   # one row a program; 32 rows, the last partial
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @gpu
-def test_rms_norm_gated(dtype):
+def test_rms_norm_gated(dtype, n):
     from kdaserve.kernels.norm.rms_norm import rms_norm_gated
 
-    x = torch.randn(64, 128, device="cuda", dtype=dtype)
-    g = torch.randn(64, 3, 128, device="cuda", dtype=dtype)[:, 1]     # strided rows
+    x = torch.randn(n, 128, device="cuda", dtype=dtype)
+    g = torch.randn(n, 3, 128, device="cuda", dtype=dtype)[:, 1]      # strided rows
     w = torch.rand(128, device="cuda") + 0.5
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     assert rel(rms_norm_gated(x, g, w, 1e-5), ref.rms_norm_gated(x, g, w, 1e-5)) <= tol

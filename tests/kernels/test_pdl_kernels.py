@@ -310,7 +310,7 @@ SPECS = [
                {**_bf16("x_ptr", "states_ptr"), **_ids("cu_seqlens_ptr", "state_idx_ptr"),
                 "has_init_ptr": "*u8"}, dict(W=4, BLOCK_W=4, BLOCK_D=512)),
     KernelSpec("rms_norm_gated", "kdaserve.kernels.norm.triton_norm", "rms_norm_gated_kernel",
-               _bf16("x_ptr", "g_ptr", "w_ptr", "out_ptr"), dict(BLOCK_D=128), num_warps=1,
+               _bf16("x_ptr", "g_ptr", "w_ptr", "out_ptr"), dict(BLOCK_N=1, BLOCK_D=128), num_warps=1,
                floats=("eps",), early=("w_ptr",)),
 ]
 

@@ -64,7 +64,8 @@ def _out_layout(out: torch.Tensor | None, x: torch.Tensor):
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                          conv_states: torch.Tensor, state_indices: torch.Tensor,
                          has_initial_state: torch.Tensor, activation: str | None = "silu",
-                         out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+                         out: torch.Tensor | None = None, pdl: bool = False,
+                         tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Prefill over packed sequences; updates conv_states in place.
 
     x: [T, D] packed tokens; weight: [D, W]; cu_seqlens: [B+1] int32 (rows past cu_seqlens[-1]
@@ -72,7 +73,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     has_initial_state: [B] bool (False: the window before the sequence is zeros).
     Returns y [T, D] in x.dtype. Afterwards conv_states[state_indices[b]] holds the last W-1
     inputs of sequence b (earlier state columns shift in when the sequence is shorter than W-1).
-    pdl: both launches with programmatic dependent launch (module docstring).
+    pdl: both launches with programmatic dependent launch (module docstring). tiles: (BLOCK_T,
+    BLOCK_D, num_warps) of the conv launch (powers of two), default varlen_tiles.
     """
     require_triton()
     from kdaserve.kernels.conv.triton_conv import conv_varlen_kernel, conv_varlen_state_kernel
@@ -94,14 +96,14 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
         has_initial_state = has_initial_state.view(torch.uint8)
     pdl_opts = pdl_options(pdl, x)
     if T > 0:
-        block_t, block_d = 32, min(256, next_power_of_2(D))
+        block_t, block_d, warps = tiles or varlen_tiles(D)
         conv_varlen_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
             x, weight, out, cu_seqlens, conv_states, state_indices, has_initial_state,
             T, D, B,
             x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
             conv_states.stride(0), conv_states.stride(1), conv_states.stride(2), stride_ysplit,
             W=W, SEARCH_STEPS=_search_steps(B), SILU=activation == "silu",
-            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, num_warps=4,
+            BLOCK_T=block_t, BLOCK_D=block_d, SPLIT=split, num_warps=warps,
             **pdl_opts,
         )
     block_d = min(512, next_power_of_2(D))
@@ -112,6 +114,13 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
         **pdl_opts,
     )
     return out
+
+
+def varlen_tiles(D: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of the varlen conv launch: 64 x 128 tiles, the fastest of
+    benchmarks/bench_prefill.py's conv sweep at the 48B model's 12288 channels (PERF_NOTES.md;
+    larger tiles spill registers)."""
+    return 64, min(128, next_power_of_2(D)), 4
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,

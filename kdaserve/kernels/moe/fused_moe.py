@@ -265,7 +265,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         inter_size, D, top_k, blocks, E,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, GROUP_M=c1.group_m,
-        DOT_PRECISION=precision, DIRECT=direct, num_warps=c1.num_warps,
+        DOT_PRECISION=precision, DIRECT=direct, EVEN_K=D % c1.block_k == 0,
+        EVEN_N=inter_size % c1.block_n == 0, num_warps=c1.num_warps,
         num_stages=c1.num_stages, **pdl_opts,
     )
     if direct and cfg.gemm2_sum is not None:
@@ -277,7 +278,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         D, inter_size, blocks, E,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), buf.stride(0),
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, GROUP_M=c2.group_m,
-        DOT_PRECISION=precision, DIRECT=direct, num_warps=c2.num_warps,
+        DOT_PRECISION=precision, DIRECT=direct, EVEN_K=inter_size % c2.block_k == 0,
+        EVEN_N=D % c2.block_n == 0, num_warps=c2.num_warps,
         num_stages=c2.num_stages, **pdl_opts,
     )
     block_d = min(1024, next_power_of_2(D))

@@ -1,5 +1,6 @@
-"""Fused sigmoid top-k router: sigmoid + selection bias + top-k + renormalise + scale, one launch
-over logits from a GEMM or the decode GEMV (moe_topk_sigmoid).
+"""The MoE router on Triton: the fused sigmoid top-k (sigmoid + selection bias + top-k +
+renormalise + scale, one launch over logits from a GEMM or the decode GEMV: moe_topk_sigmoid),
+and the fp32 logits GEMM of many-token steps on the tensor cores (router_logits).
 
 Twin: `kdaserve.kernels.reference.moe_topk_sigmoid` (ids come out in descending order of
 score + bias; the reference's order is unspecified, the set is the same).
@@ -12,9 +13,11 @@ pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kdaserve.kernels.utils import (check_kernel_device, next_power_of_2, pdl_options,
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
                                     require_triton)
 
 
@@ -68,3 +71,59 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
         num_warps=num_warps or topk_num_warps(block_e), **pdl_opts,
     )
     return weights, ids
+
+
+ROUTER_GEMM_MIN_ROWS = 65
+"""From this many rows (prefill chunks, large mixed steps) the router's fp32 logits come from
+router_logits on the tensor cores; below, the decode GEMV or cuBLAS's fp32 GEMM reads the fp32
+weight once, which is what a few rows cost."""
+
+
+@dataclass(frozen=True)
+class RouterGemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def router_gemm_config(N: int, E: int, D: int) -> RouterGemmConfig:
+    """Tiles of router_logits: 128 x 128 output tiles (8000 tokens x 256 experts: 126 programs,
+    one wave on 132 SMs), 64-row tiles below 4096 tokens; the fp32 weight tile is split into
+    three bf16 tiles in registers, so block_k stays at 64."""
+    bm = 128 if N >= 4096 else 64
+    bn = min(128, max(16, next_power_of_2(E)))
+    return RouterGemmConfig(bm, bn, min(64, max(16, next_power_of_2(D))), 8 if bm == 128 else 4,
+                            3)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterGemmConfig | None = None,
+                  pdl: bool = False) -> torch.Tensor:
+    """x: [N, D] bf16 (contiguous last dim); weight: [E, D] fp32 (contiguous) -> fp32 logits
+    [N, E] = x.float() @ weight.T, computed as three exact bf16 products per weight
+    (triton_router.router_logits_kernel): an fp32 GEMM's result up to the order of the
+    additions, on the tensor cores instead of fp32 FMA. Twin: F.linear(x.float(), weight).
+    pdl: programmatic dependent launch (nothing is read before the wait)."""
+    require_triton()
+    from kdaserve.kernels.moe.triton_router import router_logits_kernel
+
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be bf16 [N, D] with a contiguous last dim, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] != x.shape[1]
+            or weight.stride(1) != 1):
+        raise ValueError(f"weight must be fp32 [E, D={x.shape[1]}] with a contiguous last dim, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    check_kernel_device(x)
+    N, D = x.shape
+    E = weight.shape[0]
+    out = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    if N == 0:
+        return out
+    c = config or router_gemm_config(N, E, D)
+    router_logits_kernel[(cdiv(N, c.block_m), cdiv(E, c.block_n))](
+        x, weight, out, N, E, D, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=D % c.block_k == 0,
+        num_warps=c.num_warps, num_stages=c.num_stages, **pdl_options(pdl, x))
+    return out

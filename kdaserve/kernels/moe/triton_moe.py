@@ -176,8 +176,10 @@ def moe_gemm1_kernel(
     stride_xm, stride_we, stride_wn, stride_wk, stride_im,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
+    """EVEN_K / EVEN_N: hidden is a multiple of BLOCK_K / inter_size of BLOCK_N, so the weight
+    loads need no mask (the activation rows keep theirs)."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
                                 GROUP_M)
@@ -197,10 +199,19 @@ def moe_gemm1_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        mask_k = offs_k < hidden - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                wg = tl.load(g_ptrs)
+                wu = tl.load(u_ptrs)
+            else:
+                wg = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < hidden - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
@@ -219,8 +230,10 @@ def moe_gemm2_kernel(
     stride_im, stride_we, stride_wn, stride_wk, stride_bm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
+    """EVEN_K / EVEN_N: inter_size is a multiple of BLOCK_K / hidden of BLOCK_N (unmasked
+    weight loads)."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if not DIRECT:
@@ -236,9 +249,16 @@ def moe_gemm2_kernel(
               + offs_k[:, None] * stride_wk)                                         # [BK, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
-        mask_k = offs_k < inter_size - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < inter_size - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk

@@ -1,7 +1,10 @@
-"""Triton kernel of the sigmoid top-k router (imported lazily by router.py)."""
+"""Triton kernels of the router (imported lazily by router.py): the sigmoid top-k selection and
+the logits GEMM of many-token steps."""
 
 import triton
 import triton.language as tl
+
+from kdaserve.kernels.triton_pdl import pdl_wait
 
 
 @triton.jit
@@ -58,3 +61,47 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
     out_mask = offs_k < OUT_K
     tl.store(weights_ptr + row * OUT_K + offs_k, w_row, mask=out_mask)
     tl.store(ids_ptr + row * OUT_K + offs_k, id_row.to(ids_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["N"])   # one build whatever the step's token count
+def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, stride_xm, stride_we, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """out[N, E] = x[N, D] (bf16) @ w[E, D].T (fp32) in fp32, on the tensor cores.
+
+    Each fp32 weight tile is split in registers into three bf16 tiles, w = hi + mid + lo
+    exactly (8 + 8 + 8 mantissa bits): the three bf16 x bf16 products are exact in fp32. The
+    tensor cores' own accumulation keeps fewer bits than an fp32 add (a tile accumulated over
+    the whole of K lands measurably further from the exact result than cuBLAS's fp32 GEMM:
+    benchmarks/PERF_NOTES.md), so each BLOCK_K step's products sum into a fresh tile that is
+    then added to the running sum with ordinary fp32 adds. The logits are those of an fp32 GEMM of the widened x
+    up to rounding. One program per [BLOCK_M, BLOCK_N] output tile."""
+    pdl_wait(USE_PDL)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < N, offs_n < E
+    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]     # [BM, BK]
+    b_ptrs = w_ptr + offs_n[None, :] * stride_we + offs_k[:, None]                  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            mask_k = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        hi = b.to(tl.bfloat16)
+        r = b - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        part = tl.dot(a, lo)
+        part = tl.dot(a, mid, part)
+        part = tl.dot(a, hi, part)
+        acc += part
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.kernels.utils import check_kernel_device, next_power_of_2, pdl_options, require_triton
+from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, pdl_options,
+                                    require_triton)
 
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -50,13 +51,15 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                   eps: float, pdl: bool = False) -> torch.Tensor:
+                   eps: float, pdl: bool = False,
+                   tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """x, gate: [N, D] (any row strides); fp32 norm * weight * sigmoid(gate), in x.dtype.
 
     pdl: launch with programmatic dependent launch (sm_90+): the kernel loads `weight` (so the
     previous kernel must not write it), waits for the previous kernel (griddepcontrol.wait)
     before it reads x / gate or writes, then lets the next PDL kernel start. Same results as
-    pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX)."""
+    pdl=False; ignored on CPU tensors (the Triton interpreter cannot run the PTX). tiles: (rows
+    per program, num_warps), default gated_norm_tiles."""
     require_triton()
     from kdaserve.kernels.norm.triton_norm import rms_norm_gated_kernel
 
@@ -68,8 +71,24 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(N, D, dtype=x.dtype, device=x.device)
     pdl_opts = pdl_options(pdl, x)
     if N:
-        rms_norm_gated_kernel[(N,)](x, gate, weight, out, D, float(eps), x.stride(0),
-                                    gate.stride(0), out.stride(0),
-                                    BLOCK_D=next_power_of_2(D), num_warps=1 if D <= 256 else 4,
-                                    **pdl_opts)
+        block_n, block_d, warps = gated_norm_tiles(N, D)
+        if tiles is not None:
+            block_n, warps = tiles
+        rms_norm_gated_kernel[(cdiv(N, block_n),)](
+            x, gate, weight, out, N, D, float(eps), x.stride(0), gate.stride(0), out.stride(0),
+            BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, **pdl_opts)
     return out
+
+
+def gated_norm_tiles(N: int, D: int) -> tuple[int, int, int]:
+    """(rows per program, BLOCK_D, warps) of rms_norm_gated. KDA's output norm runs over
+    N = tokens x heads rows of one head dim (128): a prefill of 8000 tokens has 256000 of them,
+    too many one-row programs to schedule. Two tile classes, so that a step's token count
+    cannot produce a kernel variant the start-up warm-up did not compile: one row a program
+    below 8192 rows (a row per warp-sized program keeps small steps parallel), else as many
+    rows as make 4096 elements a program, with 8 warps."""
+    block_d = next_power_of_2(D)
+    if N < 8192 or block_d >= 4096:
+        return 1, block_d, 1 if block_d <= 256 else 4
+    block_n = 4096 // block_d
+    return block_n, block_d, 8

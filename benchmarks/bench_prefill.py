@@ -1,0 +1,256 @@
+"""The prefill step's kernels outside fla at an 8000-token chunk, against their floors, with
+tile sweeps: the router's logits GEMM, KDA's short conv and gated output norm, the fused MoE,
+and the MLA prefill attention (padded v against an unpadded v_head_dim).
+
+    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,sdpa --out prefill.json
+
+Kimi-Linear-48B shapes (one sequence of `--tokens` tokens). Every case times each candidate
+eagerly with triton's do_bench (median), the first candidate being what the engine runs today
+(the baseline of the case). Floors: bytes over the measured copy bandwidth for the
+memory-bound kernels, FLOPs over the measured bf16 GEMM rate for the GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_batch import moe_inputs, moe_weights  # noqa: E402
+from bench_layers import bench_ms, pick_cases, start_gpu_run, write_results  # noqa: E402
+
+from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_varlen, varlen_tiles  # noqa: E402
+from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
+from kdaserve.kernels.moe.router import RouterGemmConfig, router_logits  # noqa: E402
+from kdaserve.kernels.norm.rms_norm import gated_norm_tiles, rms_norm_gated  # noqa: E402
+
+HIDDEN, EXPERTS, HEADS, HEAD_DIM, CONV_W = 2304, 256, 32, 128, 4
+MLA_HEADS, QK_DIM, V_DIM = 32, 192, 128
+CASES = ("router", "conv", "norm", "moe", "sdpa")
+
+
+def run_candidates(rows, name, floor_ms, candidates, deadline):
+    """candidates: [(label, fn)], the first the engine's current choice. One row per case."""
+    row = {"case": name, "floor_ms": floor_ms, "results": []}
+    for label, fn in candidates:
+        if time.time() > deadline and row["results"]:
+            row["cut_by_budget"] = True
+            break
+        try:
+            ms = bench_ms(fn)
+        except Exception as exc:   # out of resources, unsupported backend, ...
+            row["results"].append({"label": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            print(f"  {name:<22} {label:<44} {type(exc).__name__}", flush=True)
+            continue
+        row["results"].append({"label": label, "ms": ms})
+        print(f"  {name:<22} {label:<44} {ms:8.4f} ms  ({ms / floor_ms:5.2f}x floor)",
+              flush=True)
+    timed = [r for r in row["results"] if "ms" in r]
+    if timed:
+        best = min(timed, key=lambda r: r["ms"])
+        row["baseline_ms"], row["best_ms"], row["best"] = timed[0]["ms"], best["ms"], best["label"]
+    rows.append(row)
+
+
+def case_router(rows, ceil, T, deadline):
+    x = torch.randn(T, HIDDEN, device="cuda").bfloat16()
+    w = torch.randn(EXPERTS, HIDDEN, device="cuda") * HIDDEN ** -0.5
+    flops = 2 * T * HIDDEN * EXPERTS * 3                       # three bf16 products per weight
+    cands = [("cuBLAS fp32 (x.float() @ w.T)", lambda: F.linear(x.float(), w)),
+             ("router_logits default", lambda: router_logits(x, w))]
+    for c in [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
+              (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 8, 4),
+              (64, 64, 64, 4, 4)]:
+        cfg = RouterGemmConfig(*c)
+        cands.append((f"router_logits {c}", lambda cfg=cfg: router_logits(x, w, cfg)))
+    run_candidates(rows, f"router T={T}", flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands,
+                   deadline)
+
+
+def case_conv(rows, ceil, T, deadline):
+    P = HEADS * HEAD_DIM
+    proj = torch.randn(T, 3 * P + 2 * HEAD_DIM + HEADS, device="cuda").bfloat16()
+    x = proj[:, :3 * P]                                        # the strided q|k|v columns
+    w = torch.randn(3 * P, CONV_W, device="cuda").bfloat16()
+    states = torch.zeros(4, 3 * P, CONV_W - 1, device="cuda").bfloat16()
+    cu = torch.tensor([0, T], device="cuda", dtype=torch.int32)
+    idx = torch.tensor([1], device="cuda", dtype=torch.int32)
+    has = torch.tensor([False], device="cuda")
+    out = torch.empty(3, T, P, device="cuda").bfloat16()
+    nbytes = 2 * T * 3 * P * 2
+    cands = [(f"default {varlen_tiles(3 * P)}",
+              lambda: causal_conv1d_varlen(x, w, cu, states, idx, has, out=out))]
+    for tiles in [(64, 256, 4), (16, 256, 4), (32, 128, 4), (64, 128, 4), (32, 512, 8),
+                  (128, 64, 4), (64, 256, 8), (128, 128, 8)]:
+        cands.append((f"tiles {tiles}", lambda t=tiles: causal_conv1d_varlen(
+            x, w, cu, states, idx, has, out=out, tiles=t)))
+    run_candidates(rows, f"conv_varlen T={T}", nbytes / (ceil["copy_GBps"] * 1e6), cands,
+                   deadline)
+
+
+def case_norm(rows, ceil, T, deadline):
+    n = T * HEADS
+    o = torch.randn(n, HEAD_DIM, device="cuda").bfloat16()
+    gate = torch.randn(T, 2, HEADS * HEAD_DIM, device="cuda").bfloat16()[:, 1].reshape(n, HEAD_DIM)
+    w = torch.rand(HEAD_DIM, device="cuda") + 0.5
+    nbytes = 3 * n * HEAD_DIM * 2
+    cands = [("one row a program, 1 warp (before)",
+              lambda: rms_norm_gated(o, gate, w, 1e-6, tiles=(1, 1))),
+             (f"default {gated_norm_tiles(n, HEAD_DIM)}", lambda: rms_norm_gated(o, gate, w, 1e-6))]
+    for tiles in [(8, 2), (16, 4), (32, 4), (32, 8), (64, 8)]:
+        cands.append((f"tiles {tiles}", lambda t=tiles: rms_norm_gated(o, gate, w, 1e-6, tiles=t)))
+    run_candidates(rows, f"rms_norm_gated T={T}", nbytes / (ceil["copy_GBps"] * 1e6), cands,
+                   deadline)
+
+
+def case_moe(rows, ceil, T, deadline):
+    w13, w2 = moe_weights()
+    x = torch.randn(T, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    C, FC = moe.MoEGemmConfig, moe.FusedMoEConfig
+    g1 = [(128, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4), (128, 64, 64, 8, 4, 4),
+          (128, 128, 128, 8, 8, 2), (256, 64, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4),
+          (128, 64, 128, 8, 4, 3)]
+    g2 = [(128, 256, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (128, 128, 64, 8, 8, 4),
+          (128, 128, 64, 8, 4, 4), (128, 256, 32, 8, 8, 5), (256, 128, 64, 8, 8, 3),
+          (64, 256, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3)]
+    for same in (True, False):
+        w, ids = moe_inputs(T, same)
+        flops = 2 * T * ids.shape[1] * 3 * HIDDEN * w13.shape[1] // 2
+        cands = [("default", lambda: moe.fused_moe(x, w13, w2, w, ids))]
+        for c in g1[1:]:   # gemm1 varies, gemm2 keeps its tile at the same block_m
+            cfg = FC(C(*c), C(c[0], *g2[0][1:]))
+            cands.append((f"gemm1 {c}", lambda cfg=cfg: moe.fused_moe(x, w13, w2, w, ids,
+                                                                      config=cfg)))
+        for c in g2[1:]:
+            cfg = FC(C(c[0], *g1[0][1:]), C(*c))
+            cands.append((f"gemm2 {c}", lambda cfg=cfg: moe.fused_moe(x, w13, w2, w, ids,
+                                                                      config=cfg)))
+        run_candidates(rows, f"fused_moe T={T} {'same8' if same else 'spread'}",
+                       flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline)
+
+
+def case_sdpa(rows, ceil, T, deadline):
+    q = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
+    k = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
+    v = torch.randn(1, MLA_HEADS, T, V_DIM, device="cuda").bfloat16()
+    scale = QK_DIM ** -0.5
+    flops = 2 * MLA_HEADS * T * T / 2 * (QK_DIM + V_DIM)
+
+    def padded():
+        vp = F.pad(v, (0, QK_DIM - V_DIM))
+        return F.scaled_dot_product_attention(q, k, vp, is_causal=True, scale=scale)[..., :V_DIM]
+
+    def direct(backend=None):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    from torch.nn.attention import SDPBackend
+
+    ref = padded()
+    cands = [("v padded to 192 (today)", padded), ("v_head_dim 128, default backend", direct)]
+    for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+              SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            err = (direct(b).float() - ref.float()).abs().max().item()
+        except Exception as exc:
+            print(f"  sdpa {b.name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        print(f"  sdpa {b.name}: max |diff| against the padded path {err:.3e}", flush=True)
+        cands.append((f"v_head_dim 128, {b.name}", lambda b=b: direct(b)))
+    run_candidates(rows, f"mla_prefill_sdpa T={T}", flops / (ceil["bf16_gemm_TFLOPs"] * 1e9),
+                   cands, deadline)
+    # the engine's layouts: q a transposed view of the [T, H, qk] projection, k the cat of
+    # k_nope and the shared k_pe, v a strided slice of kv_b's [T, H, nope + v] output
+    from kdaserve.attention import mla_backend
+
+    qe = torch.randn(T, MLA_HEADS, QK_DIM, device="cuda").bfloat16()
+    kv = torch.randn(T, MLA_HEADS, 256, device="cuda").bfloat16()
+    pe = torch.randn(T, 1, QK_DIM - 128, device="cuda").bfloat16()
+    ke = torch.cat([kv[..., :128], pe.expand(T, MLA_HEADS, QK_DIM - 128)], -1)
+    ve = kv[..., 128:]
+
+    def engine(vv, prio):
+        qi, kt, vt = (t.transpose(0, 1)[None] for t in (qe, ke, vv))
+        if not prio:
+            return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(mla_backend.SDPA_PRIORITY, set_priority=True):
+            return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+
+    cands = [("engine layout, v padded (before)",
+              lambda: engine(F.pad(ve, (0, QK_DIM - V_DIM)), False)),
+             ("engine layout, strided v, cuDNN first", lambda: engine(ve, True)),
+             ("engine layout, v.contiguous(), cuDNN first", lambda: engine(ve.contiguous(), True)),
+             ("engine layout, strided v, default order", lambda: engine(ve, False))]
+    run_candidates(rows, f"mla_prefill_sdpa engine layout T={T}",
+                   flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline + 30)
+    # a chunk after a cached prefix: bottom-right aligned causal mask (the last 3/8 of T)
+    from torch.nn.attention.bias import causal_lower_right
+
+    q_len = 3 * T // 8
+    qc = q[:, :, T - q_len:]
+    mask = causal_lower_right(q_len, T)
+
+    def chunk(vv, backend=None):
+        if backend is None:
+            return F.scaled_dot_product_attention(qc, k, vv, attn_mask=mask, scale=scale)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qc, k, vv, attn_mask=mask, scale=scale)
+
+    vp = F.pad(v, (0, QK_DIM - V_DIM))
+    ref = chunk(vp)[..., :V_DIM]
+    cands = [("v padded to 192 (today)", lambda: chunk(F.pad(v, (0, QK_DIM - V_DIM))))]
+    for label, vv, b in (("v_head_dim 128, default backend", v, None),
+                         ("v_head_dim 128, CUDNN", v, SDPBackend.CUDNN_ATTENTION),
+                         ("v padded, CUDNN", vp, SDPBackend.CUDNN_ATTENTION)):
+        try:
+            err = (chunk(vv, b)[..., :V_DIM].float() - ref.float()).abs().max().item()
+        except Exception as exc:
+            print(f"  chunk sdpa {label}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        print(f"  chunk sdpa {label}: max |diff| {err:.3e}", flush=True)
+        cands.append((label, lambda vv=vv, b=b: chunk(vv, b)))
+    chunk_flops = 2 * MLA_HEADS * q_len * (T - q_len / 2) * (QK_DIM + V_DIM)
+    run_candidates(rows, f"mla_prefill_sdpa chunk {q_len}/{T}",
+                   chunk_flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline + 30)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--tokens", type=int, default=8000)
+    ap.add_argument("--time-budget", type=float, default=240.0, help="seconds for all cases")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    cases = pick_cases(ap, args.cases, CASES)
+    start = start_gpu_run("bench_prefill")
+    if start is None:
+        return 2
+    t0, meta, ceil = start
+    print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows: list[dict] = []
+    fns = {"router": case_router, "conv": case_conv, "norm": case_norm, "moe": case_moe,
+           "sdpa": case_sdpa}
+    per = args.time_budget / len(cases)
+    for name in cases:
+        fns[name](rows, ceil, args.tokens, time.time() + per)
+    write_results(args.out, meta, t0, ceil, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
