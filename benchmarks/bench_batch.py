@@ -91,15 +91,20 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
     outs = [torch.empty(n, P, device=dev, dtype=bf) for _ in range(calls)]
     tickets = [torch.zeros(n * H, device=dev, dtype=torch.int32) for _ in range(calls)]
 
-    def fns(**kw):
-        return [lambda i=i: kdad.kda_decode_fused(proj, conv_w, conv_cache, rec, idx[i], fgb,
-                                                  a_log, dt_bias, onw, 1e-5, H, d,
-                                                  out=outs[i], tickets=tickets[i], **kw)
-                for i in range(calls)]
+    def fns(gates=False, **kw):
+        # gates: the f_b / g_b projections as one GEMM per call first (timed with the kernel)
+        def one(i):
+            g = kdad.gate_projections(proj, fgb, H, d) if gates else None
+            return kdad.kda_decode_fused(proj, conv_w, conv_cache, rec, idx[i], fgb, a_log,
+                                         dt_bias, onw, 1e-5, H, d, out=outs[i],
+                                         tickets=tickets[i], gates=g, **kw)
+        return [lambda i=i: one(i) for i in range(calls)]
 
     nbytes = n * H * d * d * 4 * 2 + proj[:, :3 * P].numel() * 2 + n * P * 2
-    grid = [dict(v_block=bv, num_warps=nw) for bv, nw in
-            itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
+    grid = [dict(gates=True, v_block=bv, num_warps=nw) for bv, nw in
+            itertools.product((32, 64, 16, 128), (4, 8, 2))]
+    grid += [dict(v_block=bv, num_warps=nw) for bv, nw in
+             itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
     sweep(f"kda_decode_fused N={n}", rows, fns(), grid, lambda c: fns(**c),
           floor_us(nbytes, ceil), deadline)
 
@@ -160,12 +165,16 @@ def bench_moe(rows, ceil, w13, w2, n, same, deadline):
         return [lambda: moe.fused_moe(x, w13, w2, w, ids, out=out, pdl=True, **kw)]
 
     C = moe.MoEGemmConfig
+    d = moe.default_config(n, TOP_K + 1, EXPERTS + 1, torch.bfloat16)
+    bm = d.gemm1.block_m
     grid = []
-    for bm, (bn, bk), ns in itertools.product((16, 32, 64), ((32, 128), (64, 64), (64, 128),
-                                                           (128, 64)), (4,)):
-        for bn2 in (32, 64, 128):
-            grid.append(dict(config=moe.FusedMoEConfig(C(bm, bn, bk, 1, 4, ns),
-                                                       C(bm, bn2, bk, 1, 4, ns))))
+    # one GEMM's tile (block_n, block_k, warps, stages) at a time, the other at its default
+    for bn, bk, nw, ns in ((16, 256, 2, 4), (32, 256, 4, 4), (32, 128, 2, 5), (64, 256, 8, 3),
+                           (32, 128, 4, 6), (16, 128, 2, 6), (64, 64, 4, 6), (128, 128, 8, 3)):
+        grid.append(dict(config=moe.FusedMoEConfig(C(bm, bn, bk, 1, nw, ns), d.gemm2)))
+    for bn, bk, nw, ns in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3), (32, 256, 4, 4),
+                           (16, 256, 2, 4), (128, 64, 4, 6), (256, 64, 8, 4)):
+        grid.append(dict(config=moe.FusedMoEConfig(d.gemm1, C(bm, bn, bk, 1, nw, ns))))
     name = f"fused_moe N={n} {'same8' if same else 'spread'} ({touched} experts)"
     sweep(name, rows, fns(), grid, lambda c: fns(**c), floor_us(nbytes, ceil), deadline)
 

@@ -25,6 +25,11 @@ MAX_FUSED_ROWS = 1024
 """Decode rows covered by a layer's persistent fused-decode tickets; larger steps (beyond any
 captured graph) get a zeroed buffer per launch."""
 
+GATE_GEMM_MIN_ROWS = 16
+"""From this many decode rows the fused decode takes its gate projections (f_b f_a, g_b g_a)
+from one GEMM over all rows instead of having every (row, head, value block) program load and
+multiply the head's gate weight tiles (benchmarks/bench_batch.py kda, PERF_NOTES.md)."""
+
 
 class ForgetGate(nn.Module):
     """Under TP the rank holds its heads: f_b_proj's rows, dt_bias and A_log split by head;
@@ -181,9 +186,13 @@ class KimiDeltaAttention(nn.Module):
         return self._out(o, pdl)
 
     def _fused_decode(self, proj: torch.Tensor, md, caches, pdl: bool) -> torch.Tensor:
-        from kdaserve.kernels.kda.decode_fused import kda_decode_fused
+        from kdaserve.kernels.kda.decode_fused import gate_projections, kda_decode_fused
 
         gate = self.forget_gate
+        gates = None
+        if proj.shape[0] >= GATE_GEMM_MIN_ROWS:
+            gates = gate_projections(proj, self.fg_b_weight, self.num_heads, self.head_dim,
+                                     self.full_rank_gate)
         return kda_decode_fused(
             proj, self.conv1d.weight[:, 0], caches.kda_conv[self.kda_index],
             caches.kda_recurrent[self.kda_index], md.state_indices[:proj.shape[0]],
@@ -191,4 +200,4 @@ class KimiDeltaAttention(nn.Module):
             self.num_heads, self.head_dim, lower_bound=gate.lower_bound, pdl=pdl,
             tickets=self.decode_tickets if proj.shape[0] <= MAX_FUSED_ROWS else None,
             prefetch_state=self.state_prefetch,   # the previous launch: the input projection
-            full_rank_gate=self.full_rank_gate)
+            full_rank_gate=self.full_rank_gate, gates=gates)   # (or the gate GEMM: no cache)

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import kernel_checks as kc
-from kdaserve.kernels.kda.decode_fused import kda_decode_fused, kda_decode_fused_reference
+from kdaserve.kernels.kda.decode_fused import (gate_projections, kda_decode_fused,
+                                               kda_decode_fused_reference)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BF16, F32 = torch.bfloat16, torch.float32
@@ -79,17 +80,21 @@ def assert_untouched(name, after, before, slots):
 
 
 def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False,
-                       v_block=None, prefetch_state=False, **kw):
+                       v_block=None, prefetch_state=False, gates=False, **kw):
     """Kernel vs kda_decode_fused_reference: output, conv windows (exact: they hold copied
     inputs), states; slots no row owns (and those of rows < 0) stay bit-identical; the
-    per-head tickets end at zero (two launches in a row: the second must start from them)."""
+    per-head tickets end at zero (two launches in a row: the second must start from them).
+    gates: the gate projections computed beforehand (gate_projections) and passed to both."""
     inp = make_inputs(device, dtype, H, d, W, slots, num_slots, seed=seed, **kw)
+    if gates:
+        inp["gates"] = gate_projections(inp["proj"], inp["fg_b_weight"], H, d,
+                                        inp.get("full_rank_gate", False))
     got, want = fresh_caches(inp), fresh_caches(inp)
     tickets = torch.zeros(len(slots) * H + 3, dtype=torch.int32, device=device)
     out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets,
                            prefetch_state=prefetch_state)
     ref_out = kda_decode_fused_reference(**want)
-    where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} {dtype}"
+    where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} gates={gates} {dtype}"
     assert not tickets.any(), f"tickets not reset {where}: {tickets.tolist()}"
     assert out.shape == (len(slots), H * d) and out.dtype == dtype, where
     kc.assert_close(f"output {where}", out, ref_out, dtype)
@@ -201,6 +206,11 @@ def run_interpreter_checks() -> None:
                        v_block=4, pdl=True, prefetch_state=True, k3=True)
     check_against_layer("cpu", F32, H=2, d=16, W=4, hidden=40, slots=[3, 0, 6], num_slots=8,
                         seed=10, k3=True)
+    # the gate projections computed beforehand (many-row steps)
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 6, 0], num_slots=8, seed=11,
+                       v_block=8, gates=True)
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, 5], num_slots=8, seed=12,
+                       v_block=4, pdl=True, prefetch_state=True, gates=True, k3=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +315,8 @@ SM90_TYPES = dict(proj_ptr="*bf16", conv_w_ptr="*bf16", conv_ptr="*bf16", rec_pt
                   ss_part_ptr="*fp32", ticket_ptr="*i32", P="i32", eps="fp32", scale="fp32",
                   stride_pn="i32", stride_on="i32", stride_wd="i32", stride_cs="i32",
                   stride_cd="i32", stride_rs="i32", stride_rh="i32", stride_rk="i32",
-                  stride_fg="i32", stride_fp="i32")
+                  stride_fg="i32", stride_fp="i32", graw_ptr="*bf16", gout_ptr="*bf16",
+                  stride_gr="i32", stride_go="i32")
 SM90_CONSTS = dict(D=128, W=4, BW=4, BV=32, stride_wj=1, stride_cj=1, stride_rv=1)
 WEIGHT_PARAMS = {"conv_w_ptr", "fgb_ptr", "a_log_ptr", "dt_bias_ptr", "norm_w_ptr"}
 
@@ -322,13 +333,13 @@ K3_CONSTS = dict(FULL_RANK_GATE=True, LOWER_BOUND=-5.0)
 """Kimi K3's variant: the full-rank output gate read from proj, the bounded decay."""
 
 
-def _compile(use_pdl: bool, num_warps: int = 8, k3: bool = False):
+def _compile(use_pdl: bool, num_warps: int = 8, k3: bool = False, **consts):
     import gemv_checks as gc
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
     return gc.sm90_compile(kda_decode_fused_kernel, SM90_TYPES,
-                           dict(SM90_CONSTS, USE_PDL=use_pdl, **(K3_CONSTS if k3 else {})),
-                           num_warps=num_warps, launch_pdl=use_pdl)
+                           dict(SM90_CONSTS, USE_PDL=use_pdl, **(K3_CONSTS if k3 else {}),
+                                **consts), num_warps=num_warps, launch_pdl=use_pdl)
 
 
 _REG = re.compile(r"%[a-z]+\d+")
@@ -425,11 +436,16 @@ def test_no_pdl_ptx_has_no_griddepcontrol():
 
 @pytest.mark.parametrize("use_pdl", [False, True])
 @pytest.mark.parametrize("k3", [False, True])
-def test_sm90_no_register_spills_at_48b_shapes(use_pdl, k3, tmp_path):
+@pytest.mark.parametrize("tile", ["one row", "rows", "gates in"])
+def test_sm90_no_register_spills_at_48b_shapes(use_pdl, k3, tile, tmp_path):
     """d = 128 with the default 8 warps: the [128, 128] fp32 state plus the two bf16 gate
-    tiles (K3: f_b alone) fit in registers (ptxas -v: no spill stores or loads)."""
+    tiles (K3: f_b alone) fit in registers (ptxas -v: no spill stores or loads), at 32 value
+    columns a program (1-2 rows), at 64 (3-15 rows), and with the gates computed beforehand
+    at 4 warps (16 rows and more)."""
     ptxas = _ptxas()
-    k = _compile(use_pdl=use_pdl, k3=k3)
+    consts = {"one row": dict(), "rows": dict(BV=64),
+              "gates in": dict(num_warps=4, GATES_IN=True)}[tile]
+    k = _compile(use_pdl=use_pdl, k3=k3, **consts)
     (tmp_path / "k.ptx").write_text(k.asm["ptx"])
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
                           str(tmp_path / "k.cubin")], capture_output=True, text=True)
@@ -454,6 +470,26 @@ def test_matches_twin_gpu(N):
                            v_block=v_block)
     check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N][:-1] + [-1], num_slots=9)
     check_against_twin("cuda", F32, H48, D48, W48, SLOTS[N], num_slots=9, seed=N + 1)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [16, 64])
+def test_gates_in_matches_twin_gpu(N):
+    """Batch-size steps take the gate projections from one GEMM (the layer does from
+    GATE_GEMM_MIN_ROWS rows): the kernel with them against the twin with the same gates, in
+    bf16 and fp32, the K3 variant too; and close to the in-kernel gates."""
+    slots = list(range(N - 1)) + [N + 2]
+    for dtype in (BF16, F32):
+        check_against_twin("cuda", dtype, H48, D48, W48, slots, num_slots=N + 3, seed=N,
+                           gates=True)
+    check_against_twin("cuda", BF16, 16, D48, W48, slots, num_slots=N + 3, seed=N + 1,
+                       gates=True, k3=True, pdl=True, prefetch_state=True)
+    inp = make_inputs("cuda", BF16, H48, D48, W48, slots, num_slots=N + 3, seed=N)
+    a, b = fresh_caches(inp), fresh_caches(inp)
+    with_gates = kda_decode_fused(**a, gates=gate_projections(inp["proj"], inp["fg_b_weight"],
+                                                              H48, D48))
+    kc.assert_close("gates in vs in-kernel gates", with_gates, kda_decode_fused(**b), BF16)
 
 
 @pytest.mark.gpu

@@ -29,22 +29,23 @@ MAX_HEAD_DIM = 128
 """A program holds a head's [d, d] f_b tile and up to [d, d] of its fp32 state in registers."""
 
 
-def default_num_warps(head_dim: int, num_rows: int = 1, v_block: int | None = None) -> int:
-    """8 warps at d = 128 (64 f_b values per thread); fewer for small heads. With 64 value
-    columns a program and at most 16 rows, 4 (faster in bench_batch.py; benchmarks/PERF_NOTES.md)."""
+def default_num_warps(head_dim: int, gates_in: bool = False) -> int:
+    """8 warps at d = 128 (64 f_b values per thread); fewer for small heads. With the gates
+    computed beforehand (no f_b tile to hold), 4 at d = 128. Both measured fastest at 4-64
+    rows in bench_batch.py (PERF_NOTES.md)."""
     warps = max(1, min(8, head_dim * head_dim // 2048))
-    if v_block == 64 and 2 < num_rows <= 16:
-        warps = min(warps, 4)
-    return warps
+    return min(warps, 4) if gates_in else warps
 
 
-def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int) -> int:
+def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int,
+                    gates_in: bool = False) -> int:
     """Value columns per program: 32 (or head_dim, if smaller) while the grid stays within ~2
     programs per SM, else 64 (or head_dim). At 32 heads of 128 on 132 SMs: 32 at 1-2 rows,
     64 from 3: at 16-64 rows 64 columns beat one program per head (bench_batch.py,
-    benchmarks/PERF_NOTES.md)."""
+    benchmarks/PERF_NOTES.md). With the gates computed beforehand, 32 at every row count
+    (the programs are light enough that more of them pay: bench_batch.py at 16-64 rows)."""
     bv = min(32, head_dim)
-    if num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
+    if not gates_in and num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
         bv = min(64, head_dim)
     return bv
 
@@ -131,7 +132,9 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      pdl: bool = False, num_warps: int | None = None,
                      tickets: torch.Tensor | None = None,
                      v_block: int | None = None, prefetch_state: bool = False,
-                     full_rank_gate: bool = False) -> torch.Tensor:
+                     full_rank_gate: bool = False,
+                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                     ) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -160,6 +163,10 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     v_block: value columns per program, a power of two dividing head_dim (default_v_block).
     prefetch_state (with pdl): state_indices and both caches are also read before the wait, so
     the previous kernel must not write them either (in the layer it is the input projection).
+    gates: (g_raw [N, P], gate [N, P] or None under full_rank_gate), f_b f_a and g_b g_a
+    computed beforehand (gate_projections): the kernel reads them instead of multiplying
+    fg_b_weight's tiles (fg_b_weight is still checked, not read). Any float dtype, last dim
+    contiguous.
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
@@ -168,8 +175,9 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
     check_kernel_device(proj)
     N, P = proj.shape[0], num_heads * head_dim
-    bv = v_block or default_v_block(N, num_heads, head_dim, num_sms(proj.device))
-    warps = default_num_warps(head_dim, N, bv) if num_warps is None else num_warps
+    bv = v_block or default_v_block(N, num_heads, head_dim, num_sms(proj.device),
+                                    gates is not None)
+    warps = default_num_warps(head_dim, gates is not None) if num_warps is None else num_warps
     if bv < 1 or head_dim % bv or bv & (bv - 1):
         raise ValueError(f"v_block must be a power of two dividing head_dim={head_dim}, "
                          f"got {v_block}")
@@ -186,6 +194,7 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     require_triton()
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
+    g_raw, gate = _check_gates(gates, N, P, full_rank_gate, proj.device)
     splits = head_dim // bv
     o_part = torch.empty(N, num_heads, head_dim, dtype=torch.float32, device=proj.device)
     ss_part = torch.empty(N, num_heads, splits, dtype=torch.float32, device=proj.device)
@@ -193,15 +202,50 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     kda_decode_fused_kernel[(N, num_heads, splits)](
         proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
         A_log.reshape(-1), dt_bias.reshape(-1), o_norm_weight, out, o_part, ss_part, tickets,
+        g_raw if g_raw is not None else proj, gate if gate is not None else proj,
         P, float(eps), head_dim ** -0.5,
         proj.stride(0), out.stride(0), conv_weight.stride(0), conv_weight.stride(1),
         conv_cache.stride(0), conv_cache.stride(1), conv_cache.stride(2),
         rec_cache.stride(0), rec_cache.stride(1), rec_cache.stride(2), rec_cache.stride(3),
         fg_b_weight.stride(0), fg_b_weight.stride(1),
+        g_raw.stride(0) if g_raw is not None else 0, gate.stride(0) if gate is not None else 0,
         D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
         PREFETCH_STATE=bool(prefetch_state), FULL_RANK_GATE=bool(full_rank_gate),
-        LOWER_BOUND=float(lower_bound or 0.0), **pdl_opts)
+        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None, **pdl_opts)
     return out
+
+
+def gate_projections(proj: torch.Tensor, fg_b_weight: torch.Tensor, num_heads: int,
+                     head_dim: int, full_rank_gate: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kda_decode_fused's `gates` for every row in one GEMM: (f_a @ f_b.T, g_a @ g_b.T) as
+    [N, P] each in proj.dtype (under full_rank_gate, (f_a @ f_b.T, None): the output gate is in
+    proj). The unfused path rounds these products to proj.dtype too."""
+    H, d = num_heads, head_dim
+    P, N = H * d, proj.shape[0]
+    if full_rank_gate:
+        return proj[:, 4 * P:4 * P + d] @ fg_b_weight[0].T, None
+    f_g = torch.bmm(proj[:, 3 * P:3 * P + 2 * d].view(N, 2, d).transpose(0, 1),
+                    fg_b_weight.transpose(1, 2))                       # [2, N, P]
+    return f_g[0], f_g[1]
+
+
+def _check_gates(gates, N: int, P: int, full_rank_gate: bool, device: torch.device):
+    """(g_raw, gate) of kda_decode_fused's `gates` after checks; (None, None) without them."""
+    if gates is None:
+        return None, None
+    g_raw, gate = gates
+    if gate is None and not full_rank_gate:
+        raise ValueError("gates needs the output gate [N, P] unless full_rank_gate is set")
+    for name, t in (("gates[0]", g_raw), ("gates[1]", gate)):
+        if t is None:
+            continue
+        _check_shape(name, t, (N, P))
+        if t.stride(1) != 1 or t.dtype not in DTYPES:
+            raise ValueError(f"{name} must be a float tensor with a contiguous last dim, got "
+                             f"{t.dtype} strides {t.stride()}")
+        check_device(name, t, device)
+    return g_raw, None if full_rank_gate else gate
 
 
 def kda_decode_fused_reference(proj: torch.Tensor, conv_weight: torch.Tensor,
@@ -210,9 +254,12 @@ def kda_decode_fused_reference(proj: torch.Tensor, conv_weight: torch.Tensor,
                                A_log: torch.Tensor, dt_bias: torch.Tensor,
                                o_norm_weight: torch.Tensor, eps: float, num_heads: int,
                                head_dim: int, lower_bound: float | None = None,
-                               full_rank_gate: bool = False) -> torch.Tensor:
+                               full_rank_gate: bool = False,
+                               gates: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                               ) -> torch.Tensor:
     """The same contract from kernels/reference.py, everything in fp32 (caches updated in
-    place, output in proj.dtype): conv update -> kda_gate -> kda_recurrent -> rms_norm_gated."""
+    place, output in proj.dtype): conv update -> kda_gate -> kda_recurrent -> rms_norm_gated.
+    gates: as kda_decode_fused's (used instead of the fp32 f_b / g_b products)."""
     _check_gate(lower_bound, num_heads, head_dim)
     _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight, A_log,
                   dt_bias, o_norm_weight, num_heads, head_dim, None, full_rank_gate)
@@ -230,6 +277,9 @@ def kda_decode_fused_reference(proj: torch.Tensor, conv_weight: torch.Tensor,
         g_raw = x[:, 3 * P:3 * P + d] @ fg_b_weight[0].float().T       # [N, P]
         gate = x[:, 3 * P + d:3 * P + 2 * d] @ fg_b_weight[1].float().T  # [N, P]
         beta = torch.sigmoid(x[:, 3 * P + 2 * d:])                     # [N, H]
+    if gates is not None:
+        g_raw = gates[0].float()
+        gate = gate if full_rank_gate else gates[1].float()
     g = ref.kda_gate(g_raw.view(N, H, d), A_log, dt_bias, lower_bound)  # [N, H, d]
     o = torch.empty(N, H, d, dtype=torch.float32, device=proj.device)
     for i, slot in enumerate(state_indices.tolist()):

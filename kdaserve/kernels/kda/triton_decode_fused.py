@@ -61,13 +61,14 @@ def _l2norm(x):
 @triton.jit
 def kda_decode_fused_kernel(
     proj_ptr, conv_w_ptr, conv_ptr, rec_ptr, idx_ptr, fgb_ptr, a_log_ptr, dt_bias_ptr,
-    norm_w_ptr, out_ptr, o_part_ptr, ss_part_ptr, ticket_ptr,
+    norm_w_ptr, out_ptr, o_part_ptr, ss_part_ptr, ticket_ptr, graw_ptr, gout_ptr,
     P, eps, scale,
     stride_pn, stride_on, stride_wd, stride_wj, stride_cs, stride_cd, stride_cj,
-    stride_rs, stride_rh, stride_rk, stride_rv, stride_fg, stride_fp,
+    stride_rs, stride_rh, stride_rk, stride_rv, stride_fg, stride_fp, stride_gr, stride_go,
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
     USE_PDL: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
     FULL_RANK_GATE: tl.constexpr = False, LOWER_BOUND: tl.constexpr = 0.0,
+    GATES_IN: tl.constexpr = False,
 ):
     """Program (n, h, s): row n's token through head h, value columns [s * BV, (s + 1) * BV)
     of its state. proj row n = [q | k | v (3P) | f_a (D) | g_a (D) | beta logits (H)]; the
@@ -93,6 +94,12 @@ def kda_decode_fused_kernel(
     LOWER_BOUND * sigmoid(exp(A_log) * (f_b f_a + dt_bias)) instead of -exp(A_log) *
     softplus(f_b f_a + dt_bias).
 
+    GATES_IN: the gate pre-activation f_b f_a (graw_ptr, row n: [P]) and, without
+    FULL_RANK_GATE, the output gate g_b g_a (gout_ptr, [P]) come computed (one GEMM over every
+    row, before this launch) instead of from the [D, D] f_b and [BV, D] g_b tiles that each
+    program would otherwise load and multiply: at many rows those tiles' registers and reads
+    cost more than the GEMM. graw / gout are read after the wait (the GEMM's output).
+
     USE_PDL (programmatic dependent launch, sm_90+): only weights (conv taps, f_b / g_b rows,
     dt_bias, A_log, norm weight) are read before griddepcontrol.wait; proj, the state index,
     both caches and every store come after it, then launch_dependents. With PREFETCH_STATE
@@ -110,12 +117,13 @@ def kda_decode_fused_kernel(
     ch_k = P + ch_q
     ch_v = 2 * P + h * D + offs_v
     # ---- weights: safe to read before the wait (nothing in the step writes them)
-    fb_ptrs = fgb_ptr + (h * D + offs)[:, None].to(tl.int64) * stride_fp + offs[None, :]
-    f_b = tl.load(fb_ptrs)                                          # [D, D] gate rows of f_b
-    if not FULL_RANK_GATE:
-        gb_ptrs = (fgb_ptr + stride_fg + (h * D + offs_v)[:, None].to(tl.int64) * stride_fp
-                   + offs[None, :])
-        g_b = tl.load(gb_ptrs)                                      # [BV, D] rows of g_b
+    if not GATES_IN:
+        fb_ptrs = fgb_ptr + (h * D + offs)[:, None].to(tl.int64) * stride_fp + offs[None, :]
+        f_b = tl.load(fb_ptrs)                                      # [D, D] gate rows of f_b
+        if not FULL_RANK_GATE:
+            gb_ptrs = (fgb_ptr + stride_fg + (h * D + offs_v)[:, None].to(tl.int64) * stride_fp
+                       + offs[None, :])
+            g_b = tl.load(gb_ptrs)                                  # [BV, D] rows of g_b
     wq_win, wq_new = _conv_taps(conv_w_ptr, ch_q, offs_j, stride_wd, stride_wj, W)
     wk_win, wk_new = _conv_taps(conv_w_ptr, ch_k, offs_j, stride_wd, stride_wj, W)
     wv_win, wv_new = _conv_taps(conv_w_ptr, ch_v, offs_j, stride_wd, stride_wj, W)
@@ -145,23 +153,30 @@ def kda_decode_fused_kernel(
     x_v = tl.load(row + ch_v).to(tl.float32)                        # [BV]
     if FULL_RANK_GATE:
         gate = tl.load(row + 3 * P + h * D + offs_v).to(tl.float32)  # [BV] output gate
-        f_a = tl.load(row + 4 * P + offs).to(tl.float32)            # [D] low-rank gate input
         b_logit = tl.load(row + 4 * P + D + h).to(tl.float32)
+        if not GATES_IN:
+            f_a = tl.load(row + 4 * P + offs).to(tl.float32)        # [D] low-rank gate input
     else:
-        f_a = tl.load(row + 3 * P + offs).to(tl.float32)            # [D] low-rank gate input
-        g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
         b_logit = tl.load(row + 3 * P + 2 * D + h).to(tl.float32)
+        if not GATES_IN:
+            f_a = tl.load(row + 3 * P + offs).to(tl.float32)        # [D] low-rank gate input
+            g_a = tl.load(row + 3 * P + D + offs).to(tl.float32)
     # ---- conv, gates, l2norm
     q = _l2norm(_conv_out(win_q, wq_win, x_q, wq_new)) * scale      # [D]
     k = _l2norm(_conv_out(win_k, wk_win, x_k, wk_new))
     v = _conv_out(win_v, wv_win, x_v, wv_new)                       # [BV]
-    g = tl.sum(f_b.to(tl.float32) * f_a[None, :], axis=1) + dt_b    # [D] gate pre-activation
+    if GATES_IN:
+        g = tl.load(graw_ptr + n * stride_gr + h * D + offs).to(tl.float32) + dt_b
+        if not FULL_RANK_GATE:
+            gate = tl.load(gout_ptr + n * stride_go + h * D + offs_v).to(tl.float32)
+    else:
+        g = tl.sum(f_b.to(tl.float32) * f_a[None, :], axis=1) + dt_b   # [D] pre-activation
+        if not FULL_RANK_GATE:
+            gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)   # [BV] output gate
     if LOWER_BOUND != 0.0:                                          # log decay (<= 0)
         g = LOWER_BOUND * tl.sigmoid(-neg_a * g)
     else:
         g = neg_a * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
-    if not FULL_RANK_GATE:
-        gate = tl.sum(g_b.to(tl.float32) * g_a[None, :], axis=1)    # [BV] output gate
     beta = tl.sigmoid(b_logit)
     # ---- gated delta rule on the program's value columns
     S = S * tl.exp(g)[:, None]
