@@ -28,7 +28,7 @@ class StubModel(torch.nn.Module):
         super().__init__()
         self.hidden, self.vocab = hidden, vocab
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, ctx, **kwargs) -> torch.Tensor:
         return torch.zeros(ids.shape[0], self.hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
