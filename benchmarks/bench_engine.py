@@ -78,10 +78,13 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     bw = measure_copy_bandwidth(torch.device("cuda"))
     result["copy_bandwidth_TBps"] = bw / 1e12
+    batches = [int(x) for x in args.batches.split(",")]
     t0 = time.perf_counter()
+    # every batch of --batches must fit in max_num_seqs, or its "decode steps" are steps of
+    # max_num_seqs rows (the rest of the requests wait)
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, **args.model_loader_extra_config,
-        max_model_len=12288, max_num_seqs=32, max_num_batched_tokens=8192,
+        max_model_len=12288, max_num_seqs=max(32, *batches), max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9, **args.optimization_config,
         async_scheduling=not args.no_async_scheduling)
     result["engine_start_s"] = time.perf_counter() - t0
@@ -129,7 +132,7 @@ def main() -> None:
 
     # 2. Decode step time at batch B with ~8K context, graphs on and off.
     result["decode"] = []
-    for b in [int(x) for x in args.batches.split(",")]:
+    for b in batches:
         ps = [prompt(rng, args.prompt_len, vocab) for _ in range(b)]
         with torch.inference_mode():
             touched = experts_touched(rn.model, torch.tensor([p[-1] for p in ps], device="cuda"))
