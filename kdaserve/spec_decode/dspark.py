@@ -24,19 +24,27 @@ Prefix-cache hits store a zero context for the positions they skipped when first
 `_take_hidden` does. Fixed shapes throughout (T context rows, S * K block rows).
 
 Drafts are greedy (argmax) or, with draft_sample_method="probabilistic", sampled from
-softmax(logits / T) with q returned for the rejection sampler (as the other drafters). Eager
-on every device (no CUDA graphs).
+softmax(logits / T) with q returned for the rejection sampler (as the other drafters). On CUDA,
+`propose_device`'s block pass and Markov head replay a CUDA graph per capture size of sampling
+rows (spec_decode/dspark_graphs.py, captured by `capture_graphs`); the context store and the
+host path `propose` run eagerly.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kdaserve.models.dspark import DSparkModel
 from kdaserve.spec_decode.device_step import DeviceStep
+from kdaserve.spec_decode.dspark_graphs import DSparkBlockGraphs
 from kdaserve.spec_decode.draft_model import DraftProposal, sample_drafts
 from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer
+
+if TYPE_CHECKING:
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
 
 
 class DSparkProposer(HiddenConditionedProposer):
@@ -50,6 +58,14 @@ class DSparkProposer(HiddenConditionedProposer):
         super().__init__(model, *args, **kwargs)
         self.aux_layers = model.cfg.aux_hidden_state_layer_ids
         self.aux_dim = len(self.aux_layers) * model.cfg.target_hidden_size
+        self.graphs: DSparkBlockGraphs | None = None
+        """The block pass + Markov head graphs, once capture_graphs() ran (CUDA)."""
+
+    def capture_graphs(self, graphs: "CudaGraphManager") -> None:
+        """Capture propose_device's block pass and Markov head at every capture size of
+        sampling rows into `graphs` (after the target's caches are allocated)."""
+        self.graphs = DSparkBlockGraphs(self, self.max_num_seqs)
+        self.graphs.capture(graphs)
 
     @torch.inference_mode()
     def propose(self, req_ids: list[str], token_ids: list[list[int]],
@@ -147,12 +163,15 @@ class DSparkProposer(HiddenConditionedProposer):
         last = step.last
         ids[:, 0] = last
         seq_lens = (pos0 + k).repeat_interleave(k).int()
+        temps = torch.tensor(step.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+        if self.graphs is not None and s <= self.graphs.max_size:
+            return self.graphs.run(ids.reshape(-1), self._slots(tab, pos), tab.int(),
+                                   seq_lens, last, temps)
         hidden = self.model.forward_block(ids.reshape(-1), kv, self._slots(tab, pos),
                                           tab.int(), seq_lens)                  # [S * K, D]
         base = self.model.base_logits(hidden).view(s, k, -1)                    # [S, K, V]
 
         # 3. the Markov head, left to right
-        temps = torch.tensor(step.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
         prev, drafts, probs = last, [], []
         for j in range(k):
             _, bias = self.model.markov_bias(prev)

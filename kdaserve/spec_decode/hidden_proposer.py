@@ -43,6 +43,7 @@ class HiddenConditionedProposer:
             raise ValueError(f"draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
                              f"got {draft_sample_method!r}")
         self.model = model
+        self.max_num_seqs = max_num_seqs
         self.k = num_speculative_tokens
         self.block_size = block_size
         self.max_model_len = max_model_len

@@ -190,20 +190,23 @@ def test_gpu_spec_engine_greedy_with_cuda_graphs(tmp_path):
         assert outs[name] == outs["plain"], name
 
 
-@pytest.mark.parametrize("method", ["dspark", "mtp"])
+@pytest.mark.parametrize("method", ["dspark", "dspark-probabilistic", "mtp"])
 def test_gpu_hidden_drafters_replay_graphs(tmp_path, method):
     """The drafters that read the target's hidden states (a DSpark drafter on the tiny
     model, MTP on tiny-mtp), K=4, async scheduling: decode and verification steps replay
-    their CUDA graphs (the hidden rows a second graph output) and the greedy tokens equal
-    plain decoding's and the eager run's."""
+    their CUDA graphs (the hidden rows a second graph output), DSpark's block pass and Markov
+    head theirs (with probabilistic drafts: the sampler's random draws inside the graph), and
+    the greedy tokens equal plain decoding's and the eager run's."""
     from kdaserve import LLM, SamplingParams
     from kdaserve.models.make_model import make_dspark_model, make_model
 
     target = str(tmp_path / "target")
     make_model(target, "tiny-mtp" if method == "mtp" else "tiny")
-    spec = {"method": method, "num_speculative_tokens": 4}
-    if method == "dspark":
+    spec = {"method": method.split("-")[0], "num_speculative_tokens": 4}
+    if method.startswith("dspark"):
         spec["model"] = make_dspark_model(target, str(tmp_path / "dspark"))
+    if method == "dspark-probabilistic":
+        spec["draft_sample_method"] = "probabilistic"
     ps = [{"prompt_token_ids": p} for p in PROMPTS]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
@@ -217,5 +220,7 @@ def test_gpu_hidden_drafters_replay_graphs(tmp_path, method):
             assert runner.spec.verify_graphs is not None
             assert runner.spec.verify_graphs.num_replays > 0
             assert runner.spec.stats.num_draft_tokens > 0
+            if method != "mtp":   # the block pass + Markov head graphs were captured
+                assert runner.spec.proposer.graphs is not None
         del llm
     assert outs["eager"] == outs["plain"] and outs["graphs"] == outs["plain"]

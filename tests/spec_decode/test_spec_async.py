@@ -587,8 +587,25 @@ def test_graph_paths_hand_hidden_to_dspark(make_ds_llm, plain, dspark_dir, async
     graphs, stats = run(True)
     modes = {b.mode for b in graphs.replays}
     assert ExecMode.VERIFY_GRAPH in modes and ExecMode.DECODE_GRAPH in modes, modes
+    # under async scheduling the drafter's block pass + Markov head replay their own graphs
+    blocks = [b for b in graphs.replays if b.stage == "dspark_block"]
+    assert bool(blocks) == async_scheduling, blocks
     # the drafter saw the same context as in the eager run: the same drafts were accepted
     assert stats["num_draft_tokens"] > 0 and stats == run(False)[1]
+
+
+def test_dspark_block_graphs_probabilistic_drafts(make_ds_llm, plain, dspark_dir, monkeypatch):
+    """Probabilistic drafts through the block graphs: padding rows beyond the sampling rows
+    (3 requests pad to the capture size 4), the draft probabilities cloned out of the graph's
+    output; greedy requests keep the plain output (their q is one-hot)."""
+    llm = make_ds_llm(speculative_config=_dspark(dspark_dir,
+                                                 draft_sample_method="probabilistic"),
+                      max_num_seqs=8, async_scheduling=True)
+    graphs = _bind_eager_graphs(llm, monkeypatch)
+    assert _drive(llm, _prompts(), _params()) == plain
+    sizes = {b.num_reqs for b in graphs.replays if b.stage == "dspark_block"}
+    assert sizes, "the block graphs never replayed"
+    assert llm.llm_engine.spec_decoding_stats.as_dict()["num_accepted_tokens"] > 0
 
 
 def test_graph_paths_hand_hidden_to_mtp(tiny_mtp_dir, monkeypatch):

@@ -1,0 +1,114 @@
+"""CUDA graphs of the DSpark drafter's query-block pass and Markov head (steps 2 and 3 of
+DSparkProposer.propose_device), one per capture size of sampling rows.
+
+The block pass has fixed shapes already (K rows per sampling row), so a step costs a few
+device-to-device copies into the graph's inputs and one replay, where eagerly it is some
+hundred launches from the host: the dense MLA + MLP layers over S * K rows, the LM head, and K
+rounds of Markov bias + sampling. Inputs are device tensors (async scheduling: nothing is read
+on the host). Padding rows (up to the capture size) write no latent (slot -1), attend to
+nothing (seq_len 0) and are dropped; their draws use temperature 0.
+
+The block tables are copied into a table as wide as the drafter's longest request
+(max_blocks_per_req): the MLA decode kernel's split count follows that width, so it is one
+grid for every replay. The outputs are cloned before they are returned: a request's draft
+probabilities may be read after the next replay (a request not scheduled in the next step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kdaserve.attention.forward_context import BatchDescriptor, ExecMode, capture_sizes
+from kdaserve.spec_decode.draft_model import sample_drafts
+
+if TYPE_CHECKING:
+    from kdaserve.spec_decode.dspark import DSparkProposer
+    from kdaserve.worker.cuda_graphs import CudaGraphManager
+
+logger = logging.getLogger(__name__)
+
+
+class DSparkBlockGraphs:
+    def __init__(self, proposer: "DSparkProposer", max_num_seqs: int) -> None:
+        self.proposer = proposer
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_size = self.sizes[-1]
+        k, dev = proposer.k, proposer.device
+        rows = self.max_size * k
+        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)               # [S * K]
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=dev)       # [S * K]
+        self.table = torch.zeros(rows, proposer.max_blocks_per_req, dtype=torch.int32,
+                                 device=dev)                                      # [S * K, W]
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)         # [S * K]
+        self.last = torch.zeros(self.max_size, dtype=torch.long, device=dev)     # [S]
+        self.temps = torch.zeros(self.max_size, dtype=torch.float32, device=dev)  # [S]
+        self.manager: "CudaGraphManager | None" = None
+
+    def descriptor(self, size: int) -> BatchDescriptor:
+        return BatchDescriptor(ExecMode.DRAFT_GRAPH, size, self.proposer.k, "dspark_block")
+
+    def padded_size(self, s: int) -> int | None:
+        return next((size for size in self.sizes if size >= s), None)
+
+    @torch.inference_mode()
+    def capture(self, graphs: "CudaGraphManager") -> None:
+        t0 = time.perf_counter()
+        for size in reversed(self.sizes):
+            graphs.capture(self.descriptor(size), lambda size=size: self._work(size))
+        self.manager = graphs
+        if self.proposer.device.type == "cuda":
+            torch.cuda.synchronize()
+        logger.info("captured %d DSpark block CUDA graphs (sizes %s) in %.1f s",
+                    len(self.sizes), self.sizes, time.perf_counter() - t0)
+
+    def _work(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a replay runs: the block pass over size * K rows of the buffers, then the
+        Markov head left to right. Returns (drafts [size, K] int64, q [size, K, V] or None)."""
+        p = self.proposer
+        k, r = p.k, size * p.k
+        model = p.model
+        hidden = model.forward_block(self.ids[:r], list(p.caches.mla_kv), self.slots[:r],
+                                     self.table[:r], self.seq_lens[:r])          # [r, D]
+        base = model.base_logits(hidden).view(size, k, -1)                       # [size, K, V]
+        prev, temps, drafts, probs = self.last[:size], self.temps[:size], [], []
+        for j in range(k):
+            _, bias = model.markov_bias(prev)
+            tok, q = sample_drafts(base[:, j] + bias, temps, p.sample_method)
+            drafts.append(tok)
+            probs.append(q)
+            prev = tok
+        q_all = None if p.sample_method == "greedy" else torch.stack(probs, dim=1)
+        return torch.stack(drafts, dim=1), q_all
+
+    def run(self, ids: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+            seq_lens: torch.Tensor, last: torch.Tensor, temps: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One proposal for s sampling rows: ids, slots [s * K] int64, table [s * K, W'] (W' <=
+        the buffers' width), seq_lens [s * K] int32, last [s] int64, temps [s] fp32, all on the
+        device. Returns (drafts [s, K] int64, q [s, K, V] or None), fresh tensors."""
+        s, k = last.shape[0], self.proposer.k
+        size = self.padded_size(s)
+        if size is None:
+            raise ValueError(f"{s} sampling rows exceed the largest DSpark graph "
+                             f"({self.max_size})")
+        r, pad = s * k, size * k
+        width = table.shape[1]
+        if width > self.table.shape[1]:
+            raise ValueError(f"block tables of {width} blocks exceed the DSpark graphs' "
+                             f"{self.table.shape[1]}")
+        self.ids[:r].copy_(ids)
+        self.slots[:r].copy_(slots)
+        self.table[:r, :width].copy_(table)
+        self.seq_lens[:r].copy_(seq_lens)
+        self.last[:s].copy_(last)
+        self.temps[:s].copy_(temps)
+        if pad > r:   # padding rows: no latent written, nothing attended, greedy draws
+            self.slots[r:pad].fill_(-1)
+            self.seq_lens[r:pad].zero_()
+            self.temps[s:size].zero_()
+        drafts, q = self.manager.replay(self.descriptor(size))
+        return drafts[:s].clone(), None if q is None else q[:s].clone()
