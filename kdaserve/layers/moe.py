@@ -12,7 +12,7 @@ from torch import nn
 from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
 from kdaserve.distributed.comm import GroupComm
 from kdaserve.kernels import reference as ref
-from kdaserve.kernels.moe.router import ROUTER_GEMM_MIN_ROWS
+from kdaserve.kernels.moe.router import use_router_logits
 from kdaserve.layers.activation import SILU, GatedAct, gated_act
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.linear import linear
@@ -39,10 +39,10 @@ class TopkRouter(nn.Module):
         """x: [N, D] -> (topk_weights fp32 [N, k], topk_ids [N, k]); with extra_expert (CUDA
         only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
         when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM.
-        bf16 steps of ROUTER_GEMM_MIN_ROWS rows or more on CUDA take the tensor-core fp32 GEMM
-        (kernels/moe/router.py router_logits) instead. pdl: the CUDA kernels launch with
+        Steps where kernels/moe/router.py use_router_logits holds take the tensor-core fp32
+        GEMM (router_logits) instead. pdl: the CUDA kernels launch with
         programmatic dependent launch."""
-        if x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_GEMM_MIN_ROWS:
+        if use_router_logits(x):
             from kdaserve.kernels.moe.router import router_logits
 
             logits = router_logits(x, self.weight, pdl=pdl)             # [N, E] fp32
@@ -173,8 +173,7 @@ class SparseMoE(nn.Module):
     def router_input(self, x: torch.Tensor) -> torch.Tensor | None:
         """An fp32 buffer like x for the preceding norm to write the router's input into
         (CUDA, fused path only); None where the router casts x itself."""
-        if self.w13_all is None or self.gate.gemv or (
-                x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_GEMM_MIN_ROWS):
+        if self.w13_all is None or self.gate.gemv or use_router_logits(x):
             return None
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 

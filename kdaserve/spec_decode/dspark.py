@@ -39,8 +39,8 @@ import torch
 
 from kdaserve.models.dspark import DSparkModel
 from kdaserve.spec_decode.device_step import DeviceStep
-from kdaserve.spec_decode.dspark_graphs import DSparkBlockGraphs
-from kdaserve.spec_decode.draft_model import DraftProposal, sample_drafts
+from kdaserve.spec_decode.draft_model import DraftProposal
+from kdaserve.spec_decode.dspark_graphs import DSparkBlockGraphs, block_drafts
 from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer
 
 if TYPE_CHECKING:
@@ -102,20 +102,14 @@ class DSparkProposer(HiddenConditionedProposer):
             table[i * k:(i + 1) * k, :len(r.block_ids)] = torch.tensor(r.block_ids,
                                                                         dtype=torch.int32)
         seq_lens = self._tensor([len(t) - 1 + k for t in token_ids for _ in range(k)])
-        hidden = self.model.forward_block(self._tensor(ids), kv, self._tensor(slots),
-                                          table.to(self.device), seq_lens.int())   # [n*K, D]
-        base = self.model.base_logits(hidden).view(n, k, -1)                      # [n, K, V]
 
-        # 3. the Markov head, left to right
-        prev = self._tensor([t[-1] for t in token_ids])
-        drafts, probs = [], []
-        for j in range(k):
-            _, bias = self.model.markov_bias(prev)
-            tok, q = sample_drafts(base[:, j] + bias, temps, self.sample_method)
-            drafts.append(tok)
-            probs.append(q)
-            prev = tok
-        return self._proposal(drafts, probs, max_drafts)
+        # 3. the Markov head, left to right, after the block pass
+        drafts, q = block_drafts(self.model, kv, self._tensor(ids), self._tensor(slots),
+                                 table.to(self.device), seq_lens.int(),
+                                 self._tensor([t[-1] for t in token_ids]), temps,
+                                 self.sample_method, k)                       # [n, K]
+        return self._proposal(list(drafts.unbind(1)),
+                              [None] * k if q is None else list(q.unbind(1)), max_drafts)
 
     @torch.inference_mode()
     def propose_device(self, step: DeviceStep) -> tuple[torch.Tensor | None,
@@ -125,7 +119,7 @@ class DSparkProposer(HiddenConditionedProposer):
         the device (None, None: S = 0)."""
         req_ids, num_computed, query_lens = step.req_ids, step.num_computed, step.query_lens
         start, verified, aux, sample_rows = step.start, step.verified, step.aux, step.sample_rows
-        bs, k, dev = self.block_size, self.k, self.device
+        k, dev = self.k, self.device
         kv = list(self.caches.mla_kv)
         for rid, c, q in zip(req_ids, num_computed, query_lens):
             if rid is None:
@@ -164,21 +158,9 @@ class DSparkProposer(HiddenConditionedProposer):
         ids[:, 0] = last
         seq_lens = (pos0 + k).repeat_interleave(k).int()
         temps = torch.tensor(step.temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+        # 3. the Markov head after the block pass: a graph replay where one was captured
+        inputs = (ids.reshape(-1), self._slots(tab, pos), tab.int(), seq_lens, last, temps)
         if self.graphs is not None and s <= self.graphs.max_size:
-            return self.graphs.run(ids.reshape(-1), self._slots(tab, pos), tab.int(),
-                                   seq_lens, last, temps)
-        hidden = self.model.forward_block(ids.reshape(-1), kv, self._slots(tab, pos),
-                                          tab.int(), seq_lens)                  # [S * K, D]
-        base = self.model.base_logits(hidden).view(s, k, -1)                    # [S, K, V]
-
-        # 3. the Markov head, left to right
-        prev, drafts, probs = last, [], []
-        for j in range(k):
-            _, bias = self.model.markov_bias(prev)
-            tok, q = sample_drafts(base[:, j] + bias, temps, self.sample_method)
-            drafts.append(tok)
-            probs.append(q)
-            prev = tok
-        q_all = None if self.sample_method == "greedy" else torch.stack(probs, dim=1)
-        return torch.stack(drafts, dim=1), q_all
+            return self.graphs.run(*inputs)
+        return block_drafts(self.model, kv, *inputs, self.sample_method, k)
 

@@ -26,10 +26,33 @@ from kdaserve.attention.forward_context import BatchDescriptor, ExecMode, captur
 from kdaserve.spec_decode.draft_model import sample_drafts
 
 if TYPE_CHECKING:
+    from kdaserve.models.dspark import DSparkModel
     from kdaserve.spec_decode.dspark import DSparkProposer
     from kdaserve.worker.cuda_graphs import CudaGraphManager
 
 logger = logging.getLogger(__name__)
+
+
+def block_drafts(model: "DSparkModel", kv: list[torch.Tensor], ids: torch.Tensor,
+                 slots: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
+                 last: torch.Tensor, temps: torch.Tensor, sample_method: str, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The query blocks of n requests through the drafter, then its Markov head left to
+    right: ids, slots, seq_lens [n * K], table [n * K, W], last [n] (each request's last
+    committed token, the Markov head's first `prev`), temps [n]. Returns (drafts [n, K] int64,
+    q [n, K, V] fp32 or None for greedy drafts). Eager, or what a graph replay runs."""
+    n = last.shape[0]
+    hidden = model.forward_block(ids, kv, slots, table, seq_lens)                 # [n * K, D]
+    base = model.base_logits(hidden).view(n, k, -1)                              # [n, K, V]
+    prev, drafts, probs = last, [], []
+    for j in range(k):
+        _, bias = model.markov_bias(prev)
+        tok, q = sample_drafts(base[:, j] + bias, temps, sample_method)
+        drafts.append(tok)
+        probs.append(q)
+        prev = tok
+    q_all = None if sample_method == "greedy" else torch.stack(probs, dim=1)
+    return torch.stack(drafts, dim=1), q_all
 
 
 class DSparkBlockGraphs:
@@ -66,23 +89,12 @@ class DSparkBlockGraphs:
                     len(self.sizes), self.sizes, time.perf_counter() - t0)
 
     def _work(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a replay runs: the block pass over size * K rows of the buffers, then the
-        Markov head left to right. Returns (drafts [size, K] int64, q [size, K, V] or None)."""
+        """What a replay runs: block_drafts over the first size * K rows of the buffers."""
         p = self.proposer
-        k, r = p.k, size * p.k
-        model = p.model
-        hidden = model.forward_block(self.ids[:r], list(p.caches.mla_kv), self.slots[:r],
-                                     self.table[:r], self.seq_lens[:r])          # [r, D]
-        base = model.base_logits(hidden).view(size, k, -1)                       # [size, K, V]
-        prev, temps, drafts, probs = self.last[:size], self.temps[:size], [], []
-        for j in range(k):
-            _, bias = model.markov_bias(prev)
-            tok, q = sample_drafts(base[:, j] + bias, temps, p.sample_method)
-            drafts.append(tok)
-            probs.append(q)
-            prev = tok
-        q_all = None if p.sample_method == "greedy" else torch.stack(probs, dim=1)
-        return torch.stack(drafts, dim=1), q_all
+        r = size * p.k
+        return block_drafts(p.model, list(p.caches.mla_kv), self.ids[:r], self.slots[:r],
+                            self.table[:r], self.seq_lens[:r], self.last[:size],
+                            self.temps[:size], p.sample_method, p.k)
 
     def run(self, ids: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
             seq_lens: torch.Tensor, last: torch.Tensor, temps: torch.Tensor

@@ -79,6 +79,12 @@ router_logits on the tensor cores; below, the decode GEMV or cuBLAS's fp32 GEMM 
 weight once, which is what a few rows cost."""
 
 
+def use_router_logits(x: torch.Tensor) -> bool:
+    """Whether the router's logits of x [N, D] come from router_logits (CUDA, bf16, at least
+    ROUTER_GEMM_MIN_ROWS rows)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_GEMM_MIN_ROWS
+
+
 @dataclass(frozen=True)
 class RouterGemmConfig:
     block_m: int

@@ -74,8 +74,8 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, stride_xm, stride_we, s
     tensor cores' own accumulation keeps fewer bits than an fp32 add (a tile accumulated over
     the whole of K lands measurably further from the exact result than cuBLAS's fp32 GEMM:
     benchmarks/PERF_NOTES.md), so each BLOCK_K step's products sum into a fresh tile that is
-    then added to the running sum with ordinary fp32 adds. The logits are those of an fp32 GEMM of the widened x
-    up to rounding. One program per [BLOCK_M, BLOCK_N] output tile."""
+    then added to the running sum with ordinary fp32 adds. The logits are those of an fp32
+    GEMM of the widened x up to rounding. One program per [BLOCK_M, BLOCK_N] output tile."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
