@@ -26,6 +26,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process under pid (children first found, from /proc's parent links)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 class RemoteServer:
     """`python -m kdaserve.entrypoints.cli serve ...` in a subprocess; stopped with SIGTERM."""
 
@@ -62,6 +90,23 @@ class RemoteServer:
             return ""
         with open(self.log_path) as f:
             return f.read()[-5000:]
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process under it (the engine core, its ranks) and wait
+        until they are gone: the instance dies at once, as in a crash. Killing the server alone
+        leaves the engine core running until it notices its parent is gone, long enough to
+        still serve a KV pull."""
+        pids = _descendants(self.proc.pid) + [self.proc.pid]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in pids) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
