@@ -8,6 +8,13 @@ reports microseconds per call for the default config and for every config of a s
 `moe_prefill` times the fused Triton MoE at prefill-sized token counts against its compute
 floor. MoE cases use the routing of the served dummy model (every token on the same 8 experts
 plus the folded shared expert) and a spread routing.
+
+Speculative verification steps run the same kernels at 1 + K rows a request: `--batches
+72,144,288` times the MoE at the verify rows of 8 / 16 / 32 requests (K = 8; from 65 rows the
+grid also varies block_m, since with shared experts a small block_m re-reads each expert's
+weights once per row block), and `--mla-rows-per-seq 9` the MLA decode with 9 rows a sequence
+(one request's window: one block table, context lengths ctx - 8 .. ctx), batches counting
+rows.
 """
 
 from __future__ import annotations
@@ -111,13 +118,18 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
 
 # ----------------------------------------------------------------------------------- MLA decode
 
-def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16):
+def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16, rows_per_seq=1):
+    """b query rows; rows_per_seq consecutive rows share a sequence (a verify window: one
+    block table, lengths ctx - rows_per_seq + 1 .. ctx)."""
     D = KV_RANK + ROPE
     blocks = ctx // page
-    kv = torch.randn(b * blocks + 1, page, D, device="cuda", dtype=torch.bfloat16)
-    bt = torch.randperm(b * blocks, device="cuda", dtype=torch.int32).view(b, blocks)
+    seqs = -(-b // rows_per_seq)
+    kv = torch.randn(seqs * blocks + 1, page, D, device="cuda", dtype=torch.bfloat16)
+    bt = torch.randperm(seqs * blocks, device="cuda", dtype=torch.int32).view(seqs, blocks)
+    bt = bt.repeat_interleave(rows_per_seq, dim=0)[:b].contiguous()
     q = torch.randn(b, HEADS, D, device="cuda", dtype=torch.bfloat16)
-    seq_lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    offs = torch.arange(b, device="cuda") % rows_per_seq
+    seq_lens = (ctx - rows_per_seq + 1 + offs).to(torch.int32)
     out = torch.empty(b, HEADS, KV_RANK, device="cuda", dtype=torch.bfloat16)
     scale = 192 ** -0.5
 
@@ -130,8 +142,9 @@ def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16):
             C(16, 64, 4, 2), C(16, 32, 4, 3), C(16, 64, 4, 2, True), C(32, 16, 4, 4),
             C(64, 32, 8, 2), C(64, 64, 8, 2, True)]
     grid = [dict(config=c, num_kv_splits=s) for c in cfgs for s in (None, 2, 4, 8, 16)]
-    nbytes = b * ctx * D * 2
-    sweep(f"mla_decode B={b} ctx={ctx}", rows, fns(), grid, lambda c: fns(**c),
+    nbytes = seqs * ctx * D * 2        # each sequence's latent KV read once
+    tag = f" ({rows_per_seq} rows a sequence)" if rows_per_seq > 1 else ""
+    sweep(f"mla_decode B={b} ctx={ctx}{tag}", rows, fns(), grid, lambda c: fns(**c),
           floor_us(nbytes, ceil), deadline)
 
 
@@ -175,6 +188,11 @@ def bench_moe(rows, ceil, w13, w2, n, same, deadline):
     for bn, bk, nw, ns in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3), (32, 256, 4, 4),
                            (16, 256, 2, 4), (128, 64, 4, 6), (256, 64, 8, 4)):
         grid.append(dict(config=moe.FusedMoEConfig(d.gemm1, C(bm, bn, bk, 1, nw, ns))))
+    if n > 64:   # both GEMMs at a larger block_m (fewer row blocks per shared expert)
+        for m, bn1, bn2, nw, ns in ((64, 64, 128, 4, 4), (64, 128, 128, 8, 3),
+                                    (128, 64, 128, 8, 3), (128, 128, 256, 8, 3)):
+            grid.append(dict(config=moe.FusedMoEConfig(C(m, bn1, 64, 4, nw, ns),
+                                                       C(m, bn2, 64, 4, nw, ns))))
     name = f"fused_moe N={n} {'same8' if same else 'spread'} ({touched} experts)"
     sweep(name, rows, fns(), grid, lambda c: fns(**c), floor_us(nbytes, ceil), deadline)
 
@@ -197,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="16,32,64")
     ap.add_argument("--prefill-tokens", default="512,1024,2048,8000")
     ap.add_argument("--time-budget", type=float, default=240.0, help="seconds for the sweeps")
+    ap.add_argument("--mla-rows-per-seq", type=int, default=1,
+                    help="query rows a sequence in the MLA cases (9: K = 8 verify windows)")
+    ap.add_argument("--mla-ctx", type=int, default=8192)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     start = start_gpu_run("bench_batch")
@@ -232,7 +253,8 @@ def main(argv=None) -> int:
             bench_kda(rows, ceil, n, time.time() + per['kda'])
     if "mla" in cases:
         for b in batches:
-            bench_mla(rows, ceil, b, time.time() + per['mla'])
+            bench_mla(rows, ceil, b, time.time() + per['mla'], ctx=args.mla_ctx,
+                      rows_per_seq=args.mla_rows_per_seq)
     write_results(args.out, meta, t0, ceil, rows)
     return 0
 

@@ -7,7 +7,10 @@ prompts, runs them past prefill, then times `--steps` engine steps (CUDA-synchro
 time per step) and profiles the same steps with cProfile. The JSON holds ms/step per case and
 the top functions by cumulative and by own time, so the host-side cost of a step (sampling
 metadata, the sampler, detokenisation, drafting, the KDA commit) can be told apart from the
-graph replay that bench_engine.py and the roofline time.
+graph replay that bench_engine.py and the roofline time. On CUDA each case also records the
+device side of the same steps (`device`: busy time against span from a torch.profiler trace,
+the kernels with the most time, and each captured graph of the case's size replayed alone), so
+a step can be told host-bound (busy well under the wall time) from device-bound.
 
 Cases: greedy and W1 sampling (temperature 1.0, top_p 0.95, a seed per request) at the given
 batches without speculation; with --draft-model instead, the W1 speculative config (8 drafts,
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdaserve import SamplingParams  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kdaserve.entrypoints.openai.cli_args import optimization_config  # noqa: E402
 
 SPEC = {"method": "draft_model", "num_speculative_tokens": 8,
         "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 4.0}
@@ -96,18 +100,86 @@ def run_case(engine: LLMEngine, name: str, batch: int, kind: str, prompt_len: in
         engine.step()
     _sync()
     prof.disable()
+    device = device_trace(engine, steps) if torch.cuda.is_available() else None
+    if device:
+        device["graph_replay_ms"] = graph_replay_times(engine, batch)
     engine.abort_request(ids)
     times.sort()
     out = {"case": name, "batch": batch, "sampling": kind, "median_step_ms": times[len(times) // 2],
            "mean_step_ms": sum(times) / len(times), "pipelined_step_ms": pipelined_ms,
            "top_cumulative": top_functions(prof, "cumulative", 40),
-           "top_own": top_functions(prof, "tottime", 25)}
+           "top_own": top_functions(prof, "tottime", 25), "device": device}
     print(f"{name}: batch {batch} {kind}: median {out['median_step_ms']:.2f} ms/step synced, "
           f"{pipelined_ms:.2f} ms/step back to back", flush=True)
     for r in out["top_cumulative"][:28]:
         print(f"   {r['cum_ms'] / steps:8.3f} ms/step cum {r['own_ms'] / steps:8.3f} own  "
               f"{r['calls'] // steps:>5}x  {r['function']}", flush=True)
+    if device:
+        print(f"  device: {device['busy_ms_per_step']:.3f} ms/step busy of "
+              f"{device['span_ms_per_step']:.3f} ms/step span, {device['kernels_per_step']:.0f} "
+              "kernels/step", flush=True)
+        for g, ms in device["graph_replay_ms"].items():
+            print(f"   {ms:8.3f} ms a replay: graph {g}", flush=True)
+        for k in device["top_kernels"]:
+            print(f"   {k['ms_per_step']:8.3f} ms/step {k['calls_per_step']:6.1f}x  {k['name']}",
+                  flush=True)
     return out
+
+
+def graph_replay_times(engine: LLMEngine, batch: int, reps: int = 20) -> dict[str, float]:
+    """GPU time of each captured graph at this batch's capture size (decode forward, or the
+    verify forward, its commit and a drafter's graphs), back-to-back replays on the inputs of
+    the last step, CUDA events. Replays rewrite the same cache slots and scratch; the case's
+    requests are aborted right after."""
+    graphs = engine.model_runner.graphs
+    if graphs is None or graphs.padded_size(batch) is None:
+        return {}
+    size, out = graphs.padded_size(batch), {}
+    for desc in list(graphs._graphs):
+        if desc.num_reqs != size:
+            continue
+        graph = graphs.graph(desc)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out[f"{desc.mode.name.lower()}/{desc.stage}/{desc.num_reqs}x{desc.tokens_per_req}"] = \
+            start.elapsed_time(end) / reps
+    return out
+
+
+def device_trace(engine: LLMEngine, steps: int, top: int = 25) -> dict:
+    """The device side of `steps` back-to-back steps (torch.profiler, CUDA activity only, kernels
+    inside graph replays included): busy time (the union of kernel intervals) against the span
+    from the first kernel to the last, and the kernels with the most time. Busy well under span
+    means the step waits on the host; busy near span means the device work itself is the cost."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not kernels:
+        return None
+    busy, cur_end, per_name = 0.0, None, {}
+    for s, e, name in kernels:
+        if cur_end is None or s > cur_end:
+            busy += e - s
+            cur_end = e
+        elif e > cur_end:
+            busy += e - cur_end
+            cur_end = e
+        t, n = per_name.get(name, (0.0, 0))
+        per_name[name] = (t + e - s, n + 1)
+    span = max(e for _, e, _ in kernels) - kernels[0][0]
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"busy_ms_per_step": busy / 1e3 / steps, "span_ms_per_step": span / 1e3 / steps,
+            "kernels_per_step": len(kernels) / steps,
+            "top_kernels": [{"name": name[:100], "ms_per_step": t / 1e3 / steps,
+                             "calls_per_step": n / steps} for name, (t, n) in rows]}
 
 
 def main() -> None:
@@ -125,6 +197,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--max-model-len", type=int, default=12288)
+    ap.add_argument("--optimization-config", type=optimization_config, default={},
+                    help="as `kdaserve serve`'s, e.g. '{\"pdl\": false}': kernel times in the "
+                         "device trace overlap their predecessor's under PDL, so attributing a "
+                         "step's time to kernels needs PDL off")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
@@ -133,7 +209,7 @@ def main() -> None:
               "cases": []}
     common = dict(model=args.model, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=32,
                   max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, **args.optimization_config)
     if not args.draft_model:
         engine = LLMEngine.from_engine_args(**common)
         for b in (int(x) for x in args.batches.split(",")):

@@ -50,24 +50,35 @@ if TYPE_CHECKING:
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
+def draw_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str) -> torch.Tensor:
+    """logits [n, V] fp32, temps [n] -> draft ids [n]. greedy (and T = 0 rows): the argmax;
+    probabilistic: a draw from softmax(logits / T) as an exponential race on the logits,
+    argmax(logits / T - log E) with E ~ Exp(1) i.i.d. (= argmax(q / E): category i wins with
+    probability q_i). No softmax: a left-to-right drafter computes q once for all its
+    positions (draft_probs), where a softmax per position is one slow launch per position."""
+    if method == "greedy":
+        return logits.argmax(dim=-1)
+    sampled = temps >= 1e-5
+    t = torch.where(sampled, temps, 1.0)
+    noise = torch.empty_like(logits).exponential_().clamp_min_(1e-20).log_()  # no log 0
+    return (logits / t[:, None] - noise * sampled[:, None]).argmax(dim=-1)
+
+
+def draft_probs(logits: torch.Tensor, temps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """q [n, V] fp32 of probabilistic drafts: softmax(logits / T), one-hot at ids on T = 0
+    rows (logits [n, V], temps [n], ids [n] from draw_drafts)."""
+    greedy = temps < 1e-5
+    q = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    return torch.where(greedy[:, None],
+                       torch.nn.functional.one_hot(ids, q.shape[-1]).to(q.dtype), q)
+
+
 def sample_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [n, V] fp32, temps [n] -> (draft ids [n], q [n, V] or None). greedy: argmax, no
-    q; probabilistic: sampled from softmax(logits / T), T = 0 rows argmax with a one-hot q.
-    The draw is an exponential race, argmax(q / E) with E ~ Exp(1) i.i.d. (the argmax is
-    category i with probability q_i): one elementwise pass and an argmax, where
-    torch.multinomial runs a cumulative sum and a search per row."""
-    greedy = logits.argmax(dim=-1)
-    if method == "greedy":
-        return greedy, None
-    is_greedy = temps < 1e-5
-    t = torch.where(is_greedy, 1.0, temps)
-    q = torch.softmax(logits / t[:, None], dim=-1)
-    q = torch.where(is_greedy[:, None],
-                    torch.nn.functional.one_hot(greedy, q.shape[-1]).to(q.dtype), q)
-    e = torch.empty_like(q).exponential_().clamp_min_(1e-20)   # no 0 / 0 for q_i = 0
-    sampled = (q / e).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled), q
+    """logits [n, V] fp32, temps [n] -> (draft ids [n], q [n, V] or None): draw_drafts, and
+    draft_probs for probabilistic drafts (greedy: no q; T = 0 rows a one-hot q)."""
+    ids = draw_drafts(logits, temps, method)
+    return ids, None if method == "greedy" else draft_probs(logits, temps, ids)
 
 
 @dataclass

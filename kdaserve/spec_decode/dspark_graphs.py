@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kdaserve.attention.forward_context import BatchDescriptor, ExecMode, capture_sizes
-from kdaserve.spec_decode.draft_model import sample_drafts
+from kdaserve.spec_decode.draft_model import draft_probs, draw_drafts
 
 if TYPE_CHECKING:
     from kdaserve.models.dspark import DSparkModel
@@ -43,16 +43,19 @@ def block_drafts(model: "DSparkModel", kv: list[torch.Tensor], ids: torch.Tensor
     q [n, K, V] fp32 or None for greedy drafts). Eager, or what a graph replay runs."""
     n = last.shape[0]
     hidden = model.forward_block(ids, kv, slots, table, seq_lens)                 # [n * K, D]
-    base = model.base_logits(hidden).view(n, k, -1)                              # [n, K, V]
-    prev, drafts, probs = last, [], []
+    logits = model.base_logits(hidden).view(n, k, -1)                            # [n, K, V]
+    prev, drafts = last, []
     for j in range(k):
         _, bias = model.markov_bias(prev)
-        tok, q = sample_drafts(base[:, j] + bias, temps, sample_method)
-        drafts.append(tok)
-        probs.append(q)
-        prev = tok
-    q_all = None if sample_method == "greedy" else torch.stack(probs, dim=1)
-    return torch.stack(drafts, dim=1), q_all
+        logits[:, j] += bias            # in place: logits ends as every position's own
+        prev = draw_drafts(logits[:, j], temps, sample_method)
+        drafts.append(prev)
+    drafts = torch.stack(drafts, dim=1)                                          # [n, K]
+    if sample_method == "greedy":
+        return drafts, None
+    # q of all K positions in one softmax (one launch over n * K rows, not K launches)
+    q = draft_probs(logits.view(n * k, -1), temps.repeat_interleave(k), drafts.view(-1))
+    return drafts, q.view(n, k, -1)
 
 
 class DSparkBlockGraphs:

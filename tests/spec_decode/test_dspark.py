@@ -337,3 +337,49 @@ def test_confidence_head(tiny_model_dir, dspark_dir):
         c = drafter.confidence(torch.randn(3, args.hidden_size), e)
     assert e.shape == (3, drafter.cfg.markov_rank) and bias.shape == (3, args.vocab_size)
     assert c.shape == (3,) and bool(((c > 0) & (c < 1)).all())
+
+
+def test_block_drafts_markov_head_positions():
+    """block_drafts' Markov head: each position's logits are its base row plus the bias of the
+    token drawn before it (the request's last token first), greedy drafts are their argmax,
+    and probabilistic q (one softmax over all K positions at the end) equals each position's
+    own softmax(logits / T), one-hot at the draft on T = 0 rows."""
+    from kdaserve.spec_decode.dspark_graphs import block_drafts
+
+    n, k, V, r = 3, 4, 50, 6
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(n * k, V, generator=g) * 3
+    w1, w2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g)
+
+    class Drafter:
+        def forward_block(self, ids, kv, slots, table, seq_lens):
+            return torch.zeros(ids.shape[0], 2)
+
+        def base_logits(self, hidden):
+            return base.clone()
+
+        def markov_bias(self, prev):
+            return w1[prev], w1[prev] @ w2.T
+
+    last = torch.tensor([7, 0, 49])
+    temps = torch.tensor([0.0, 0.7, 1.3])
+    rows = torch.zeros(n * k, dtype=torch.long)
+    for method in ("greedy", "probabilistic"):
+        torch.manual_seed(1)
+        drafts, q = block_drafts(Drafter(), [], rows, rows, rows[:, None].int(), rows.int(),
+                                 last, temps, method, k)
+        assert drafts.shape == (n, k)
+        prev = last
+        for j in range(k):
+            logits = base.view(n, k, V)[:, j] + w1[prev] @ w2.T                # [n, V]
+            if method == "greedy":
+                assert torch.equal(drafts[:, j], logits.argmax(-1))
+            else:
+                assert drafts[0, j] == logits[0].argmax()                       # T = 0 row
+                assert torch.equal(q[0, j], torch.nn.functional.one_hot(drafts[0, j], V).float())
+                for i in (1, 2):
+                    want = torch.softmax(logits[i] / temps[i], -1)
+                    assert torch.allclose(q[i, j], want, atol=1e-6), (i, j)
+                    assert want[drafts[i, j]] > 0
+            prev = drafts[:, j]
+        assert (q is None) == (method == "greedy")
