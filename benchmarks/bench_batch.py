@@ -134,6 +134,8 @@ def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16, rows_per_seq=1):
     scale = 192 ** -0.5
 
     def fns(**kw):
+        if rows_per_seq > 1 and b % rows_per_seq == 0:
+            kw.setdefault("rows_per_seq", rows_per_seq)
         return [lambda: mla.mla_decode(q, kv, bt, seq_lens, scale, KV_RANK, out=out, **kw)]
 
     C = mla.MLADecodeConfig
@@ -141,7 +143,12 @@ def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16, rows_per_seq=1):
             C(32, 64, 8, 2, True), C(32, 128, 8, 2, True), C(32, 64, 4, 3, True),
             C(16, 64, 4, 2), C(16, 32, 4, 3), C(16, 64, 4, 2, True), C(32, 16, 4, 4),
             C(64, 32, 8, 2), C(64, 64, 8, 2, True)]
-    grid = [dict(config=c, num_kv_splits=s) for c in cfgs for s in (None, 2, 4, 8, 16)]
+    splits = (None, 2, 4, 8, 16)
+    if rows_per_seq > 1:   # first the fold kernel: 2 / 4 rows of a window as a program's columns
+        cfgs = [C(32, bn, nw, ns, True, rows=r) for r, bn, nw, ns in
+                ((2, 32, 8, 2), (2, 64, 8, 2), (4, 32, 8, 2), (2, 32, 4, 3))] + cfgs[3:7]
+        splits = (None, 4, 8, 16, 2)
+    grid = [dict(config=c, num_kv_splits=s) for c in cfgs for s in splits]
     nbytes = seqs * ctx * D * 2        # each sequence's latent KV read once
     tag = f" ({rows_per_seq} rows a sequence)" if rows_per_seq > 1 else ""
     sweep(f"mla_decode B={b} ctx={ctx}{tag}", rows, fns(), grid, lambda c: fns(**c),

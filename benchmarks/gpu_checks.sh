@@ -8,7 +8,10 @@
 # unless ROOFLINE_ARGS narrows it), profile, seed, dspark (W1-nospec then W1 with a DSpark
 # drafter, K = 8, synthetic acceptance length 4.0, DSPARK_ARGS e.g. "--time-budget 500"), kbench (bench_gemv, bench_sampler),
 # offload (bench_offload.py on W2's shape, OFFLOAD_ARGS),
-# breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), ablation (W1 switches,
+# breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), verify (the DSpark
+# verify step's parts: step_breakdown.py at 8000-token prompts with PDL off, so kernel times do
+# not overlap, and bench_batch.py's MoE / MLA at verify shapes, VERIFY_ARGS), fold (the DSpark step at
+# 8000-token prompts with mla_verify_fold off, then on, same lease), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
@@ -79,6 +82,26 @@ if [[ $STAGES == *breakdown* ]]; then   # per-step wall time + cProfile (plain, 
   timeout ${BREAKDOWN_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 \
     --draft-model /tmp/k48-draft --spec-batches 1,4 --steps 20 --out "$OUT/breakdown_spec.json" \
     2>&1 | grep -v Warn | tail -40 | tee -a "$OUT/breakdown.log"
+fi
+if [[ $STAGES == *verify* ]]; then   # issue 20: where a verify step's time goes at 8K context
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${VERIFY_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 \
+    --draft-model /tmp/k48-dspark --draft-method dspark --spec-batches 1,16 --prompt-len 8000 \
+    --steps 10 --optimization-config '{"pdl":false}' --out "$OUT/breakdown_verify.json" 2>&1 \
+    | grep -v Warn | grep -E "ms/step synced|device:|a replay|ms/step +[0-9.]+x" | tee "$OUT/verify.log"
+  timeout ${VERIFY_BATCH_TIMEOUT:-380} python3 benchmarks/bench_batch.py --cases moe,mla \
+    --batches 72,144,288 --mla-rows-per-seq 9 --time-budget 300 --out "$OUT/batch_verify.json" \
+    ${VERIFY_ARGS:-} 2>&1 | grep -v Warn | tail -20 | tee -a "$OUT/verify.log"
+fi
+if [[ $STAGES == *fold* ]]; then   # A/B of KernelConfig.mla_verify_fold on the DSpark step
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  for fold in false true; do
+    timeout ${FOLD_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 \
+      --draft-model /tmp/k48-dspark --draft-method dspark --spec-batches ${FOLD_BATCHES:-1,4,16} \
+      --prompt-len 8000 --steps 20 --optimization-config "{\"mla_verify_fold\":$fold}" \
+      --out "$OUT/breakdown_fold_$fold.json" 2>&1 | grep -v Warn \
+      | grep -E "ms/step synced|device:|a replay" | tee -a "$OUT/fold.log"
+  done
 fi
 if [[ $STAGES == *ablation* ]]; then   # W1 switches (issue 7): all-on, all-off, one-off runs
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null

@@ -145,7 +145,8 @@ def _mla_absorbed_rows(md: AttentionMetadata, rows: list[int], qsl: list[int],
     return MLAAbsorbedRows(
         reqs=list(rows), token_start=qsl[rows[0]] if contiguous else None, tokens=tokens,
         seq_lens=torch.from_numpy(seq).to(device, non_blocking=True),
-        block_table=md.block_table[torch.from_numpy(req_of_token).to(device, non_blocking=True)])
+        block_table=md.block_table[torch.from_numpy(req_of_token).to(device, non_blocking=True)],
+        rows_per_seq=lens[0] if len(set(lens)) == 1 else 1)
 
 
 def _slice_metadata(md: AttentionMetadata, n: int) -> AttentionMetadata:

@@ -98,6 +98,9 @@ class MLAAbsorbedRows:
     """...or these [S] int64 token indices (gather layout)."""
     seq_lens: torch.Tensor            # [S] int32
     block_table: torch.Tensor         # [S, max_blocks_per_req] int32: the token's request's row
+    rows_per_seq: int = 1
+    """> 1: every run of this many rows is one request's window (all windows one length), which
+    the MLA decode can fold (KernelConfig.mla_verify_fold); 1: windows of varying lengths."""
 
     @property
     def num_tokens(self) -> int:

@@ -81,6 +81,8 @@ class LayerBackends:
     kda_state_prefetch: bool = False
     """fla_fused_decode under PDL: the kernel reads its states before its PDL wait."""
     mla: str = "reference"
+    mla_verify_fold: bool = False
+    """MLA's absorbed verify rows through the fold kernel where windows are uniform."""
     moe: str = "reference"
     latent_moe: str = "reference"
     attn_res: str = "reference"
@@ -119,6 +121,7 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
         kda="fla_fused_decode" if kc.fused_kda_decode else "fla",
         kda_state_prefetch=kc.fused_kda_decode and kc.kda_state_prefetch,
         mla="triton_absorb_gemv" if kc.mla_absorb_gemv else "triton",
+        mla_verify_fold=kc.mla_verify_fold,
         moe="triton",
         latent_moe="fused_tail" if kc.latent_moe_fused_tail else "unfused",
         attn_res="triton" if kc.k3_fused_ops else "reference",

@@ -71,7 +71,7 @@ class WindowBuffers(StepBuffers):
         md.spec = SpecStep("contiguous", False, 0, self.query_start_loc[:bs + 1],
                            self.state_indices[:bs], None)
         md.mla_absorbed = MLAAbsorbedRows(list(range(bs)), 0, None, self.mla_seq_lens[:t],
-                                          self.mla_block_table[:t])
+                                          self.mla_block_table[:t], rows_per_seq=k1)
         self._md[bs] = md
         return md
 

@@ -5,7 +5,10 @@ GPU only: the engine on the tiny model in bf16 with CUDA graphs, async schedulin
 prefill starts (warm-up, graph capture), then a seeded random run of requests arriving while
 others decode: prompt lengths from 1 token to several chunks, greedy / temperature + top-p /
 top-k / min-p / penalties / n = 2 / logprobs, stop on max_tokens. Triton's JIT hooks must see
-no cache miss (a compile, or a load from the disk cache) during the run.
+no cache miss (a compile, or a load from the disk cache) during the run. The speculative
+variant (issue 20) runs the same on a DSpark drafter with probabilistic drafts: verification
+rows next to plain decodes (penalty requests are never drafted for) and prefill chunks, the
+drafter's block graphs, the rejection sampler over 1 + K positions.
 """
 
 from __future__ import annotations
@@ -35,18 +38,28 @@ def _params(rng: random.Random):
     return SamplingParams(**base, **extra)
 
 
-def test_warm_engine_compiles_nothing(tmp_path):
+@pytest.mark.parametrize("spec", [None, "dspark"])
+def test_warm_engine_compiles_nothing(tmp_path, spec):
     pytest.importorskip("triton")
     from tests.engine.conftest import _write_tokenizer
     from tests.models.hf_tiny import make_hf_model
 
     from kdaserve import LLM
     from kdaserve.bench.jit_log import CompileLog
+    from kdaserve.models.make_model import make_dspark_model, make_model
 
-    make_hf_model(seed=0).save_pretrained(str(tmp_path))
-    _write_tokenizer(str(tmp_path))
-    llm = LLM(str(tmp_path), max_model_len=1024, max_num_seqs=16, num_gpu_blocks=1024,
-              max_num_batched_tokens=256, dtype="bfloat16", async_scheduling=True)
+    kw = {}
+    if spec is None:
+        target = str(tmp_path)
+        make_hf_model(seed=0).save_pretrained(target)
+        _write_tokenizer(target)
+    else:
+        target = make_model(str(tmp_path / "target"), "tiny")
+        kw["speculative_config"] = {
+            "method": "dspark", "model": make_dspark_model(target, str(tmp_path / "dspark")),
+            "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}
+    llm = LLM(target, max_model_len=1024, max_num_seqs=16, num_gpu_blocks=1024,
+              max_num_batched_tokens=256, dtype="bfloat16", async_scheduling=True, **kw)
     engine = llm.llm_engine
     vocab = engine.vocab_size
     rng = random.Random(19)

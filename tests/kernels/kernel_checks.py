@@ -119,6 +119,37 @@ def check_mla_decode(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_ran
             assert (out[b] == 0).all(), "empty sequence must give zeros"
 
 
+def check_mla_decode_fold(device, dtype, lens, rows_per_seq, config, num_heads=16, page=16,
+                          kv_lora_rank=64, rope=16, num_kv_splits=None, seed=0):
+    """Verify windows through mla_decode(rows_per_seq=T) with config.rows > 1 (the fold
+    kernel): a sequence of length L has T rows of lengths L - T + 1 .. L (clamped at 0) on one
+    block table; output and lse against the reference, row by row."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla.decode import mla_decode
+
+    T, D = rows_per_seq, kv_lora_rank + rope
+    kv, bt = make_paged_kv(device, dtype, lens, page, D, seed=seed)
+    bt = bt.repeat_interleave(T, dim=0)
+    lengths = [max(0, L - T + 1 + j) for L in lens for j in range(T)]
+    B = len(lengths)
+    q = torch.randn(B, num_heads, D, generator=_gen(device, seed + 1), device=device).to(dtype)
+    sl = torch.tensor(lengths, dtype=torch.int32, device=device)
+    scale = 192 ** -0.5
+    out = torch.full((B, num_heads, kv_lora_rank), float("nan"), dtype=dtype, device=device)
+    _, lse = mla_decode(q, kv, bt, sl, scale, kv_lora_rank, out=out, config=config,
+                        num_kv_splits=num_kv_splits, rows_per_seq=T, return_lse=True)
+    want, want_lse = ref.mla_decode(q.double(), kv.double(), bt, sl, scale, kv_lora_rank,
+                                    return_lse=True)
+    name = f"mla_decode fold{tuple(lens)} T={T} rows={config.rows} H={num_heads}"
+    assert_close(name, out, want, dtype)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse)), f"{name}: lse -inf rows differ"
+    assert_close(name + " lse", lse[finite], want_lse[finite], dtype)
+    for b, s in enumerate(lengths):
+        if s == 0:
+            assert (out[b] == 0).all(), f"{name}: an empty row must give zeros"
+
+
 def check_mla_decode_lse(device, dtype, seq_lens, num_heads=16, page=16, kv_lora_rank=512,
                          rope=64, num_kv_splits=None, seed=0):
     """mla_decode(return_lse=True): output and lse against the reference's (lse -inf and
@@ -516,6 +547,10 @@ def run_interpreter_suite() -> None:
                      config=MLADecodeConfig(16, 16, 4, 1, transposed=True))
     check_mla_decode("cpu", f32, [0, 37, 150], page=16, num_kv_splits=3,
                      config=MLADecodeConfig(16, 16, 4, 1, transposed=True))
+    fold = MLADecodeConfig(16, 16, 4, 1, transposed=True, rows=2)
+    check_mla_decode_fold("cpu", f32, [37, 150, 2], 3, fold, num_kv_splits=3)
+    check_mla_decode_fold("cpu", f32, [0, 70], 5, MLADecodeConfig(16, 16, 4, 2, True, rows=4),
+                          num_heads=24)
     check_store_kv("cpu", f32)
     check_store_latent("cpu", f32)
     check_store_latent("cpu", f32, num_tokens=5, rank=48, rope=16)

@@ -80,6 +80,21 @@ def test_mla_decode_transposed_gpu(block_n, num_warps):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("rows,block_n,num_warps", [(2, 32, 8), (2, 64, 8), (4, 32, 8)])
+def test_mla_decode_fold_gpu(rows, block_n, num_warps):
+    """The fold kernel at the model's dims: K = 8 verify windows (9 rows a sequence)."""
+    from kdaserve.kernels.mla.decode import MLADecodeConfig
+
+    cfg = MLADecodeConfig(32, block_n, num_warps, 2, transposed=True, rows=rows)
+    lens = torch.randint(9, 3000, (5,)).tolist() + [8192, 3]
+    kc.check_mla_decode_fold("cuda", BF16, lens, 9, cfg, num_heads=32, kv_lora_rank=512,
+                             rope=64, seed=rows + block_n)
+    kc.check_mla_decode_fold("cuda", BF16, [700, 33], 9, cfg, num_heads=20, page=64,
+                             kv_lora_rank=512, rope=64, num_kv_splits=3)
+
+
+@pytest.mark.gpu
+@gpu
 def test_store_latent_gpu():
     for dtype in (BF16, F32):
         kc.check_store_latent("cuda", dtype)

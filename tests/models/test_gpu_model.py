@@ -224,3 +224,29 @@ def test_gpu_hidden_drafters_replay_graphs(tmp_path, method):
                 assert runner.spec.proposer.graphs is not None
         del llm
     assert outs["eager"] == outs["plain"] and outs["graphs"] == outs["plain"]
+
+
+def test_gpu_verify_fold_greedy(tmp_path):
+    """KernelConfig.mla_verify_fold: the verify graphs' MLA rows through the fold kernel (a
+    DSpark drafter, K = 4: windows of 5 rows, 2 a program) give plain decoding's greedy
+    tokens."""
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.models.make_model import make_dspark_model, make_model
+
+    target = make_model(str(tmp_path / "target"), "tiny")
+    spec = {"method": "dspark", "num_speculative_tokens": 4,
+            "model": make_dspark_model(target, str(tmp_path / "dspark"))}
+    ps = [{"prompt_token_ids": p} for p in PROMPTS]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for name, kw in (("plain", {}), ("fold", {"speculative_config": spec,
+                                              "mla_verify_fold": True})):
+        llm = LLM(target, max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
+                  dtype="float32", **kw)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        if name == "fold":
+            runner = llm.llm_engine.model_runner
+            assert runner.spec.verify_graphs.num_replays > 0
+            assert all(m.verify_fold for m in runner.model.modules() if hasattr(m, "verify_fold"))
+        del llm
+    assert outs["fold"] == outs["plain"]

@@ -42,3 +42,40 @@ def test_absorbed_window_rows_match_the_expanded_path(pair):
     # the latents each path stored are the same
     for a, b in zip(caches_g.mla_kv, runner.caches.mla_kv):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_uniform_windows_reach_the_fold(pair, monkeypatch):
+    """Windows of one length carry rows_per_seq (mixed lengths: 1), and MLA layers with
+    verify_fold (KernelConfig.mla_verify_fold) hand it to the absorbed attention, where the
+    CUDA kernel folds 2 rows a program (the CPU reference ignores it): same logits."""
+    from kdaserve.attention import mla_backend
+    from kdaserve.layers.mla import MLAttention
+
+    _, model, args = pair
+    runner = Runner(model, args, len(PROMPTS))
+    runner.step([(0, PROMPTS[1][:40], 0), (1, PROMPTS[2][:30], 0)])
+    step = [(0, PROMPTS[1][40:44], 40), (1, PROMPTS[2][30:34], 30)]
+
+    def rows_of(s):
+        md = build_metadata([len(t) for _, t, _ in s], [c for _, _, c in s],
+                            [runner.blocks[i] for i, _, _ in s], [runner.slots[i] for i, _, _ in s],
+                            BLOCK, "cpu")
+        return _mla_absorbed_rows(md, [0, 1], md.query_start_loc_cpu.tolist(), True)
+    assert rows_of(step).rows_per_seq == 4
+    assert rows_of([step[0], (1, PROMPTS[2][30:33], 30)]).rows_per_seq == 1
+
+    seen, real = [], mla_backend.absorbed_attention
+
+    def spy(*a, **kw):
+        seen.append(kw.get("fold_rows_per_seq"))
+        return real(*a, **kw)
+    monkeypatch.setattr(mla_backend, "absorbed_attention", spy)
+    for m in model.modules():
+        if isinstance(m, MLAttention):
+            monkeypatch.setattr(m, "verify_fold", True)
+    caches = copy.deepcopy(runner.caches)
+    expanded = _step(model, runner.caches, step, runner.blocks, runner.slots, [])
+    assert not seen
+    folded = _step(model, caches, step, runner.blocks, runner.slots, [0, 1])
+    assert seen and set(seen) == {4}
+    assert rel(folded, expanded) <= 1e-5

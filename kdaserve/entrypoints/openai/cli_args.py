@@ -141,6 +141,7 @@ OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "sampling_threshold_kernel": BOOL,
     "latent_moe_fused_tail": BOOL,
     "k3_fused_ops": BOOL,
+    "mla_verify_fold": BOOL,
     "kda_checkpoint_mode": one_of("internal", "split"),
     "kda_checkpoint_interval": POSITIVE_INT,
     "num_kda_checkpoint_slots": NON_NEGATIVE_INT,

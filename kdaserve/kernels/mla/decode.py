@@ -30,6 +30,7 @@ class MLADecodeConfig:
     num_warps: int
     num_stages: int
     transposed: bool = False   # tokens/channels as MMA rows (warpgroup MMA on Hopper)
+    rows: int = 1   # query rows of one sequence per program (transposed; mla_decode rows_per_seq)
 
 
 def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
@@ -44,6 +45,17 @@ def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeC
         return MLADecodeConfig(block_h=block_h, block_n=64, num_warps=8, num_stages=2)
     return MLADecodeConfig(block_h=block_h, block_n=64, num_warps=4, num_stages=3,
                            transposed=True)
+
+
+def fold_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
+    """The fold kernel's tiles for verify windows (mla_decode rows_per_seq > 1): 2 rows of a
+    window x up to 32 heads as one program's columns, 32 context rows a step, 8 warps (the
+    fewest spill bytes of the candidates ptxas compiled for sm_90); fp32 (tests, interpreter)
+    small tiles."""
+    block_h = min(32, max(16, next_power_of_2(num_heads)))
+    if dtype == torch.float32:
+        return MLADecodeConfig(min(block_h, 16), 16, 4, 1, transposed=True, rows=2)
+    return MLADecodeConfig(block_h, 32, 8, 2, transposed=True, rows=2)
 
 
 def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
@@ -107,8 +119,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                max_seq_len: int | None = None,
                config: MLADecodeConfig | None = None,
                q_pe: torch.Tensor | None = None, pdl: bool = False,
-               prefetch_kv: bool = False, return_lse: bool = False):
-    """Absorbed MLA decode, one query token per sequence.
+               prefetch_kv: bool = False, return_lse: bool = False, rows_per_seq: int = 1):
+    """Absorbed MLA decode, one query token per row.
 
     q: [B, H, kv_lora_rank + rope] (q_nope already multiplied by W_UK) -- or, with q_pe
     [B, H, rope] given, q holds only the [B, H, kv_lora_rank] latent part (two strided inputs,
@@ -152,10 +164,19 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if cfg.block_h < 16 and q.device.type == "cuda":
         raise ValueError(f"block_h must be >= 16 on GPU (tl.dot), got {cfg.block_h}")
     head_groups = cdiv(H, cfg.block_h)
+    fold = cfg.rows > 1
+    if fold and (not cfg.transposed or cfg.rows & (cfg.rows - 1)):
+        raise ValueError(f"config.rows > 1 needs transposed tiles and a power of two, got "
+                         f"{cfg}")
+    if rows_per_seq < 1 or B % rows_per_seq:
+        raise ValueError(f"rows_per_seq must be >= 1 and divide the {B} rows, got "
+                         f"{rows_per_seq}")
+    # programs per (split, head group): one per row, or per config.rows rows of a sequence
+    row_groups = (B // rows_per_seq) * cdiv(rows_per_seq, cfg.rows) if fold else B
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * page
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(B, head_groups, max_seq_len, q.device,
+        num_kv_splits = choose_num_kv_splits(row_groups, head_groups, max_seq_len, q.device,
                                              waves=1 if cfg.transposed else 2)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
@@ -175,21 +196,25 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_r = max(16, next_power_of_2(rope)) if rope > 0 else 1   # tl.dot needs K >= 16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     pdl_opts = pdl_options(pdl, q)
-    partial = mla_decode_partial_t_kernel if cfg.transposed else mla_decode_partial_kernel
-    partial[(B, num_kv_splits, head_groups)](
-        q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse,
-        float(scale) * LOG2E,
-        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        H, num_kv_splits,
-        KV_RANK=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=block_r,
-        PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_opts,
-        **({} if cfg.transposed else {"PREFETCH_KV": bool(prefetch_kv)}),
-    )
+    args = (q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse, float(scale) * LOG2E,
+            q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), H, num_kv_splits)
+    consts = dict(KV_RANK=kv_lora_rank, ROPE=rope, BLOCK_C=block_c, BLOCK_R=block_r,
+                  PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+                  DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl_opts)
+    if fold:
+        from kdaserve.kernels.mla.triton_decode import mla_decode_partial_fold_kernel
+
+        mla_decode_partial_fold_kernel[(row_groups, num_kv_splits, head_groups)](
+            *args, rows_per_seq, B, ROWS=cfg.rows, **consts)
+    elif cfg.transposed:
+        mla_decode_partial_t_kernel[(B, num_kv_splits, head_groups)](*args, **consts)
+    else:
+        mla_decode_partial_kernel[(B, num_kv_splits, head_groups)](
+            *args, PREFETCH_KV=bool(prefetch_kv), **consts)
     block_s = max(16, next_power_of_2(num_kv_splits))           # few variants (<= 4)
     block_c_red = min(block_c, max(16, 4096 // block_s))          # <= 4K partials per program
     lse_arg = lse if return_lse else part_lse                   # never written without lse

@@ -2,8 +2,10 @@
 
 Stage 1 (`mla_decode_partial_kernel`): program (b, split, head group) reads the latent rows of one
 context partition once and attends with every head of its group (flash-decoding, online softmax in
-base 2). Stage 2 (`mla_decode_reduce_kernel`): program (b, head) merges the partitions by their
-log-sum-exp. `store_kv_kernel` writes new latent rows into their slots.
+base 2); `mla_decode_partial_t_kernel` computes it transposed (warpgroup MMA), and
+`mla_decode_partial_fold_kernel` takes several rows of one sequence (a verify window) as one
+program's columns. Stage 2 (`mla_decode_reduce_kernel`): program (b, head) merges the partitions
+by their log-sum-exp. `store_kv_kernel` writes new latent rows into their slots.
 
 USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait, then
 griddepcontrol.launch_dependents, before any load of something another kernel writes (q, the
@@ -141,6 +143,48 @@ def mla_decode_partial_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
+@triton.jit
+def _tile_scores_t(kv_ptr, bt_row, offs_n, mask_n, offs_c, mask_c, offs_r, mask_r, qt_c, qt_r,
+                   stride_kv_block, stride_kv_tok, KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One context tile of the transposed kernels: its latent rows kv_c [BLOCK_N, BLOCK_C] and
+    the raw scores [BLOCK_N, columns] of the latent and rope channels against the query
+    columns qt_c [BLOCK_C, columns] / qt_r [BLOCK_R, columns] (unread when ROPE == 0)."""
+    block_ids = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+    row = block_ids * stride_kv_block + (offs_n % PAGE_SIZE) * stride_kv_tok
+    kv_c = tl.load(kv_ptr + row[:, None] + offs_c[None, :],
+                   mask=mask_n[:, None] & mask_c[None, :], other=0.0)       # [BLOCK_N, BLOCK_C]
+    st = tl.dot(kv_c, qt_c, input_precision=DOT_PRECISION)
+    if ROPE > 0:
+        kv_r = tl.load(kv_ptr + row[:, None] + KV_RANK + offs_r[None, :],
+                       mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        st += tl.dot(kv_r, qt_r, input_precision=DOT_PRECISION)
+    return kv_c, st
+
+
+@triton.jit
+def _online_update_t(m_i, l_i, acc, st, kv_c, m_ref, DOT_PRECISION: tl.constexpr):
+    """The transposed kernels' online-softmax step over one tile: scores st [BLOCK_N, columns]
+    (base 2, scaled, -inf where masked) against the running max m_i moved to m_ref (finite).
+    Returns (l_i, acc)."""
+    alpha = tl.exp2(m_i - m_ref)
+    pt = tl.exp2(st - m_ref[None, :])
+    l_i = l_i * alpha + tl.sum(pt, axis=0)
+    acc = acc * alpha[None, :] + tl.dot(tl.trans(kv_c), pt.to(kv_c.dtype),
+                                        input_precision=DOT_PRECISION)
+    return l_i, acc
+
+
+@triton.jit
+def _finish_t(acc, l_i, m_i):
+    """(the normalised partial output [BLOCK_C, columns], its base-2 lse [columns]); columns
+    that saw no key give zeros and -inf."""
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[None, :]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
 @triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt"])
 def mla_decode_partial_t_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
@@ -183,6 +227,8 @@ def mla_decode_partial_t_kernel(
         qr_base = qr_ptr + pid_b.to(tl.int64) * stride_qrb + offs_h[None, :] * stride_qrh
         qt_r = tl.load(qr_base + offs_r[:, None],
                        mask=mask_r[:, None] & mask_h[None, :], other=0.0)   # [BLOCK_R, BLOCK_H]
+    else:
+        qt_r = qt_c                                                           # unread
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -192,31 +238,104 @@ def mla_decode_partial_t_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        block_ids = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = block_ids * stride_kv_block + (offs_n % PAGE_SIZE) * stride_kv_tok
-        kv_c = tl.load(kv_ptr + row[:, None] + offs_c[None, :],
-                       mask=mask_n[:, None] & mask_c[None, :], other=0.0)   # [BLOCK_N, BLOCK_C]
-        st = tl.dot(kv_c, qt_c, input_precision=DOT_PRECISION)             # [BLOCK_N, BLOCK_H]
-        if ROPE > 0:
-            kv_r = tl.load(kv_ptr + row[:, None] + KV_RANK + offs_r[None, :],
-                           mask=mask_n[:, None] & mask_r[None, :], other=0.0)
-            st += tl.dot(kv_r, qt_r, input_precision=DOT_PRECISION)
+        kv_c, st = _tile_scores_t(kv_ptr, bt_row, offs_n, mask_n, offs_c, mask_c, offs_r, mask_r,
+                                  qt_c, qt_r, stride_kv_block, stride_kv_tok, KV_RANK, ROPE,
+                                  PAGE_SIZE, DOT_PRECISION)               # st [BLOCK_N, BLOCK_H]
         st = tl.where(mask_n[:, None], st * sm_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        pt = tl.exp2(st - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(kv_c), pt.to(kv_c.dtype),
-                                            input_precision=DOT_PRECISION)
+        l_i, acc = _online_update_t(m_i, l_i, acc, st, kv_c, m_new, DOT_PRECISION)
         m_i = m_new
 
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[None, :]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    out, lse = _finish_t(acc, l_i, m_i)
     po = (part_out_ptr + pid_b.to(tl.int64) * stride_po_b + offs_h[None, :] * stride_po_h
           + pid_s * stride_po_s + offs_c[:, None])
     tl.store(po, out, mask=mask_c[:, None] & mask_h[None, :])
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt", "rows_per_seq", "num_rows"])
+def mla_decode_partial_fold_kernel(
+    q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    sm_scale_log2,
+    stride_qb, stride_qh, stride_qrb, stride_qrh,
+    stride_kv_block, stride_kv_tok,
+    stride_bt,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    num_heads, num_splits, rows_per_seq, num_rows,
+    KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """mla_decode_partial_t_kernel with ROWS query rows of one sequence per program: the
+    columns are (row, head) pairs, ROWS * BLOCK_H of them, so one pass over a partition's
+    latents serves ROWS rows (a verify window's rows read one context). Rows seq *
+    rows_per_seq + j, j < rows_per_seq, are one sequence (their block table rows are equal);
+    program (group, split, head group) takes rows j = g * ROWS .. g * ROWS + ROWS - 1 of
+    sequence group // cdiv(rows_per_seq, ROWS), g = group % cdiv(rows_per_seq, ROWS). Its
+    partitions follow its longest row; each column masks the keys at or past its own row's
+    length. Writes the same partials as the one-row kernels (the reduce is shared)."""
+    pdl_wait(USE_PDL)
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_h = tl.program_id(2)
+
+    groups = tl.cdiv(rows_per_seq, ROWS)
+    seq = pid_g // groups
+    first = seq * rows_per_seq + (pid_g % groups) * ROWS
+    cols = tl.arange(0, ROWS * BLOCK_H)
+    j = (pid_g % groups) * ROWS + cols // BLOCK_H
+    row = seq * rows_per_seq + j                                             # [COLS]
+    head = pid_h * BLOCK_H + cols % BLOCK_H                                  # [COLS]
+    valid = (j < rows_per_seq) & (row < num_rows) & (head < num_heads)
+    len_col = tl.load(seq_lens_ptr + row, mask=valid, other=0)              # [COLS]
+    seq_len = tl.max(len_col, axis=0)
+    split_len = tl.cdiv(seq_len, num_splits)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < KV_RANK
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < ROPE
+
+    row64 = row.to(tl.int64)
+    q_base = q_ptr + row64[None, :] * stride_qb + head[None, :] * stride_qh
+    qt_c = tl.load(q_base + offs_c[:, None], mask=mask_c[:, None] & valid[None, :],
+                   other=0.0)                                                # [BLOCK_C, COLS]
+    if ROPE > 0:
+        qr_base = qr_ptr + row64[None, :] * stride_qrb + head[None, :] * stride_qrh
+        qt_r = tl.load(qr_base + offs_r[:, None],
+                       mask=mask_r[:, None] & valid[None, :], other=0.0)    # [BLOCK_R, COLS]
+    else:
+        qt_r = qt_c                                                           # unread
+
+    m_i = tl.full([ROWS * BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C, ROWS * BLOCK_H], dtype=tl.float32)
+
+    bt_row = block_table_ptr + first.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        kv_c, st = _tile_scores_t(kv_ptr, bt_row, offs_n, mask_n, offs_c, mask_c, offs_r, mask_r,
+                                  qt_c, qt_r, stride_kv_block, stride_kv_tok, KV_RANK, ROPE,
+                                  PAGE_SIZE, DOT_PRECISION)               # st [BLOCK_N, COLS]
+        st = tl.where(offs_n[:, None] < len_col[None, :], st * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        # a column whose keys all lie past its length (a shorter row of the window) stays at
+        # -inf: exponentiate against 0 there, not -inf - -inf
+        l_i, acc = _online_update_t(m_i, l_i, acc, st, kv_c,
+                                    tl.where(m_new == float("-inf"), 0.0, m_new), DOT_PRECISION)
+        m_i = m_new
+
+    out, lse = _finish_t(acc, l_i, m_i)
+    po = (part_out_ptr + row64[None, :] * stride_po_b + head[None, :] * stride_po_h
+          + pid_s * stride_po_s + offs_c[:, None])
+    tl.store(po, out, mask=mask_c[:, None] & valid[None, :])
+    tl.store(part_lse_ptr + row64 * stride_pl_b + head * stride_pl_h + pid_s, lse, mask=valid)
 
 
 # stride_lb: lse's row stride, or (no lse) part_lse's, heads * splits, whose divisibility by 16
