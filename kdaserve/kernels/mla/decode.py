@@ -49,9 +49,9 @@ def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeC
 
 def fold_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
     """The fold kernel's tiles for verify windows (mla_decode rows_per_seq > 1): 2 rows of a
-    window x up to 32 heads as one program's columns, 32 context rows a step, 8 warps (the
-    fewest spill bytes of the candidates ptxas compiled for sm_90); fp32 (tests, interpreter)
-    small tiles."""
+    window x up to 32 heads as one program's columns, 32 context rows a step, 8 warps (4 warps
+    spill several times more in ptxas's sm_90 build); fp32 (tests, interpreter) small tiles.
+    Not measured on a GPU yet: bench_batch.py --mla-rows-per-seq 9 sweeps the candidates."""
     block_h = min(32, max(16, next_power_of_2(num_heads)))
     if dtype == torch.float32:
         return MLADecodeConfig(min(block_h, 16), 16, 4, 1, transposed=True, rows=2)
