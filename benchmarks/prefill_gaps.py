@@ -44,6 +44,22 @@ def intervals(prof):
     return kernels, cpu
 
 
+def busy_and_gaps(kernels) -> tuple[float, list[tuple[float, float, str]]]:
+    """Sorted kernel intervals [(start_us, end_us, name)] -> (busy us: their union's length,
+    idle gaps [(gap_us, gap start, next kernel)])."""
+    busy, gaps, cur_end = 0.0, [], None
+    for s, e, name in kernels:
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                gaps.append((s - cur_end, cur_end, name))
+            busy += e - s
+            cur_end = e
+        elif e > cur_end:
+            busy += e - cur_end
+            cur_end = e
+    return busy, gaps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -89,16 +105,7 @@ def main() -> None:
         forward()
         torch.cuda.synchronize()
     kernels, cpu = intervals(prof)
-    busy, gaps, cur_end = 0.0, [], None
-    for s, e, name in kernels:
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                gaps.append((s - cur_end, cur_end, name))
-            busy += e - s
-            cur_end = e
-        elif e > cur_end:
-            busy += e - cur_end
-            cur_end = e
+    busy, gaps = busy_and_gaps(kernels)
     span = kernels[-1][1] - kernels[0][0]
     gaps.sort(reverse=True)
     top_gaps = []

@@ -43,7 +43,12 @@ def graph_replay_ms(runner, batch: int, reps: int = 50) -> float:
     """GPU time of the captured decode graph (the model forward, without the lm_head, the
     sampler and the host work of a step): back-to-back replays timed with CUDA events, on the
     inputs of the last step run."""
-    graph = runner.graphs.graph(DecodeGraphs.descriptor(runner.graphs.padded_size(batch)))
+    return replay_ms(runner.graphs.graph(DecodeGraphs.descriptor(
+        runner.graphs.padded_size(batch))), reps)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 50) -> float:
+    """GPU ms of one replay of `graph`: back-to-back replays timed with CUDA events."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -34,6 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.prefill_gaps import busy_and_gaps, intervals  # noqa: E402
+from benchmarks.profile_step import replay_ms  # noqa: E402
 from kdaserve import SamplingParams  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -134,21 +136,9 @@ def graph_replay_times(engine: LLMEngine, batch: int, reps: int = 20) -> dict[st
     graphs = engine.model_runner.graphs
     if graphs is None or graphs.padded_size(batch) is None:
         return {}
-    size, out = graphs.padded_size(batch), {}
-    for desc in list(graphs._graphs):
-        if desc.num_reqs != size:
-            continue
-        graph = graphs.graph(desc)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        out[f"{desc.mode.name.lower()}/{desc.stage}/{desc.num_reqs}x{desc.tokens_per_req}"] = \
-            start.elapsed_time(end) / reps
-    return out
+    size = graphs.padded_size(batch)
+    return {f"{d.mode.name.lower()}/{d.stage}/{d.num_reqs}x{d.tokens_per_req}":
+            replay_ms(graphs.graph(d), reps) for d in list(graphs._graphs) if d.num_reqs == size}
 
 
 def device_trace(engine: LLMEngine, steps: int, top: int = 25) -> dict:
@@ -160,18 +150,12 @@ def device_trace(engine: LLMEngine, steps: int, top: int = 25) -> dict:
         for _ in range(steps):
             engine.step()
         _sync()
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels, _ = intervals(prof)
     if not kernels:
         return None
-    busy, cur_end, per_name = 0.0, None, {}
+    busy, _ = busy_and_gaps(kernels)
+    per_name = {}
     for s, e, name in kernels:
-        if cur_end is None or s > cur_end:
-            busy += e - s
-            cur_end = e
-        elif e > cur_end:
-            busy += e - cur_end
-            cur_end = e
         t, n = per_name.get(name, (0.0, 0))
         per_name[name] = (t + e - s, n + 1)
     span = max(e for _, e, _ in kernels) - kernels[0][0]
