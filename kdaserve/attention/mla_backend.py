@@ -41,16 +41,18 @@ def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                        pdl: bool = False, prefetch_kv: bool = False,
-                       dcp: DCPGroup | None = None, fold_rows_per_seq: int = 1) -> torch.Tensor:
+                       dcp: DCPGroup | None = None, rows_per_seq: int = 1,
+                       fold: bool = False) -> torch.Tensor:
     """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
     cached latents: q_nope [R, H, rank] (W_UK applied), q_pe [R, H, rope] -> [R, H, rank].
     The CUDA kernel reads the two strided inputs directly (no concatenation). prefetch_kv:
     see kernels/mla/decode.py mla_decode (the previous launch must not write the cache).
     dcp: the context is sharded over the group and seq_lens are this rank's local lengths
     (attention/dcp.py: queries gathered, local attention, partials merged by their lse).
-    fold_rows_per_seq > 1: every run of that many rows is one sequence's verify window, and the
-    CUDA kernel folds 2 rows of a window into one program (kernels/mla/decode.py fold_config;
-    not with dcp, whose path keeps one row a program)."""
+    rows_per_seq > 1: every run of that many rows is one sequence's verify window; the CUDA
+    kernel splits the context by sequences, and with fold takes 2 rows of a window as one
+    program (kernels/mla/decode.py fold_config). Not with dcp, whose path keeps one row a
+    program."""
     rank = q_nope.shape[-1]
     if dcp is not None:
         return dcp_attn.absorbed_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
@@ -58,12 +60,11 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     if q_nope.is_cuda:
         from kdaserve.kernels.mla.decode import fold_config, mla_decode
 
-        if fold_rows_per_seq > 1:
-            return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe,
-                              pdl=pdl, rows_per_seq=fold_rows_per_seq,
-                              config=fold_config(q_nope.shape[1], q_nope.dtype))
+        config = fold_config(q_nope.shape[1], q_nope.dtype) if fold and rows_per_seq > 1 \
+            else None
         return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe,
-                          pdl=pdl, prefetch_kv=prefetch_kv)
+                          pdl=pdl, prefetch_kv=prefetch_kv and config is None,
+                          rows_per_seq=rows_per_seq, config=config)
     q_latent = torch.cat([q_nope, q_pe], dim=-1)                          # [R, H, rank + rope]
     return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 

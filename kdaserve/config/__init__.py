@@ -442,12 +442,12 @@ class KernelConfig:
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""
-    mla_verify_fold: bool = False
-    """Speculative verify steps whose windows all have one length (the verify CUDA graphs):
-    the MLA decode takes 2 rows of a window as one program's columns
+    mla_verify_fold: bool = True
+    """Speculative verify steps whose windows all have one length (the verify CUDA graphs, the
+    DSpark block pass): the MLA decode takes 2 rows of a window as one program's columns
     (kernels/mla/triton_decode.py mla_decode_partial_fold_kernel), so a window's context is
-    read once per 2 rows instead of once per row. Off by default: a candidate not measured
-    yet (benchmarks/PERF_NOTES.md)."""
+    read once per 2 rows instead of once per row (benchmarks/PERF_NOTES.md: a small gain on the
+    verify forward at batch 1 and 16). Off: one program per row."""
 
     @classmethod
     def baseline(cls) -> "KernelConfig":

@@ -82,14 +82,15 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, pdl: bool, dcp=None,
-                  rows_per_seq: int = 1) -> None:
+                  rows_per_seq: int = 1, fold: bool = False) -> None:
         """q [R, H, qk] -> out [R, H, v]: row r attends to the first seq_lens[r] cached
         latents of block_table[r], in the latent space (W_UK folded into q, W_UV applied
         after). With absorb_gemv (CUDA, <= GEMV_MAX_ROWS rows) both per-head products run as
         one batched GEMV launch each (kernels/linear/gemv.py gemv_batched) instead of cuBLAS,
         and the decode kernel prefetches its first cache tile before its PDL wait. dcp (a
         DCPGroup): the cache holds this rank's shard and seq_lens are its local lengths.
-        rows_per_seq > 1: uniform verify windows, folded by the decode kernel (verify_fold)."""
+        rows_per_seq > 1: uniform verify windows (the decode kernel splits their context by
+        sequence), folded 2 rows a program with fold (verify_fold)."""
         w_uk, w_uv = self._w_uk_uv()
         R, h = q.shape[:2]
         by_gemv = use_gemv(q, self.absorb_gemv) and self.w_uk_t is not None
@@ -104,7 +105,8 @@ class MLAttention(nn.Module):
         o_lat = mla_backend.absorbed_attention(q_nope, q[..., self.nope_dim:], kv_cache,
                                                block_table, seq_lens, self.scale,
                                                pdl=pdl, prefetch_kv=by_gemv and dcp is None,
-                                               dcp=dcp, fold_rows_per_seq=rows_per_seq)
+                                               dcp=dcp, rows_per_seq=rows_per_seq,
+                                               fold=fold)
         if by_gemv:
             gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=pdl)
         else:
@@ -162,9 +164,9 @@ class MLAttention(nn.Module):
             rows = absorbed.rows()
             q_rows = q[rows]                                              # [rows, H, qk]
             o_rows = q.new_empty(q_rows.shape[0], h, self.v_dim)          # [rows, H, v]
-            fold = absorbed.rows_per_seq if self.verify_fold and md.dcp is None else 1
+            window = absorbed.rows_per_seq if md.dcp is None else 1
             self._absorbed(q_rows, kv_cache, absorbed.block_table, absorbed.seq_lens, o_rows,
-                           pdl, rows_per_seq=fold)
+                           pdl, rows_per_seq=window, fold=self.verify_fold)
             out[rows] = o_rows
             skip = set(absorbed.reqs)
         prefills = [i for i in range(nd, md.num_reqs) if i not in skip]

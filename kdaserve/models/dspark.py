@@ -164,21 +164,24 @@ class DSparkModel(nn.Module):
                                      attn.kv_a_layernorm.eps)
 
     def forward_block(self, ids: torch.Tensor, kv_caches: list[torch.Tensor],
-                      slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
-                      ) -> torch.Tensor:
+                      slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                      rows_per_seq: int = 1) -> torch.Tensor:
         """The parallel pass over the query blocks: ids [R] (R = n * K rows), slots [R] (each
         row's cache slot), block_table [R, W] and seq_lens [R] (every row of a request reads
-        its context plus its whole block) -> hidden [R, D] after the final norm."""
+        its context plus its whole block) -> hidden [R, D] after the final norm. rows_per_seq:
+        K when the rows come as n runs of one request's K rows (the MLA decode then splits the
+        context by request and may fold rows, MLAttention.verify_fold); 1 otherwise."""
         x = self._shared[0](ids)                                          # [R, D]
         for layer, cache in zip(self.layers, kv_caches):
             x = x + self._attend(layer.self_attn, layer.input_layernorm(x), cache, slots,
-                                 block_table, seq_lens)
+                                 block_table, seq_lens, rows_per_seq)
             x = x + layer._mlp(layer.post_attention_layernorm(x), False)
         return self.norm(x)
 
     @staticmethod
     def _attend(attn, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                block_table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                block_table: torch.Tensor, seq_lens: torch.Tensor, rows_per_seq: int
+                ) -> torch.Tensor:
         """Non-causal MLA of the block rows: store their latents, then every row attends to
         its first seq_lens cached latents (absorbed form). x [R, D] -> [R, D]."""
         R, h = x.shape[0], attn.num_heads
@@ -189,7 +192,8 @@ class DSparkModel(nn.Module):
         mla_backend.store_latent(cache, slots, attn.kv_a_proj_with_mqa(x),
                                  attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
         out = x.new_empty(R, h, attn.v_dim)
-        attn._absorbed(q.view(R, h, attn.qk_dim), cache, block_table, seq_lens, out, False)
+        attn._absorbed(q.view(R, h, attn.qk_dim), cache, block_table, seq_lens, out, False,
+                       rows_per_seq=rows_per_seq, fold=attn.verify_fold)
         if attn.output_gate:
             out = out * torch.sigmoid(attn.g_proj(x)).view(R, h, attn.v_dim)
         return attn.o_proj(out.reshape(R, h * attn.v_dim))

@@ -42,7 +42,7 @@ def block_drafts(model: "DSparkModel", kv: list[torch.Tensor], ids: torch.Tensor
     committed token, the Markov head's first `prev`), temps [n]. Returns (drafts [n, K] int64,
     q [n, K, V] fp32 or None for greedy drafts). Eager, or what a graph replay runs."""
     n = last.shape[0]
-    hidden = model.forward_block(ids, kv, slots, table, seq_lens)                 # [n * K, D]
+    hidden = model.forward_block(ids, kv, slots, table, seq_lens, k)              # [n * K, D]
     logits = model.base_logits(hidden).view(n, k, -1)                            # [n, K, V]
     prev, drafts = last, []
     for j in range(k):

@@ -46,8 +46,9 @@ def test_absorbed_window_rows_match_the_expanded_path(pair):
 
 def test_uniform_windows_reach_the_fold(pair, monkeypatch):
     """Windows of one length carry rows_per_seq (mixed lengths: 1), and MLA layers with
-    verify_fold (KernelConfig.mla_verify_fold) hand it to the absorbed attention, where the
-    CUDA kernel folds 2 rows a program (the CPU reference ignores it): same logits."""
+    verify_fold (KernelConfig.mla_verify_fold) hand it with fold to the absorbed attention,
+    where the CUDA kernel splits by sequence and folds 2 rows a program (the CPU reference
+    ignores both): same logits."""
     from kdaserve.attention import mla_backend
     from kdaserve.layers.mla import MLAttention
 
@@ -67,7 +68,7 @@ def test_uniform_windows_reach_the_fold(pair, monkeypatch):
     seen, real = [], mla_backend.absorbed_attention
 
     def spy(*a, **kw):
-        seen.append(kw.get("fold_rows_per_seq"))
+        seen.append((kw.get("rows_per_seq"), kw.get("fold")))
         return real(*a, **kw)
     monkeypatch.setattr(mla_backend, "absorbed_attention", spy)
     for m in model.modules():
@@ -77,5 +78,5 @@ def test_uniform_windows_reach_the_fold(pair, monkeypatch):
     expanded = _step(model, runner.caches, step, runner.blocks, runner.slots, [])
     assert not seen
     folded = _step(model, caches, step, runner.blocks, runner.slots, [0, 1])
-    assert seen and set(seen) == {4}
+    assert seen and set(seen) == {(4, True)}
     assert rel(folded, expanded) <= 1e-5

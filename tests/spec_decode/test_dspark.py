@@ -352,7 +352,7 @@ def test_block_drafts_markov_head_positions():
     w1, w2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g)
 
     class Drafter:
-        def forward_block(self, ids, kv, slots, table, seq_lens):
+        def forward_block(self, ids, kv, slots, table, seq_lens, rows_per_seq):
             return torch.zeros(ids.shape[0], 2)
 
         def base_logits(self, hidden):

@@ -49,13 +49,13 @@ def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeC
 
 def fold_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
     """The fold kernel's tiles for verify windows (mla_decode rows_per_seq > 1): 2 rows of a
-    window x up to 32 heads as one program's columns, 32 context rows a step, 8 warps (4 warps
-    spill several times more in ptxas's sm_90 build); fp32 (tests, interpreter) small tiles.
-    Not measured on a GPU yet: bench_batch.py --mla-rows-per-seq 9 sweeps the candidates."""
+    window x up to 32 heads as one program's columns, 64 context rows a step, 8 warps (4 warps
+    spill several times more in ptxas's sm_90 build; 32 context rows were no faster in
+    bench_batch.py --mla-rows-per-seq 9); fp32 (tests, interpreter) small tiles."""
     block_h = min(32, max(16, next_power_of_2(num_heads)))
     if dtype == torch.float32:
         return MLADecodeConfig(min(block_h, 16), 16, 4, 1, transposed=True, rows=2)
-    return MLADecodeConfig(block_h, 32, 8, 2, transposed=True, rows=2)
+    return MLADecodeConfig(block_h, 64, 8, 2, transposed=True, rows=2)
 
 
 def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
@@ -134,6 +134,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
 
     num_kv_splits: context partitions per sequence; default from the shapes (batch size and
     max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
+    rows_per_seq > 1: every run of that many rows is one sequence's verify window (equal block
+    table rows). The default split count then follows the number of sequences, not rows: a
+    window's rows read the same context, so they run concurrently from L2 and the sequence
+    count alone sets how many partitions fill the GPU (bench_batch.py --mla-rows-per-seq 9: at
+    8 / 16 / 32 windows of 9 rows and 8K context, 16 / 8 / 4 splits were the fastest). With
+    config.rows > 1 (fold_config) a program also takes that many rows of a window as its MMA
+    columns.
     pdl: both launches (partial, reduce) with programmatic dependent launch (module docstring).
     prefetch_kv (with pdl; not with config.transposed): the partial kernel reads seq_lens, the
     block table and its partition's first cache tile before griddepcontrol.wait, so the
@@ -176,8 +183,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * page
     if num_kv_splits is None:
-        num_kv_splits = choose_num_kv_splits(row_groups, head_groups, max_seq_len, q.device,
-                                             waves=1 if cfg.transposed else 2)
+        if rows_per_seq > 1:   # rows of one window share their context: split by sequences
+            num_kv_splits = choose_num_kv_splits(B // rows_per_seq, head_groups, max_seq_len,
+                                                 q.device, min_tokens_per_split=256, waves=1)
+        else:
+            num_kv_splits = choose_num_kv_splits(row_groups, head_groups, max_seq_len, q.device,
+                                                 waves=1 if cfg.transposed else 2)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     if out is None:
