@@ -15,7 +15,8 @@
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
-# BATCH_ARGS), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
+# 4096), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS='--optimization-config {"pdl":false}' (or "decode_gemv", "fused_kda_decode"; no
 # spaces in the JSON: the variable is word-split) times the engine without a default kernel choice.
 #
@@ -134,6 +135,11 @@ if [[ $STAGES == *offload* ]]; then   # W2-shaped offload tier: cold / device / 
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${OFFLOAD_TIMEOUT:-360} python3 benchmarks/bench_offload.py /tmp/k48 --disk /tmp/offload \
     --out "$OUT/offload.json" ${OFFLOAD_ARGS:-} 2>&1 | grep -v Warn | tail -60 | tee "$OUT/offload.log"
+fi
+if [[ $STAGES == *router* ]]; then   # the router's fp32 logits: cuBLAS against router_logits tiles
+  timeout ${ROUTER_TIMEOUT:-150} python3 benchmarks/bench_prefill.py --cases router \
+    --tokens ${ROUTER_TOKENS:-9,36,144,288,1024,2048} --time-budget 100 --out "$OUT/router.json" \
+    2>&1 | grep -v Warn | tail -50 | tee "$OUT/router.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

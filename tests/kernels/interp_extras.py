@@ -84,7 +84,9 @@ def check_router_logits() -> None:
     torch.manual_seed(3)
     cases = [(70, 24, 100, RouterGemmConfig(32, 16, 32, 4, 1)),
              (33, 16, 64, RouterGemmConfig(16, 16, 16, 4, 1)),
-             (65, 40, 64, router_gemm_config(65, 40, 64))]
+             (65, 40, 64, router_gemm_config(65, 40, 64)),
+             (70, 40, 200, router_gemm_config(70, 40, 200)),
+             (2050, 24, 64, router_gemm_config(2050, 24, 64))]
     for n, e, d, cfg in cases:
         x = torch.randn(n, d).bfloat16()
         w = torch.randn(e, d) * 0.05

@@ -13,7 +13,8 @@ from kdaserve.kernels.moe.router import router_logits
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n,e,d", [(8000, 256, 2304), (65, 256, 2304), (300, 384, 7168),
+@pytest.mark.parametrize("n,e,d", [(8000, 256, 2304), (65, 256, 2304), (144, 256, 2304),
+                                   (1500, 256, 2304), (300, 384, 7168),
                                    (129, 40, 100)])
 def test_router_logits_matches_fp32_gemm(n, e, d):
     g = torch.Generator(device="cuda").manual_seed(n)

@@ -73,10 +73,12 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     return weights, ids
 
 
-ROUTER_GEMM_MIN_ROWS = 65
+ROUTER_GEMM_MIN_ROWS = 1024
 """From this many rows (prefill chunks, large mixed steps) the router's fp32 logits come from
-router_logits on the tensor cores; below, the decode GEMV or cuBLAS's fp32 GEMM reads the fp32
-weight once, which is what a few rows cost."""
+router_logits on the tensor cores; below, the decode GEMV or cuBLAS's fp32 GEMM. At 1024 rows
+router_logits' 16 x 32 tiles took 0.6x cuBLAS's time, and 0.3x at 8000 with 128 x 128 tiles;
+from 9 to 288 rows the eager timings of both sit near their launch cost, so the order there is
+not known yet (benchmarks/PERF_NOTES.md) and cuBLAS keeps those rows."""
 
 
 def use_router_logits(x: torch.Tensor) -> bool:
@@ -95,9 +97,14 @@ class RouterGemmConfig:
 
 
 def router_gemm_config(N: int, E: int, D: int) -> RouterGemmConfig:
-    """Tiles of router_logits: 128 x 128 output tiles (8000 tokens x 256 experts: 126 programs,
-    one wave on 132 SMs), 64-row tiles below 4096 tokens; the fp32 weight tile is split into
-    three bf16 tiles in registers, so block_k stays at 64."""
+    """Tiles of router_logits: 128 x 128 output tiles from 4096 tokens (8000 tokens x 256
+    experts: 126 programs, one wave on 132 SMs), 64-row tiles from 2048, and 16 x 32 tiles with
+    128-wide K steps below (1024 rows: half the time of 64 x 128 tiles, whose 32 programs
+    leave most SMs idle). The fp32 weight tile is split into three bf16 tiles in registers, so
+    block_k stays at 64 for the larger tiles."""
+    if N < 2048:
+        return RouterGemmConfig(16, min(32, max(16, next_power_of_2(E))),
+                                min(128, max(16, next_power_of_2(D))), 4, 3)
     bm = 128 if N >= 4096 else 64
     bn = min(128, max(16, next_power_of_2(E)))
     return RouterGemmConfig(bm, bn, min(64, max(16, next_power_of_2(D))), 8 if bm == 128 else 4,
