@@ -9,6 +9,7 @@ reports microseconds per call for the default config and for every config of a s
 floor. MoE cases use the routing of the served dummy model (every token on the same 8 experts
 plus the folded shared expert) and a spread routing.
 
+`kda_verify` sweeps RecoverSSM's verify kernel at `--verify-requests` windows of 9 tokens.
 Speculative verification steps run the same kernels at 1 + K rows a request: `--batches
 72,144,288` times the MoE at the verify rows of 8 / 16 / 32 requests (K = 8; from 65 rows the
 grid also varies block_m, since with shared experts a small block_m re-reads each expert's
@@ -40,7 +41,7 @@ from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
 HEADS, KV_RANK, ROPE = 32, 512, 64
 HIDDEN, MOE_INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 KDA_HEADS, KDA_DIM, CONV_W = 32, 128, 4
-CASES = ("kda", "mla", "moe", "moe_prefill")
+CASES = ("kda", "kda_verify", "mla", "moe", "moe_prefill")
 
 
 def per_call_us(fns) -> float:
@@ -113,6 +114,40 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
     grid += [dict(v_block=bv, num_warps=nw) for bv, nw in
              itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
     sweep(f"kda_decode_fused N={n}", rows, fns(), grid, lambda c: fns(**c),
+          floor_us(nbytes, ceil), deadline)
+
+
+def bench_kda_verify(rows, ceil, n, deadline, window=9, calls=4):
+    """RecoverSSM's verify kernel (kernels/kda/recover.py kda_spec_verify) over n requests'
+    windows of `window` tokens, gates activated in the kernel as in the model: its grid of
+    KDAVerifyConfig (column block, warps, next-token prefetch). Floor: each request's state
+    read once plus the window's inputs and records."""
+    from kdaserve.kernels.kda import recover as rc
+
+    H, d = KDA_HEADS, KDA_DIM
+    T = n * window
+    dev, bf = "cuda", torch.bfloat16
+    proj = torch.randn(T, 3 * H * d, device=dev, dtype=bf)
+    q, k, v = proj.view(T, 3, H, d).unbind(1)
+    graw = torch.randn(T, H, d, device=dev, dtype=bf)
+    beta = torch.randn(T, H, device=dev, dtype=bf)
+    gate = rc.KDAGateParams(torch.randn(H, device=dev) * 0.3, torch.randn(H * d, device=dev),
+                            None)
+    pool = torch.randn(calls * n + 1, H, d, d, device=dev) * 0.1
+    cu = torch.arange(0, T + 1, window, device=dev, dtype=torch.int32)
+    perm = torch.randperm(calls * n, device=dev, dtype=torch.int32)
+    idx = [perm[i * n:(i + 1) * n].contiguous() for i in range(calls)]
+
+    def fns(config=None):
+        return [lambda i=i: rc.kda_spec_verify(q, k, v, graw, beta, cu, pool, idx[i],
+                                               gate=gate, config=config)
+                for i in range(calls)]
+
+    # state read; q, k, v, the raw gate, beta read; o, u, k_hat, g recorded
+    nbytes = n * H * d * d * 4 + T * H * (4 * d * 2 + 2) + T * H * d * (2 + 4 + 4 + 4)
+    grid = [rc.KDAVerifyConfig(bv, nw, pre) for pre, bv, nw in
+            itertools.product((True, False), (32, 16, 64), (4, 2, 8))]
+    sweep(f"kda_spec_verify N={n} x {window}", rows, fns(), grid, fns,
           floor_us(nbytes, ceil), deadline)
 
 
@@ -226,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-rows-per-seq", type=int, default=1,
                     help="query rows a sequence in the MLA cases (9: K = 8 verify windows)")
     ap.add_argument("--mla-ctx", type=int, default=8192)
+    ap.add_argument("--verify-requests", default="1,16,32",
+                    help="kda_verify: requests of 9-token windows")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     start = start_gpu_run("bench_batch")
@@ -239,7 +276,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     # the sweep budget: 45% MoE (two routings), 20% KDA, 35% MLA, split evenly over batches;
     # the first batch of each kind also pays the Triton compiles of its grid
-    share = {"moe": 0.45 / 2, "kda": 0.20, "mla": 0.35}
+    share = {"moe": 0.45 / 2, "kda": 0.20, "kda_verify": 0.10, "mla": 0.35}
     kinds = [c for c in share if c in cases]
     total = sum(share[c] for c in kinds) or 1.0
     per = {c: args.time_budget * share[c] / total / len(batches) for c in kinds}
@@ -259,6 +296,9 @@ def main(argv=None) -> int:
     if "kda" in cases:
         for n in batches:
             bench_kda(rows, ceil, n, time.time() + per['kda'])
+    if "kda_verify" in cases:   # batches count requests here (windows of 1 + K = 9 tokens)
+        for n in map(int, args.verify_requests.split(",")):
+            bench_kda_verify(rows, ceil, n, time.time() + per['kda_verify'])
     if "mla" in cases:
         for b in batches:
             bench_mla(rows, ceil, b, time.time() + per['mla'], ctx=args.mla_ctx,

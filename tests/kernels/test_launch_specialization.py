@@ -222,3 +222,53 @@ def test_checkpoint_remainder_inputs_aligned(monkeypatch):
         h = torch.zeros(1, 8, H, K, K)
         kda_checkpoint._write_gpu_exports(inputs, dict(cu_seqlens_cpu=cu), h, md, rec_cache)
     assert len(seen) == 12 and all(m == [0] * 5 for m in seen), seen
+
+
+# ---------------------------------------------------------------------------------------------
+# KDA speculative verification (RecoverSSM)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_spec_verify_one_specialisation(monkeypatch):
+    """The verification rows are slices of a step's projections at the speculating requests'
+    offset (an eager mixed step) or a graph's own buffers: q / k / v / g / beta / x at every row
+    offset and row stride, window bounds, slots and columns as views at odd offsets, give one
+    key per kernel (kda_spec_verify and its commit, conv_spec_verify, the conv window
+    commit)."""
+    from kdaserve.kernels.kda import recover, triton_recover
+
+    keys = _record(monkeypatch, triton_recover, ["kda_spec_verify_kernel",
+                                                 "kda_recover_commit_kernel",
+                                                 "conv_spec_verify_kernel",
+                                                 "conv_spec_window_kernel"])
+    monkeypatch.setattr(recover, "check_kernel_device", lambda t: None)
+    H, K, V, D, W, slots = 2, 16, 16, 24, 4, 9
+    pool = torch.zeros(slots, H, K, V)
+    conv_pool = torch.zeros(slots, D, W - 1, dtype=torch.bfloat16)
+    weight = torch.randn(D, W, dtype=torch.bfloat16)
+    for n, k1 in ((1, 2), (3, 5), (4, 9)):
+        T = n * k1
+        for offset in range(0, 9):
+            for extra in (0, 3):                      # the projection's other columns
+                width = 3 * H * K + H + extra
+                proj = torch.randn(offset + T, width, dtype=torch.bfloat16)[offset:]
+                q = proj[:, :H * K].view(T, H, K)
+                k = proj[:, H * K:2 * H * K].view(T, H, K)
+                v = proj[:, 2 * H * K:3 * H * K].view(T, H, V)
+                beta = proj[:, 3 * H * K:3 * H * K + H]
+                g = torch.randn(offset + T, H, K)[offset:]
+                cu = torch.arange(0, offset + n + 1, dtype=torch.int32)[offset:] * k1 \
+                    - offset * k1
+                idx = torch.arange(offset, offset + n, dtype=torch.int32) % slots
+                cols = torch.zeros(offset + n, dtype=torch.int32)[offset:]
+                _, records = recover.kda_spec_verify(q, k, v, g, beta, cu, pool, idx,
+                                                     initial_cols=cols, use_triton=True)
+                accepted = torch.ones(offset + n, dtype=torch.int32)[offset:]
+                recover.kda_recover_commit(pool, idx, records, cu, accepted, use_triton=True)
+                x = proj[:, :D]
+                recover.conv_spec_verify(x, weight, cu, conv_pool, idx, initial_cols=cols,
+                                         use_triton=True)
+                recover.conv_recover_commit(conv_pool, idx, x, cu, accepted, use_triton=True)
+    _one_key_each(keys, "spec verify")
+    assert set(keys) == {"kda_spec_verify_kernel", "kda_recover_commit_kernel",
+                         "conv_spec_verify_kernel", "conv_spec_window_kernel"}

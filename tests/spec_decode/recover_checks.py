@@ -35,9 +35,10 @@ def _close(name, out, want, tol):
 
 
 def check_recover(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1, 5, 2), seed=0,
-                  tol=1e-5, gate_in_kernel=None):
+                  tol=1e-5, gate_in_kernel=None, config=None):
     """gate_in_kernel: None (activated g, beta given), "softplus" or "lower_bound" (the kernel
-    activates the raw gate and beta logits)."""
+    activates the raw gate and beta logits). config: the verify kernel's launch
+    (rc.KDAVerifyConfig, None for the default)."""
     V = K
     lens = list(lens)
     N = len(lens)
@@ -63,7 +64,7 @@ def check_recover(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1,
                          gate.lower_bound).to(device)
         beta = torch.sigmoid(beta_in.float())
     o, records = rc.kda_spec_verify(q, k, v, g_in, beta_in, cu, rec, slots, gate=gate,
-                                    use_triton=True)
+                                    use_triton=True, config=config)
     y = rc.conv_spec_verify(x, weight, cu, conv, slots, use_triton=True)
     assert torch.equal(rec, rec0) and torch.equal(conv, conv0), "verify wrote the pool"
     o_r, u_r, kh_r = ref.kda_spec_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(),
@@ -92,7 +93,7 @@ def check_recover(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1,
 
 
 def check_per_position(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(3, 1, 4),
-                       seed=3, tol=1e-5):
+                       seed=3, tol=1e-5, config=None):
     V = K
     lens = list(lens)
     N, C = len(lens), max(lens)
@@ -106,7 +107,7 @@ def check_per_position(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(
     cols = torch.tensor([min(1, L - 1) for L in lens], dtype=torch.int32, device=device)
     r_r, cv_r = rec.cpu().clone(), conv.cpu().clone()
     o, _ = rc.kda_spec_verify(q, k, v, g, beta, cu, rec, idx, initial_cols=cols,
-                                 per_position=True, use_triton=True)
+                              per_position=True, use_triton=True, config=config)
     y = rc.conv_spec_verify(x, weight, cu, conv, idx, initial_cols=cols, per_position=True,
                             use_triton=True)
     o_r, _, _ = ref.kda_spec_verify(q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu(), cu.cpu(),
@@ -133,6 +134,11 @@ def run_interpreter_suite() -> None:
     check_recover("cpu", seed=6, gate_in_kernel="softplus")
     check_recover("cpu", seed=7, gate_in_kernel="lower_bound")
     check_per_position("cpu")
+    # the prefetching loop and narrower column blocks (windows of 1 token included)
+    pre = rc.KDAVerifyConfig(block_v=8, num_warps=2, prefetch=True)
+    check_recover("cpu", lens=(3, 1, 5, 2), seed=8, config=pre)
+    check_recover("cpu", seed=9, gate_in_kernel="lower_bound", config=pre)
+    check_per_position("cpu", config=pre)
 
 
 if __name__ == "__main__":

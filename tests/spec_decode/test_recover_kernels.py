@@ -94,15 +94,18 @@ def test_state_bytes_written_per_verify_step():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_recover_48b_sizes(dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_recover_48b_sizes(dtype, prefetch):
     from tests.spec_decode import recover_checks as chk
 
+    cfg = rc.KDAVerifyConfig(prefetch=prefetch)
     lens = [9] * 12 + [1, 5, 9, 3]
-    chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4)
     chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4,
-                      gate_in_kernel="softplus")
+                      config=cfg)
+    chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4,
+                      gate_in_kernel="softplus", config=cfg)
     chk.check_per_position("cuda", H=32, K=128, D=12288, dtype=dtype, lens=[9, 4, 1, 9],
-                           tol=1e-4)
+                           tol=1e-4, config=cfg)
 
 
 @pytest.mark.gpu

@@ -87,12 +87,22 @@ class KDARecoverRecords:
         return sum(t.numel() * t.element_size() for t in (self.u, self.k_hat, self.g))
 
 
+@dataclass(frozen=True)
+class KDAVerifyConfig:
+    """kda_spec_verify's launch: block_v state columns per program (grid N x H x V / block_v),
+    num_warps, and prefetch (the kernel loads token t + 1's inputs during token t's update)."""
+    block_v: int = 32
+    num_warps: int = 4
+    prefetch: bool = False
+
+
 def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     beta: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
                     state_indices: torch.Tensor, initial_cols: torch.Tensor | None = None,
                     per_position: bool = False, scale: float | None = None,
                     use_qk_l2norm: bool = True, gate: KDAGateParams | None = None,
-                    out: torch.Tensor | None = None, use_triton: bool | None = None
+                    out: torch.Tensor | None = None, use_triton: bool | None = None,
+                    config: KDAVerifyConfig | None = None
                     ) -> tuple[torch.Tensor, KDARecoverRecords | None]:
     """Outputs of every window token from S_0 = state_pool[state_indices[i, initial_cols[i]]].
 
@@ -103,6 +113,8 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     records) and leaves the pool untouched. per_position (state_indices [N, 1+K]): writes the
     state after token t to column t, returns (o, None).
     out: optional [T, H, V] buffer for o (e.g. the spec slice of the layer's output).
+    config: the Triton launch (KDAVerifyConfig(); benchmarks/bench_batch.py --cases kda_verify
+    sweeps it).
     """
     T, H, K, V, N = _check_shapes(q, k, v, g, beta, cu_seqlens, state_pool, state_indices,
                                   per_position)
@@ -134,7 +146,8 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     idx = state_indices if per_position else state_indices.view(N, 1)
     a_log = gate.A_log.reshape(-1) if gate is not None else g
     dt_bias = gate.dt_bias if gate is not None else g
-    BV = min(32, next_power_of_2(V))
+    cfg = config or KDAVerifyConfig()
+    BV = min(cfg.block_v, next_power_of_2(V))
     if N > 0:
         kda_spec_verify_kernel[(N, H, cdiv(V, BV))](
             q, k, v, g, beta, cu_seqlens, state_pool, idx,
@@ -149,7 +162,8 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             K=K, V=V, BK=next_power_of_2(K), BV=BV, L2NORM=use_qk_l2norm,
             HAS_COLS=initial_cols is not None, RECORD=record, PER_POSITION=per_position,
             GATE_IN_KERNEL=gate is not None,
-            HAS_LOWER_BOUND=gate is not None and gate.lower_bound is not None, num_warps=4,
+            HAS_LOWER_BOUND=gate is not None and gate.lower_bound is not None,
+            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
         )
     if not record:
         return o, None

@@ -9,8 +9,33 @@ and accept counts are read on the device).
 import triton
 import triton.language as tl
 
+# The verification rows are slices of the step's projections at the speculating requests'
+# offset, so their pointers' 16-byte alignment and their row strides differ between a verify
+# graph's buffers and an eager mixed step: neither is specialised on, so every composition runs
+# the build made at warm-up instead of compiling in the middle of serving.
+_TOKEN_STRIDES = ["stride_qt", "stride_kt", "stride_vt", "stride_gt", "stride_bt", "stride_ot",
+                  "stride_ut", "stride_kht", "stride_grt"]
+# per-request scalars (window bounds, slots, columns), possibly views into a step's buffers
+_SMALL_INPUTS = ["cu_ptr", "idx_ptr", "col_ptr"]
+
 
 @triton.jit
+def _token_inputs(k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, t, valid, h, offs_k, offs_v, mk, mv,
+                  stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh, stride_bt,
+                  stride_bh, stride_vt, stride_vh):
+    """Token t's k, q, g [BK], beta (scalar) and v [BV] as stored (zeros where not valid)."""
+    kt = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_k, mask=mk & valid, other=0.0)
+    qt = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_k, mask=mk & valid, other=0.0)
+    gt = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs_k, mask=mk & valid, other=0.0)
+    bt = tl.load(beta_ptr + t * stride_bt + h * stride_bh, mask=valid, other=0.0)
+    vt = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=mv & valid, other=0.0)
+    return kt, qt, gt, bt, vt
+
+
+@triton.jit(do_not_specialize=_TOKEN_STRIDES,
+            do_not_specialize_on_alignment=["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr",
+                                            "o_ptr", "u_ptr", "kh_ptr", "gr_ptr",
+                                            *_SMALL_INPUTS])
 def kda_spec_verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, cu_ptr, state_ptr, idx_ptr, col_ptr,
     o_ptr, u_ptr, kh_ptr, gr_ptr, a_log_ptr, dt_bias_ptr,
@@ -21,9 +46,12 @@ def kda_spec_verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_COLS: tl.constexpr, RECORD: tl.constexpr,
     PER_POSITION: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """GATE_IN_KERNEL: g holds the gate pre-activation and beta the logits; the kernel applies
-    kda_gate (dt_bias, A_log, optional lower bound) and sigmoid, and records the activated g."""
+    kda_gate (dt_bias, A_log, optional lower bound) and sigmoid, and records the activated g.
+    PREFETCH: token t + 1's inputs are loaded while token t's state update runs (the loop is
+    otherwise a chain of load latencies, a few tokens long)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -44,18 +72,31 @@ def kda_spec_verify_kernel(
     if GATE_IN_KERNEL:
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         dt_b = tl.load(dt_bias_ptr + h * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    if PREFETCH:   # the first token's inputs; each trip then loads the next token's early
+        kn, qn, gn, bn, vn = _token_inputs(
+            k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, bos, bos < eos, h, offs_k, offs_v, mk, mv,
+            stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh, stride_bt,
+            stride_bh, stride_vt, stride_vh)
     for t in range(bos, eos):
-        kt = tl.load(k_ptr + t * stride_kt + h * stride_kh + offs_k, mask=mk, other=0.0)
-        qt = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_k, mask=mk, other=0.0)
+        if PREFETCH:
+            kt, qt, gt, bt, vt = kn, qn, gn, bn, vn
+            kn, qn, gn, bn, vn = _token_inputs(
+                k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, t + 1, t + 1 < eos, h, offs_k, offs_v,
+                mk, mv, stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh,
+                stride_bt, stride_bh, stride_vt, stride_vh)
+        else:
+            kt, qt, gt, bt, vt = _token_inputs(
+                k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, t, True, h, offs_k, offs_v, mk, mv,
+                stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh, stride_bt,
+                stride_bh, stride_vt, stride_vh)
         kt = kt.to(tl.float32)
         qt = qt.to(tl.float32)
         if L2NORM:
             kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
             qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
         qt = qt * scale
-        gt = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs_k, mask=mk, other=0.0)
         gt = gt.to(tl.float32)
-        bt = tl.load(beta_ptr + t * stride_bt + h * stride_bh).to(tl.float32)
+        bt = bt.to(tl.float32)
         if GATE_IN_KERNEL:
             gt = gt + dt_b
             if HAS_LOWER_BOUND:
@@ -64,7 +105,6 @@ def kda_spec_verify_kernel(
                 gt = neg_a * tl.where(gt > 20.0, gt, tl.log(1.0 + tl.exp(gt)))
             gt = tl.where(mk, gt, 0.0)
             bt = tl.sigmoid(bt)
-        vt = tl.load(v_ptr + t * stride_vt + h * stride_vh + offs_v, mask=mv, other=0.0)
         S = S * tl.exp(gt)[:, None]                                  # decay key rows
         ut = (vt.to(tl.float32) - tl.sum(S * kt[:, None], axis=0)) * bt
         S = S + kt[:, None] * ut[None, :]                            # rank-1 write
@@ -82,7 +122,9 @@ def kda_spec_verify_kernel(
             tl.store(state_ptr + dst * stride_ss + tile, S, mask=m_tile & (dst >= 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ut", "stride_kht", "stride_gt"],
+            do_not_specialize_on_alignment=["u_ptr", "kh_ptr", "g_ptr", "n_ptr", "cu_ptr",
+                                            "idx_ptr"])
 def kda_recover_commit_kernel(
     state_ptr, idx_ptr, u_ptr, kh_ptr, g_ptr, cu_ptr, n_ptr,
     stride_ss, stride_sh, stride_sk, stride_sv, stride_idx,
@@ -113,7 +155,8 @@ def kda_recover_commit_kernel(
     tl.store(ptrs, S.to(state_ptr.dtype.element_ty), mask=m_tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_xt"],
+            do_not_specialize_on_alignment=["x_ptr", "n_ptr", *_SMALL_INPUTS])
 def conv_spec_window_kernel(
     pool_ptr, idx_ptr, col_ptr, x_ptr, cu_ptr, n_ptr, dim,
     stride_ps, stride_pd, stride_pj, stride_idx, stride_xt,
@@ -158,7 +201,8 @@ def conv_spec_window_kernel(
                      val.to(pool_ptr.dtype.element_ty), mask=md & (dst >= 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_xt", "stride_yt"],
+            do_not_specialize_on_alignment=["x_ptr", "y_ptr", *_SMALL_INPUTS])
 def conv_spec_verify_kernel(
     x_ptr, w_ptr, y_ptr, pool_ptr, idx_ptr, col_ptr, cu_ptr, dim,
     stride_xt, stride_yt, stride_wd, stride_wj, stride_ps, stride_pd, stride_pj, stride_idx,
