@@ -272,3 +272,42 @@ def test_spec_verify_one_specialisation(monkeypatch):
     _one_key_each(keys, "spec verify")
     assert set(keys) == {"kda_spec_verify_kernel", "kda_recover_commit_kernel",
                          "conv_spec_verify_kernel", "conv_spec_window_kernel"}
+
+
+def test_window_splits_follow_sequences(monkeypatch):
+    """Verify windows split their context by sequences: the 48B model's measured optimum at
+    8 / 16 / 32 windows of 8K context (16 / 8 / 4 splits on 132 SMs), powers of two, >= 256
+    keys a partition (short contexts included), and mla_decode launches that count for
+    rows_per_seq > 1 whatever the window length."""
+    from kdaserve.kernels.mla import decode, triton_decode
+
+    cpu = torch.device("cpu")
+    assert [decode.window_num_kv_splits(n, 1, 8192, cpu) for n in (8, 16, 32)] == [16, 8, 4]
+    for n in (1, 2, 3, 5, 16, 100, 200):
+        for ctx in (16, 255, 256, 700, 1000, 3000, 8192, 131072):
+            s = decode.window_num_kv_splits(n, 1, ctx, cpu)
+            assert s >= 1 and s & (s - 1) == 0, (n, ctx, s)
+            assert s == 1 or ctx // s >= 256, (n, ctx, s)
+            assert s <= max(1, 132 // n), (n, ctx, s)
+
+    grids = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return lambda *a, **k: None
+    for name in ("mla_decode_partial_t_kernel", "mla_decode_partial_fold_kernel",
+                 "mla_decode_reduce_kernel"):
+        monkeypatch.setattr(triton_decode, name, Spy())
+    monkeypatch.setattr(decode, "check_kernel_device", lambda t: None)
+    H, rank, rope, page = 32, 512, 64, 16
+    kv = torch.zeros(8, page, rank + rope, dtype=torch.bfloat16)
+    for window in (3, 5, 9):
+        for config in (None, decode.fold_config(H, torch.bfloat16)):
+            grids.clear()
+            B = 16 * window
+            q = torch.zeros(B, H, rank + rope, dtype=torch.bfloat16)
+            table = torch.zeros(B, 512, dtype=torch.int32)      # 8192 keys of context
+            lens = torch.full((B,), 8192, dtype=torch.int32)
+            decode.mla_decode(q, kv, table, lens, 0.1, rank, rows_per_seq=window, config=config)
+            assert grids[0][1] == 8, (window, config, grids[0])   # 16 sequences: 8 splits

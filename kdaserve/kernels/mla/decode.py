@@ -79,6 +79,18 @@ def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
     return max(1, min(want, cap, max_splits))
 
 
+def window_num_kv_splits(num_seqs: int, num_head_groups: int, max_context: int,
+                         device: torch.device) -> int:
+    """Context partitions of verify windows (mla_decode rows_per_seq > 1): a window's rows read
+    the same keys, so the partitions follow the sequences, not the rows: about one wave of
+    (sequence, partition, head group) programs, a power of two, >= 256 keys each
+    (bench_batch.py --mla-rows-per-seq 9: at 8 / 16 / 32 windows of 9 rows and 8K context,
+    16 / 8 / 4 splits were the fastest). Shapes only, so a captured graph keeps its grid."""
+    n = choose_num_kv_splits(num_seqs, num_head_groups, max_context, device,
+                             min_tokens_per_split=256, waves=1)
+    return 1 << (n.bit_length() - 1)
+
+
 def _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, rope=None):
     """rope: the separate q_pe's width (q then holds only the latent part)."""
     if q.dim() != 3:
@@ -135,12 +147,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     num_kv_splits: context partitions per sequence; default from the shapes (batch size and
     max_seq_len, which defaults to max_blocks * block_size), so CUDA-graph replays keep one grid.
     rows_per_seq > 1: every run of that many rows is one sequence's verify window (equal block
-    table rows). The default split count then follows the number of sequences, not rows: a
-    window's rows read the same context, so they run concurrently from L2 and the sequence
-    count alone sets how many partitions fill the GPU (bench_batch.py --mla-rows-per-seq 9: at
-    8 / 16 / 32 windows of 9 rows and 8K context, 16 / 8 / 4 splits were the fastest). With
-    config.rows > 1 (fold_config) a program also takes that many rows of a window as its MMA
-    columns.
+    table rows); the default split count then follows the sequences (window_num_kv_splits).
+    With config.rows > 1 (fold_config) a program also takes that many rows of a window as its
+    MMA columns.
     pdl: both launches (partial, reduce) with programmatic dependent launch (module docstring).
     prefetch_kv (with pdl; not with config.transposed): the partial kernel reads seq_lens, the
     block table and its partition's first cache tile before griddepcontrol.wait, so the
@@ -183,9 +192,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * page
     if num_kv_splits is None:
-        if rows_per_seq > 1:   # rows of one window share their context: split by sequences
-            num_kv_splits = choose_num_kv_splits(B // rows_per_seq, head_groups, max_seq_len,
-                                                 q.device, min_tokens_per_split=256, waves=1)
+        if rows_per_seq > 1:
+            num_kv_splits = window_num_kv_splits(B // rows_per_seq, head_groups, max_seq_len,
+                                                 q.device)
         else:
             num_kv_splits = choose_num_kv_splits(row_groups, head_groups, max_seq_len, q.device,
                                                  waves=1 if cfg.transposed else 2)
