@@ -154,16 +154,28 @@ def device_trace(engine: LLMEngine, steps: int, top: int = 25) -> dict:
     if not kernels:
         return None
     busy, _ = busy_and_gaps(kernels)
-    per_name = {}
+    per_name, each = {}, {}
     for s, e, name in kernels:
         t, n = per_name.get(name, (0.0, 0))
         per_name[name] = (t + e - s, n + 1)
+        each.setdefault(name, []).append(e - s)
     span = max(e for _, e, _ in kernels) - kernels[0][0]
     rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"busy_ms_per_step": busy / 1e3 / steps, "span_ms_per_step": span / 1e3 / steps,
             "kernels_per_step": len(kernels) / steps,
             "top_kernels": [{"name": name[:100], "ms_per_step": t / 1e3 / steps,
-                             "calls_per_step": n / steps} for name, (t, n) in rows]}
+                             "calls_per_step": n / steps,
+                             "us_by_position": _by_position(each[name], steps)}
+                            for name, (t, n) in rows]}
+
+
+def _by_position(times_us: list[float], steps: int, most: int = 12) -> list[float] | None:
+    """Mean time of a kernel's k-th launch within a step (e.g. each top-p search pass), for
+    kernels launched the same small number of times every step; None otherwise."""
+    if len(times_us) % steps or not 1 < len(times_us) // steps <= most:
+        return None
+    per = len(times_us) // steps
+    return [round(sum(times_us[k::per]) / steps, 2) for k in range(per)]
 
 
 def main() -> None:
