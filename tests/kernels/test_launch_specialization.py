@@ -155,6 +155,37 @@ def test_mla_decode_one_specialisation(monkeypatch, return_lse):
     _one_key_each(keys, f"return_lse={return_lse}")
 
 
+def test_mla_verify_windows_one_specialisation(monkeypatch):
+    """Verify windows (rows_per_seq > 1, split by sequences), folded and not: 1..12 windows of
+    2..9 rows over block tables of 1..64 pages and q at a row offset of a larger projection;
+    each kernel has one key."""
+    from kdaserve.kernels.mla import decode, triton_decode
+
+    keys = _record(monkeypatch, triton_decode, ["mla_decode_partial_t_kernel",
+                                                "mla_decode_partial_fold_kernel",
+                                                "mla_decode_reduce_kernel"])
+    monkeypatch.setattr(decode, "check_kernel_device", lambda t: None)
+    H, rank, rope, page = 32, 32, 8, 16
+    kv = torch.randn(64, page, rank + rope, dtype=torch.bfloat16)
+    fold = decode.fold_config(H, torch.bfloat16)
+    transposed = decode.default_config(64, H, torch.bfloat16)
+    for n in range(1, 13):
+        for window in (2, 3, 5, 9):
+            B = n * window
+            for width in (1, 3, 8, 64):
+                for offset in (0, 1):
+                    proj = torch.randn(offset + B, H, rank + rope, dtype=torch.bfloat16)[offset:]
+                    q, q_pe = proj[..., :rank], proj[..., rank:]
+                    table = torch.zeros(B, width, dtype=torch.int32)
+                    lens = torch.full((B,), width * page, dtype=torch.int32)
+                    for cfg in (fold, transposed):
+                        decode.mla_decode(q, kv, table, lens, 0.1, rank, q_pe=q_pe,
+                                          rows_per_seq=window, config=cfg)
+    _one_key_each(keys, "verify windows")
+    assert set(keys) == {"mla_decode_partial_t_kernel", "mla_decode_partial_fold_kernel",
+                         "mla_decode_reduce_kernel"}
+
+
 # ---------------------------------------------------------------------------------------------
 # KDA (fla's fused recurrent kernel)
 # ---------------------------------------------------------------------------------------------
