@@ -296,7 +296,7 @@ def main(argv=None) -> int:
     if "kda" in cases:
         for n in batches:
             bench_kda(rows, ceil, n, time.time() + per['kda'])
-    if "kda_verify" in cases:   # batches count requests here (windows of 1 + K = 9 tokens)
+    if "kda_verify" in cases:   # --verify-requests windows of 1 + K = 9 tokens
         for n in map(int, args.verify_requests.split(",")):
             bench_kda_verify(rows, ceil, n, time.time() + per['kda_verify'])
     if "mla" in cases:

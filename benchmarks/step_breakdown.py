@@ -138,7 +138,7 @@ def graph_replay_times(engine: LLMEngine, batch: int, reps: int = 20) -> dict[st
         return {}
     size = graphs.padded_size(batch)
     return {f"{d.mode.name.lower()}/{d.stage}/{d.num_reqs}x{d.tokens_per_req}":
-            replay_ms(graphs.graph(d), reps) for d in list(graphs._graphs) if d.num_reqs == size}
+            replay_ms(graphs.graph(d), reps) for d in graphs.batches() if d.num_reqs == size}
 
 
 def device_trace(engine: LLMEngine, steps: int, top: int = 25) -> dict:

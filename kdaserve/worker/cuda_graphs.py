@@ -58,6 +58,10 @@ class CudaGraphManager:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def batches(self) -> list[BatchDescriptor]:
+        """The descriptors of the captured graphs, in capture order."""
+        return list(self._graphs)
+
     def capture(self, batch: BatchDescriptor, work: Callable[[], Any], warmups: int = 2) -> Any:
         """Run `work` eagerly `warmups` times (autotuning and lazy init stay out of the
         capture), capture it, and replay it once so that the graph's upload happens at

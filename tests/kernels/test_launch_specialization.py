@@ -127,6 +127,15 @@ def test_fused_moe_gemms_one_specialisation(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
+def _mla_rows(B: int, H: int, rank: int, rope: int, width: int, page: int, offset: int = 0):
+    """q [B, H, rank] and q_pe [B, H, rope] as views of one projection starting `offset` rows
+    into it, a zero block table of `width` pages, and full lengths."""
+    proj = torch.randn(offset + B, H, rank + rope, dtype=torch.bfloat16)[offset:]
+    table = torch.zeros(B, width, dtype=torch.int32)
+    lens = torch.full((B,), width * page, dtype=torch.int32)
+    return proj[..., :rank], proj[..., rank:], table, lens
+
+
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_mla_decode_one_specialisation(monkeypatch, return_lse):
     """Batch sizes 1..40 over block tables of 1..64 pages: the split count (and with it the
@@ -143,10 +152,7 @@ def test_mla_decode_one_specialisation(monkeypatch, return_lse):
     splits = set()
     for B in range(1, 41):
         for width in (1, 3, 8, 64):
-            proj = torch.randn(B, H, rank + rope, dtype=torch.bfloat16)
-            q, q_pe = proj[..., :rank], proj[..., rank:]
-            table = torch.zeros(B, width, dtype=torch.int32)
-            lens = torch.full((B,), width * page, dtype=torch.int32)
+            q, q_pe, table, lens = _mla_rows(B, H, rank, rope, width, page)
             decode.mla_decode(q, kv, table, lens, 0.1, rank, q_pe=q_pe, return_lse=return_lse)
             cfg = decode.default_config(B, H, q.dtype)
             splits.add(decode.choose_num_kv_splits(B, -(-H // cfg.block_h), width * page,
@@ -174,10 +180,7 @@ def test_mla_verify_windows_one_specialisation(monkeypatch):
             B = n * window
             for width in (1, 3, 8, 64):
                 for offset in (0, 1):
-                    proj = torch.randn(offset + B, H, rank + rope, dtype=torch.bfloat16)[offset:]
-                    q, q_pe = proj[..., :rank], proj[..., rank:]
-                    table = torch.zeros(B, width, dtype=torch.int32)
-                    lens = torch.full((B,), width * page, dtype=torch.int32)
+                    q, q_pe, table, lens = _mla_rows(B, H, rank, rope, width, page, offset)
                     for cfg in (fold, transposed):
                         decode.mla_decode(q, kv, table, lens, 0.1, rank, q_pe=q_pe,
                                           rows_per_seq=window, config=cfg)

@@ -167,7 +167,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             raise ValueError(f"q and q_pe dtypes differ: {q.dtype}, {q_pe.dtype}")
     rope_dim = q_pe.shape[-1] if q_pe is not None else None
     _check_mla_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, rope_dim)
-    from kdaserve.kernels.mla.triton_decode import (mla_decode_partial_kernel,
+    from kdaserve.kernels.mla.triton_decode import (mla_decode_partial_fold_kernel,
+                                                    mla_decode_partial_kernel,
                                                     mla_decode_partial_t_kernel,
                                                     mla_decode_reduce_kernel)
 
@@ -187,8 +188,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if rows_per_seq < 1 or B % rows_per_seq:
         raise ValueError(f"rows_per_seq must be >= 1 and divide the {B} rows, got "
                          f"{rows_per_seq}")
-    # programs per (split, head group): one per row, or per config.rows rows of a sequence
-    row_groups = (B // rows_per_seq) * cdiv(rows_per_seq, cfg.rows) if fold else B
     if max_seq_len is None:
         max_seq_len = block_table.shape[1] * page
     if num_kv_splits is None:
@@ -196,7 +195,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             num_kv_splits = window_num_kv_splits(B // rows_per_seq, head_groups, max_seq_len,
                                                  q.device)
         else:
-            num_kv_splits = choose_num_kv_splits(row_groups, head_groups, max_seq_len, q.device,
+            num_kv_splits = choose_num_kv_splits(B, head_groups, max_seq_len, q.device,
                                                  waves=1 if cfg.transposed else 2)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
@@ -225,9 +224,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                   PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                   DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl_opts)
-    if fold:
-        from kdaserve.kernels.mla.triton_decode import mla_decode_partial_fold_kernel
-
+    if fold:   # one program per config.rows rows of a window
+        row_groups = (B // rows_per_seq) * cdiv(rows_per_seq, cfg.rows)
         mla_decode_partial_fold_kernel[(row_groups, num_kv_splits, head_groups)](
             *args, rows_per_seq, B, ROWS=cfg.rows, **consts)
     elif cfg.transposed:
