@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -29,8 +30,11 @@ from bench_layers import (bench_graph_ms, bench_ms, pick_cases, start_gpu_run,  
 
 from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_varlen, varlen_tiles  # noqa: E402
 from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
-from kdaserve.kernels.moe.router import RouterGemmConfig, router_logits  # noqa: E402
+from kdaserve.kernels.moe.router import (ROUTER_GEMM_MIN_ROWS, RouterGemmConfig,  # noqa: E402
+                                         RouterPartialsPlan, moe_topk_sigmoid, router_logits,
+                                         router_partials, router_partials_plan)
 from kdaserve.kernels.norm.rms_norm import gated_norm_tiles, rms_norm_gated  # noqa: E402
+from kdaserve.kernels.utils import cdiv  # noqa: E402
 
 HIDDEN, EXPERTS, HEADS, HEAD_DIM, CONV_W = 2304, 256, 32, 128, 4
 MLA_HEADS, QK_DIM, V_DIM = 32, 192, 128
@@ -61,12 +65,48 @@ def run_candidates(rows, name, floor_ms, candidates, deadline, timer=bench_ms):
     rows.append(row)
 
 
+def router_partials_plans(T: int) -> list[RouterPartialsPlan]:
+    """router_partials' default plan at T rows, then the same tiles at the other split counts
+    and a few other tiles at the default splits."""
+    base = router_partials_plan(T, EXPERTS, HIDDEN, torch.cuda.get_device_properties(0)
+                                .multi_processor_count)
+    plans = [base]
+    for splits in (1, 2, 4, 8, 16):
+        k_split = cdiv(cdiv(HIDDEN, splits), base.block_k) * base.block_k
+        p = replace(base, splits=cdiv(HIDDEN, k_split), k_split=k_split)
+        if p not in plans:
+            plans.append(p)
+    for bm, bn, bk, warps in ((16, 16, 32, 4), (16, 8, 64, 4), (16, 4, 32, 2), (8, 8, 32, 2)):
+        k_split = cdiv(base.k_split, bk) * bk
+        plans.append(replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                             k_split=k_split, splits=cdiv(HIDDEN, k_split)))
+    return plans
+
+
 def case_router(rows, ceil, T, deadline):
     x = torch.randn(T, HIDDEN, device="cuda").bfloat16()
     w = torch.randn(EXPERTS, HIDDEN, device="cuda") * HIDDEN ** -0.5
     flops = 2 * T * HIDDEN * EXPERTS * 3                       # three bf16 products per weight
-    cands = [("cuBLAS fp32 (x.float() @ w.T)", lambda: F.linear(x.float(), w)),
-             ("router_logits default", lambda: router_logits(x, w))]
+    if T < ROUTER_GEMM_MIN_ROWS:
+        # below router_logits' rows the engine takes router_partials, whose K splits the top-k
+        # kernel adds: time each way with the top-k launch that consumes its logits
+        bias = torch.zeros(EXPERTS, device="cuda")
+
+        def routed(logits_fn):
+            return lambda: moe_topk_sigmoid(logits_fn(), bias, 8, True, 2.446,
+                                            extra_expert=EXPERTS)
+
+        cands = [("router_partials + top-k (default)", routed(lambda: router_partials(x, w))),
+                 ("cuBLAS fp32 + top-k", routed(lambda: F.linear(x.float(), w))),
+                 ("router_logits default + top-k", routed(lambda: router_logits(x, w)))]
+        for plan in router_partials_plans(T)[1:]:
+            cands.append((f"router_partials {plan} + top-k",
+                          routed(lambda plan=plan: router_partials(x, w, plan))))
+        run_candidates(rows, f"router+topk T={T}", flops / (ceil["bf16_gemm_TFLOPs"] * 1e9),
+                       cands, deadline, timer=bench_graph_ms)
+        return
+    cands = [("router_logits default", lambda: router_logits(x, w)),
+             ("cuBLAS fp32 (x.float() @ w.T)", lambda: F.linear(x.float(), w))]
     big = [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3),
            (64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 32, 8, 4), (64, 64, 64, 4, 4)]
     small = [(64, 128, 64, 4, 3), (16, 32, 128, 4, 3), (16, 32, 64, 4, 3), (16, 64, 128, 4, 3),

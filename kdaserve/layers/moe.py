@@ -12,10 +12,10 @@ from torch import nn
 from kdaserve.config.model_args import MXFP4_BLOCK, KimiLinearArgs
 from kdaserve.distributed.comm import GroupComm
 from kdaserve.kernels import reference as ref
-from kdaserve.kernels.moe.router import use_router_logits
+from kdaserve.kernels.moe.router import use_router_logits, use_router_partials
 from kdaserve.layers.activation import SILU, GatedAct, gated_act
 from kdaserve.layers.backends import LayerBackends
-from kdaserve.layers.linear import linear
+from kdaserve.layers.linear import linear, use_gemv
 from kdaserve.layers.mlp import MLP
 from kdaserve.layers.parallel import ShardSpec, divide
 
@@ -40,12 +40,17 @@ class TopkRouter(nn.Module):
         only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
         when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM.
         Steps where kernels/moe/router.py use_router_logits holds take the tensor-core fp32
-        GEMM (router_logits) instead. pdl: the CUDA kernels launch with
-        programmatic dependent launch."""
+        GEMM (router_logits) instead; under the gemv backend, rows past the GEMV's and below
+        that take router_partials (K-split partial logits, summed by the top-k kernel). pdl:
+        the CUDA kernels launch with programmatic dependent launch."""
         if use_router_logits(x):
             from kdaserve.kernels.moe.router import router_logits
 
             logits = router_logits(x, self.weight, pdl=pdl)             # [N, E] fp32
+        elif self.gemv and not use_gemv(x, True) and use_router_partials(x):
+            from kdaserve.kernels.moe.router import router_partials
+
+            logits = router_partials(x, self.weight, pdl=pdl)           # [S, N, E] fp32
         elif x32 is not None:
             logits = F.linear(x32, self.weight)                           # [N, E] fp32
         else:

@@ -14,8 +14,9 @@ kernel_checks.patch_triton_interpreter()
 
 from kdaserve.kernels import reference as ref  # noqa: E402
 from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen  # noqa: E402,E501
-from kdaserve.kernels.moe.router import (RouterGemmConfig, moe_topk_sigmoid,  # noqa: E402
-                                         router_gemm_config, router_logits)
+from kdaserve.kernels.moe.router import (RouterGemmConfig, RouterPartialsPlan,  # noqa: E402
+                                         moe_topk_sigmoid, router_gemm_config, router_logits,
+                                         router_partials, router_partials_plan)
 from kdaserve.kernels.norm.rms_norm import add_rms_norm, rms_norm_gated  # noqa: E402
 
 
@@ -97,9 +98,46 @@ def check_router_logits() -> None:
         assert err < 1e-6 * want.abs().max().item() * d ** 0.5, err
 
 
+def check_router_partials() -> None:
+    """bf16 x against fp32 weights in K splits: the partials summed in split order are the fp32
+    GEMM (to fp32 rounding) at the planned splits (one, two and several; masked and unmasked
+    K; partial row and expert tiles) and at a given plan, and the top-k kernel over the
+    partials selects and weighs what it does over their sum."""
+    torch.manual_seed(4)
+    cases = [(9, 64, 256, None), (1, 40, 100, None), (20, 24, 200, None), (70, 40, 64, None),
+             (5, 16, 96, RouterPartialsPlan(16, 8, 32, 3, 32, 4, 1))]
+    for n, e, d, plan in cases:
+        x = torch.randn(n, d).bfloat16()
+        w = torch.randn(e, d) * 0.05
+        want = torch.nn.functional.linear(x.double(), w.double())
+        part = router_partials(x, w, plan)
+        p = plan or router_partials_plan(n, e, d)
+        assert part.dtype == torch.float32 and part.shape == (p.splits, n, e), part.shape
+        total = part[0].clone()
+        for s in range(1, p.splits):
+            total += part[s]
+        err = (total.double() - want).abs().max().item()
+        assert err < 1e-6 * want.abs().max().item() * d ** 0.5, err
+        bias = torch.randn(e) * 0.1
+        k = min(4, e)
+        got = moe_topk_sigmoid(part, bias, k, True, 2.5, extra_expert=e)
+        summed = moe_topk_sigmoid(total, bias, k, True, 2.5, extra_expert=e)
+        assert torch.equal(got[0], summed[0]) and torch.equal(got[1], summed[1])
+    assert [router_partials_plan(n, 256, 2304).splits for n in (1, 16, 17, 33, 64, 65)] == \
+        [8, 8, 4, 2, 2, 1]
+    try:
+        router_partials(torch.randn(3, 64).bfloat16(), torch.randn(8, 64),
+                        RouterPartialsPlan(16, 8, 32, 1, 48, 4, 1))
+    except ValueError as e:
+        assert "k_split must be a multiple of block_k" in str(e), e
+    else:
+        raise AssertionError("a plan whose k_split is not a multiple of block_k was accepted")
+
+
 if __name__ == "__main__":
     check_conv_split()
     check_router_extra()
     check_router_logits()
+    check_router_partials()
     check_norms()
     print("ok")

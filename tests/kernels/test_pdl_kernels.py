@@ -261,6 +261,9 @@ SPECS = [
     KernelSpec("topk_sigmoid no bias", "kdaserve.kernels.moe.triton_router",
                "topk_sigmoid_kernel", _TOPK_PTRS, dict(_TOPK, HAS_BIAS=False), num_warps=2,
                floats=("scaling",)),
+    KernelSpec("router partials", "kdaserve.kernels.moe.triton_router", "router_partials_kernel",
+               dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32"),
+               dict(BLOCK_M=16, BLOCK_N=8, BLOCK_K=32, EVEN_K=True, STAGES=3)),
     KernelSpec("moe align small", _MOE, "moe_align_small_kernel",
                {**_ids("topk_ids_ptr", "sorted_ids_ptr"), **_ALIGN_IDS},
                dict(BLOCK_M=16, BLOCK_T=64, BLOCK_E=512)),
@@ -488,13 +491,20 @@ def assert_same(name: str, on, off) -> None:
 
 
 def check_router(inp: Inputs) -> None:
-    """The decode router: the logits GEMV (fp32 out, the router's fp32 weight) and the top-k."""
+    """The decode router: the logits GEMV (fp32 out, the router's fp32 weight), the K-split
+    partial logits of a few rows (bf16 rows only) and the top-k over both."""
     from kdaserve.kernels.linear.gemv import gemv
-    from kdaserve.kernels.moe.router import moe_topk_sigmoid
+    from kdaserve.kernels.moe.router import moe_topk_sigmoid, router_partials
 
     sh = inp.sh
     runs = [gemv(inp.h, inp.router_w, out_dtype=F32, pdl=pdl) for pdl in (False, True)]
     assert_same("router logits gemv", runs[1], runs[0])
+    if inp.h.dtype == BF16:
+        parts = [router_partials(inp.h, inp.router_w, pdl=pdl) for pdl in (False, True)]
+        assert_same("router partials", parts[1], parts[0])
+        runs = [moe_topk_sigmoid(parts[0], inp.bias, sh.top_k, True, 2.446,
+                                 extra_expert=sh.experts, pdl=pdl) for pdl in (False, True)]
+        assert_same("moe_topk_sigmoid over partials", runs[1], runs[0])
     logits = inp.h.float() @ inp.router_w.T                                   # [M, E] fp32
     for bias in (inp.bias, None):
         runs = [moe_topk_sigmoid(logits, bias, sh.top_k, True, 2.446, extra_expert=sh.experts,

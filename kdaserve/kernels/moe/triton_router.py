@@ -1,5 +1,5 @@
-"""Triton kernels of the router (imported lazily by router.py): the sigmoid top-k selection and
-the logits GEMM of many-token steps."""
+"""Triton kernels of the router (imported lazily by router.py): the sigmoid top-k selection, the
+split-K partial logits of few-token steps, and the logits GEMM of many-token steps."""
 
 import triton
 import triton.language as tl
@@ -7,16 +7,19 @@ import triton.language as tl
 from kdaserve.kernels.triton_pdl import pdl_wait
 
 
-@triton.jit
+# num_parts and stride_lp follow the step's token count (router_partials' split plan): no
+# value specialisation, so a new batch size does not compile a new variant
+@triton.jit(do_not_specialize=["num_parts", "stride_lp"])
 def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts, stride_lt,
-                        scaling,
+                        scaling, num_parts, stride_lp,
                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                         EXTRA_ID: tl.constexpr = -1, USE_PDL: tl.constexpr = False):
     """One token per program: from its logits row [num_experts], sigmoid, selection bias, TOP_K
     rounds of argmax, renormalise, scale; stores TOP_K (weight, id) pairs. With EXTRA_ID >= 0
     one more column (weight 1, id EXTRA_ID) follows: the shared expert folded into the routed
-    ones.
+    ones. The row is the sum of num_parts partial rows stride_lp apart (router_partials_kernel's
+    K splits, added in split order; 1 for plain logits).
 
     One row per program keeps every reduction inside one or two warps: a 2-D [tokens, experts]
     tile per program spent most of the kernel's time on cross-warp argmax rounds.
@@ -32,8 +35,11 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
             bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0)
         tl.extra.cuda.gdc_wait()                  # the previous kernel's writes are visible
         tl.extra.cuda.gdc_launch_dependents()     # the next PDL kernel may start its preamble
-    logits = tl.load(logits_ptr + row * stride_lt + offs_e, mask=mask_e, other=0.0)
-    scores = tl.sigmoid(logits.to(tl.float32))                      # [BLOCK_E]
+    row_ptr = logits_ptr + row * stride_lt + offs_e
+    logits = tl.load(row_ptr, mask=mask_e, other=0.0).to(tl.float32)
+    for s in range(1, num_parts):
+        logits += tl.load(row_ptr + s * stride_lp, mask=mask_e, other=0.0).to(tl.float32)
+    scores = tl.sigmoid(logits)                                     # [BLOCK_E]
     select = scores
     if HAS_BIAS:
         if not USE_PDL:
@@ -105,3 +111,47 @@ def router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, stride_xm, stride_we, s
         b_ptrs += BLOCK_K
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "k_split", "stride_ps"])   # one build per model
+def router_partials_kernel(x_ptr, w_ptr, part_ptr, N, E, D, k_split, stride_xm, stride_we,
+                           stride_ps, stride_pm,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+    """part[s, n, e] = sum over k in [s * k_split, min((s + 1) * k_split, D)) of
+    x[n, k] * w[e, k]: bf16 x against the fp32 router weight with fp32 FMAs on the CUDA cores
+    (each product exact, the sums in fp32 like an fp32 GEMM's), one program per (BLOCK_M rows,
+    BLOCK_N experts, K split). The products accumulate elementwise in a [BLOCK_M, BLOCK_N,
+    BLOCK_K] tile reduced over K once, after the loop. The splits are what gives a few-token
+    step enough programs (16 rows x 256 experts are 32 tiles); topk_sigmoid_kernel adds them.
+    Rows past N and experts past E load clamped rows and are not stored. EVEN_K: D is a
+    multiple of BLOCK_K (k_split always is), so no K mask. STAGES: software pipelining of the K
+    loop (tl.range), as in the decode GEMV."""
+    pdl_wait(USE_PDL)
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_m = tl.minimum(offs_m, N - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, E - 1).to(tl.int64)
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, D)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]     # [BM, BK]
+    w_ptrs = w_ptr + rows_n[:, None] * stride_we + (k_lo + offs_k)[None, :]     # [BN, BK]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            mask_k = (k0 + offs_k) < k_hi
+            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=2)                                                   # [BM, BN]
+    o_ptrs = part_ptr + split * stride_ps + offs_m[:, None].to(tl.int64) * stride_pm \
+        + offs_n[None, :]
+    tl.store(o_ptrs, out, mask=(offs_m < N)[:, None] & (offs_n < E)[None, :])
