@@ -7,7 +7,8 @@ replay (bench_layers.bench_graph_ms: median, no launch overhead):
 - new:  tau = kdaserve.kernels.sample.top_p.top_k_top_p_threshold, then logits < tau -> -inf;
 - sort: kdaserve.sample.sampler.apply_top_k_top_p with the host flags the sampler would pass.
 floor = the masking's bytes (read + write the logits) / measured copy bandwidth. The logits are
-random normal, so the top-p nucleus is wide. Also records the mean kept tokens of both.
+random normal, so the top-p nucleus is wide. Also records the mean kept tokens of both, and with
+--tiles the new path at other search-pass tiles (tokens a step, warps).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def make_case(batch: int, vocab: int, top_k: int, top_p: float):
     return logits, k, p
 
 
-def new_path(logits, k, p):
+def new_path(logits, k, p, tiles=None):
     from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
 
-    tau = top_k_top_p_threshold(logits, k, p)  # [B]
+    tau = top_k_top_p_threshold(logits, k, p, tiles=tiles)  # [B]
     return logits.masked_fill(logits < tau.unsqueeze(1), float("-inf"))
 
 
@@ -46,7 +47,8 @@ def sort_path(logits, k, p, top_k: int):
     return apply_top_k_top_p(logits, k, p, max_top_k=top_k, all_top_k=top_k > 0)
 
 
-def bench_case(batch: int, vocab: int, name: str, copy_gbps: float) -> dict:
+def bench_case(batch: int, vocab: int, name: str, copy_gbps: float,
+               tiles: list[tuple[int, int]]) -> dict:
     from bench_layers import bench_graph_ms
 
     top_k, top_p = SETTINGS[name]
@@ -58,24 +60,33 @@ def bench_case(batch: int, vocab: int, name: str, copy_gbps: float) -> dict:
     floor_ms = 2 * logits.numel() * 4 / (copy_gbps * 1e6)
     print(f"batch {batch:>3}  {name:<22} new {new_ms * 1e3:8.1f} us  sort {sort_ms * 1e3:8.1f} us"
           f"  floor {floor_ms * 1e3:6.1f} us  kept {kept_new:.1f} vs {kept_sort:.1f}", flush=True)
+    by_tiles = {}
+    for t in tiles:
+        by_tiles[f"{t[0]}x{t[1]}"] = ms = bench_graph_ms(lambda t=t: new_path(logits, k, p, t))
+        print(f"batch {batch:>3}  {name:<22} new, search tiles {t}: {ms * 1e3:8.1f} us",
+              flush=True)
     return {"batch": batch, "setting": name, "new_ms": new_ms, "sort_ms": sort_ms,
             "floor_ms": floor_ms, "speedup": sort_ms / new_ms, "kept_new": kept_new,
-            "kept_sort": kept_sort}
+            "kept_sort": kept_sort, "new_ms_by_search_tiles": by_tiles}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--tiles", default="",
+                    help="search-pass tiles to time besides the default, as TOKENSxWARPS "
+                         "comma list (e.g. 64x1,128x2,512x4,1024x8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    tiles = [tuple(int(v) for v in t.split("x")) for t in args.tiles.split(",") if t]
     if not torch.cuda.is_available():
         raise SystemExit("bench_top_p.py needs a CUDA GPU")
     from bench_layers import bench_meta, measure_ceilings, write_results
 
     t0 = time.time()
     ceil = measure_ceilings()
-    rows = [bench_case(int(b), args.vocab, name, ceil["copy_GBps"])
+    rows = [bench_case(int(b), args.vocab, name, ceil["copy_GBps"], tiles)
             for b in args.batches.split(",") for name in SETTINGS]
     write_results(args.out, bench_meta(vocab=args.vocab), t0, ceil, rows)
 

@@ -16,7 +16,8 @@
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
-# 4096), layers; each has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# 4096), topp (bench_top_p.py at TOPP_BATCHES rows and TOPP_TILES search tiles), layers; each
+# has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS='--optimization-config {"pdl":false}' (or "decode_gemv", "fused_kda_decode"; no
 # spaces in the JSON: the variable is word-split) times the engine without a default kernel choice.
 #
@@ -136,10 +137,15 @@ if [[ $STAGES == *offload* ]]; then   # W2-shaped offload tier: cold / device / 
   timeout ${OFFLOAD_TIMEOUT:-360} python3 benchmarks/bench_offload.py /tmp/k48 --disk /tmp/offload \
     --out "$OUT/offload.json" ${OFFLOAD_ARGS:-} 2>&1 | grep -v Warn | tail -60 | tee "$OUT/offload.log"
 fi
-if [[ $STAGES == *router* ]]; then   # the router's fp32 logits: cuBLAS against router_logits tiles
-  timeout ${ROUTER_TIMEOUT:-150} python3 benchmarks/bench_prefill.py --cases router \
-    --tokens ${ROUTER_TOKENS:-9,36,144,288,1024,2048} --time-budget 100 --out "$OUT/router.json" \
-    2>&1 | grep -v Warn | tail -50 | tee "$OUT/router.log"
+if [[ $STAGES == *router* ]]; then   # the router's fp32 logits: router_partials / cuBLAS / router_logits
+  timeout ${ROUTER_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --cases router \
+    --tokens ${ROUTER_TOKENS:-3,9,16,64,144,288,1023,2048} --time-budget 150 --out "$OUT/router.json" \
+    2>&1 | grep -v Warn | tail -80 | tee "$OUT/router.log"
+fi
+if [[ $STAGES == *topp* ]]; then   # the top-p threshold search at decode and verify rows, by search tiles
+  timeout ${TOPP_TIMEOUT:-150} python3 benchmarks/bench_top_p.py --batches ${TOPP_BATCHES:-1,16,144} \
+    --tiles ${TOPP_TILES:-64x1,128x1,128x2,512x4,1024x8} --out "$OUT/top_p.json" 2>&1 \
+    | grep -v Warn | tail -60 | tee "$OUT/top_p.log"
 fi
 if [[ $STAGES == *layers* ]]; then
   timeout 200 python3 benchmarks/bench_layers.py --out "$OUT/layers.json" 2>&1 | tail -30 | tee "$OUT/layers.log"

@@ -118,6 +118,8 @@ def run_interpreter_cases(V: int = 2000) -> None:
                     *make_settings(p_rows, V, "cpu", use_k=False))
     check_threshold("8 pivots x 8 passes", make_logits("normal", 3, V, "cpu", seed=10),
                     *make_settings(_mixed(2, 3), V, "cpu"), num_pivots=8, passes=8)
+    check_threshold("64-token steps, 1 warp", make_logits("normal", 3, V, "cpu", seed=11),
+                    *make_settings(_mixed(4, 3), V, "cpu"), tiles=(64, 1))
     for v in (1, 37):                                   # one block, one split
         check_threshold(f"V={v}", make_logits("normal8", 3, v, "cpu", seed=v),
                         *make_settings([(1, 0.5), ("V", 0.9), (2, 1.0)], v, "cpu"))
@@ -185,6 +187,7 @@ def test_refuses_cpu_tensors_without_interpreter():
     ((torch.randn(2, 10), None, torch.ones(2, dtype=torch.float64)), {}, "top_p .*float64"),
     ((torch.randn(2, 10), None, torch.ones(2)), {"num_pivots": 24}, "got 24"),
     ((torch.randn(2, 10), None, torch.ones(2)), {"passes": 0}, "passes .*got 0"),
+    ((torch.randn(2, 10), None, torch.ones(2)), {"tiles": (96, 4)}, r"tiles .*\(96, 4\)"),
 ])
 def test_bad_inputs_name_the_value(args, kw, match):
     from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
@@ -215,6 +218,8 @@ def test_threshold_gpu(B):
     top_k, top_p = make_settings(_mixed(0, B), VOCAB, "cuda")
     check_threshold(f"int64 top_k B={B}", x, top_k.long(), top_p)
     check_threshold(f"16 pivots x 8 passes B={B}", x, top_k, top_p, num_pivots=16, passes=8)
+    for tiles in ((64, 1), (128, 2), (1024, 8)):      # bench_top_p.py's --tiles candidates
+        check_threshold(f"tiles {tiles} B={B}", x, top_k, top_p, tiles=tiles)
 
 
 @pytest.mark.gpu

@@ -17,7 +17,8 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
 
 def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = None,
                           top_p: torch.Tensor | None = None, *, num_pivots: int = 32,
-                          passes: int = 6) -> torch.Tensor:
+                          passes: int = 6, tiles: tuple[int, int] | None = None
+                          ) -> torch.Tensor:
     """logits [B, V] fp32 contiguous (temperature applied, -inf for bans, one finite value per
     row); top_k [B] int32/int64 or None (<= 0: off for the row; k > V means V); top_p [B] fp32
     or None (>= 1: off for the row; values in (0, 1]).
@@ -25,8 +26,13 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = Non
     Returns tau [B] fp32: keep the tokens with logits >= tau. tau = max(tk, tp) with tk the
     k-th largest logit and tp the highest logit whose tokens at or above it (and at or above tk)
     hold top_p of the mass of the tokens at or above tk; -inf for a row with both filters off.
+    tiles: (tokens a search program takes per step, its warps), powers of two, for benchmarks;
+    default SEARCH_TILES on CUDA. The threshold does not depend on them beyond fp rounding.
     """
     _check_inputs(logits, top_k, top_p, num_pivots, passes)
+    if tiles is not None and not all(isinstance(t, int) and t >= 1 and t & (t - 1) == 0
+                                     for t in tiles):
+        raise ValueError(f"tiles must be two powers of two (block, num_warps), got {tiles}")
     B, V = logits.shape
     tau = torch.full((B,), float("-inf"), dtype=torch.float32, device=logits.device)
     if (top_k is None and top_p is None) or B == 0:
@@ -36,7 +42,9 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = Non
     from kdaserve.kernels.sample.triton_top_p import (finish_kernel, search_pass_kernel,
                                                       split_stats_kernel)
 
-    S, split_len, block, red_s = _launch_config(B, V, logits.device)
+    S, split_len, block, red_s = _launch_config(B, V, logits.device,
+                                                tiles[0] if tiles else None)
+    warps = tiles[1] if tiles else SEARCH_TILES[1]
     searches = [False] * (passes if top_k is not None else 0) + \
         [True] * (passes if top_p is not None else 0)                   # MASS flag per launch
     P = num_pivots
@@ -53,7 +61,7 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = Non
         search_pass_kernel[(B, S)](
             logits, stats, state[max(t - 1, 0)], part[(t - 1) % 2], state[t], part[t % 2],
             k_arg, p_arg, V, S, split_len,
-            PREV=prev, MASS=mass, P=P, BLOCK=block, RED_S=red_s, num_warps=4)
+            PREV=prev, MASS=mass, P=P, BLOCK=block, RED_S=red_s, num_warps=warps)
         prev = _prev_mode(mass, prev)
     last = len(searches) - 1
     finish_kernel[(B,)](state[last], part[last % 2], k_arg, p_arg, tau, V, S,
@@ -69,7 +77,12 @@ def _prev_mode(mass: bool, prev: int) -> int:
     return 3 if prev >= 2 else 2
 
 
-def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int, int]:
+SEARCH_TILES = (256, 4)
+"""(tokens per step, warps) of a search program on CUDA."""
+
+
+def _launch_config(B: int, V: int, device: torch.device,
+                   block: int | None = None) -> tuple[int, int, int, int]:
     """(splits S, tokens per split, BLOCK, splits reduced per step).
 
     S depends on V only, not on B: the kernels' integer arguments then specialise the same way
@@ -79,9 +92,11 @@ def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int,
     program's reduction over S partials stays small. On the interpreter everything is small so
     every loop runs several times."""
     if device.type == "cuda":
-        block, red_s, want = 256, 32, max(1, min(num_sms(device) // 2, 64))
+        red_s, want = 32, max(1, min(num_sms(device) // 2, 64))
+        block = block or SEARCH_TILES[0]
     else:
-        block, red_s, want = 256, 2, 3
+        red_s, want = 2, 3
+        block = block or 256
     blocks = cdiv(V, block)
     split_len = cdiv(blocks, min(want, blocks)) * block
     return cdiv(V, split_len), split_len, block, red_s

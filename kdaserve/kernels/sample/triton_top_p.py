@@ -128,11 +128,13 @@ def _advance(row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S,
 def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
                 MASS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
     """One slice -> (weight of the tokens in [lo, hi) at or above each pivot [P],
-    [weight of l >= hi, total weight] [2]), fp32 per block, fp64 across blocks. Blocks with no
-    token in [lo, hi) skip the [BLOCK, P] compare (most blocks, once the window is narrow)."""
+    [weight of l >= hi, total weight] [2]). The window sums are fp32 per block, fp64 across
+    blocks; the edge sums accumulate per element in fp64 and reduce once after the loop, so a
+    block costs one cross-thread reduction (whether any token is inside), not three. Blocks with
+    no token in [lo, hi) skip the [BLOCK, P] compare (most blocks, once the window is narrow)."""
     window = tl.zeros([P], tl.float64)
-    edge = tl.zeros([2], tl.float64)
-    e = tl.arange(0, 2)
+    above = tl.zeros([BLOCK], tl.float64)
+    total = tl.zeros([BLOCK], tl.float64)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         lg = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf"))  # [BLOCK]
@@ -140,12 +142,14 @@ def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
             w = tl.where(lg >= tk, tl.exp(lg - row_max), 0.0)
         else:
             w = tl.where(lg > float("-inf"), 1.0, 0.0)
-        above = tl.sum(tl.where(lg >= hi, w, 0.0), axis=0)
-        edge += tl.where(e == 0, above, tl.sum(w, axis=0)).to(tl.float64)
+        above += tl.where(lg >= hi, w, 0.0).to(tl.float64)
+        total += w.to(tl.float64)
         inside = (lg >= lo) & (lg < hi)
         if tl.max(inside.to(tl.int32), axis=0) > 0:
             hit = (lg[:, None] >= piv[None, :]) & inside[:, None]     # [BLOCK, P]
             window += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0).to(tl.float64)
+    e = tl.arange(0, 2)
+    edge = tl.where(e == 0, tl.sum(above, axis=0), tl.sum(total, axis=0))   # [2]
     return window, edge
 
 
