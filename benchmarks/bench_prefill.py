@@ -30,7 +30,8 @@ from bench_layers import (bench_graph_ms, bench_ms, pick_cases, start_gpu_run,  
 
 from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_varlen, varlen_tiles  # noqa: E402
 from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
-from kdaserve.kernels.moe.router import (ROUTER_GEMM_MIN_ROWS, RouterGemmConfig,  # noqa: E402
+from kdaserve.kernels.moe.router import (ROUTER_GEMM_MIN_ROWS,  # noqa: E402
+                                         ROUTER_PARTIALS_MAX_ROWS, RouterGemmConfig,
                                          RouterPartialsPlan, moe_topk_sigmoid, router_logits,
                                          router_partials, router_partials_plan)
 from kdaserve.kernels.norm.rms_norm import gated_norm_tiles, rms_norm_gated  # noqa: E402
@@ -88,17 +89,20 @@ def case_router(rows, ceil, T, deadline):
     w = torch.randn(EXPERTS, HIDDEN, device="cuda") * HIDDEN ** -0.5
     flops = 2 * T * HIDDEN * EXPERTS * 3                       # three bf16 products per weight
     if T < ROUTER_GEMM_MIN_ROWS:
-        # below router_logits' rows the engine takes router_partials, whose K splits the top-k
-        # kernel adds: time each way with the top-k launch that consumes its logits
+        # below router_logits' rows the engine takes router_partials (up to
+        # ROUTER_PARTIALS_MAX_ROWS) or cuBLAS; router_partials' K splits are added by the top-k
+        # kernel, so each way is timed with the top-k launch that consumes its logits
         bias = torch.zeros(EXPERTS, device="cuda")
 
         def routed(logits_fn):
             return lambda: moe_topk_sigmoid(logits_fn(), bias, 8, True, 2.446,
                                             extra_expert=EXPERTS)
 
-        cands = [("router_partials + top-k (default)", routed(lambda: router_partials(x, w))),
+        cands = [("router_partials + top-k", routed(lambda: router_partials(x, w))),
                  ("cuBLAS fp32 + top-k", routed(lambda: F.linear(x.float(), w))),
                  ("router_logits default + top-k", routed(lambda: router_logits(x, w)))]
+        if T > ROUTER_PARTIALS_MAX_ROWS:   # the engine's choice first
+            cands[:2] = cands[1::-1]
         for plan in router_partials_plans(T)[1:]:
             cands.append((f"router_partials {plan} + top-k",
                           routed(lambda plan=plan: router_partials(x, w, plan))))

@@ -24,6 +24,7 @@ class TopkRouter(nn.Module):
     def __init__(self, args: KimiLinearArgs, backends: LayerBackends = LayerBackends()) -> None:
         super().__init__()
         self.gemv = backends.gemv
+        self.partials = backends.router_partials
         self.top_k = args.num_experts_per_token
         self.renormalize = args.moe_renormalize
         self.scaling = args.routed_scaling_factor
@@ -40,14 +41,14 @@ class TopkRouter(nn.Module):
         only) a (1.0, extra_expert) column is appended to every row. x32: x widened to fp32
         when the caller has it (the norm writes it), which saves the cast before the fp32 GEMM.
         Steps where kernels/moe/router.py use_router_logits holds take the tensor-core fp32
-        GEMM (router_logits) instead; under the gemv backend, rows past the GEMV's and below
-        that take router_partials (K-split partial logits, summed by the top-k kernel). pdl:
-        the CUDA kernels launch with programmatic dependent launch."""
+        GEMM (router_logits) instead; with the router_partials backend, rows past the GEMV's up
+        to ROUTER_PARTIALS_MAX_ROWS take router_partials (K-split partial logits, summed by
+        the top-k kernel). pdl: the CUDA kernels launch with programmatic dependent launch."""
         if use_router_logits(x):
             from kdaserve.kernels.moe.router import router_logits
 
             logits = router_logits(x, self.weight, pdl=pdl)             # [N, E] fp32
-        elif self.gemv and not use_gemv(x, True) and use_router_partials(x):
+        elif self.partials and not use_gemv(x, self.gemv) and use_router_partials(x):
             from kdaserve.kernels.moe.router import router_partials
 
             logits = router_partials(x, self.weight, pdl=pdl)           # [S, N, E] fp32

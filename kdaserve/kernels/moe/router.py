@@ -80,9 +80,9 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
 
 ROUTER_GEMM_MIN_ROWS = 1024
 """From this many rows (prefill chunks, large mixed steps) the router's fp32 logits come from
-router_logits on the tensor cores; below, the decode GEMV (1-2 rows) or router_partials. At
-1024 rows router_logits' 16 x 32 tiles took 0.6x cuBLAS's fp32 GEMM's time, and 0.3x at 8000
-with 128 x 128 tiles (benchmarks/PERF_NOTES.md)."""
+router_logits on the tensor cores; below, the decode GEMV (1-2 rows), router_partials (up to
+ROUTER_PARTIALS_MAX_ROWS) or cuBLAS's fp32 GEMM. At 1024 rows router_logits' 16 x 32 tiles
+took 0.6x cuBLAS's time, and 0.3x at 8000 with 128 x 128 tiles (benchmarks/PERF_NOTES.md)."""
 
 
 def use_router_logits(x: torch.Tensor) -> bool:
@@ -91,11 +91,17 @@ def use_router_logits(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_GEMM_MIN_ROWS
 
 
+ROUTER_PARTIALS_MAX_ROWS = 64
+"""Rows up to which router_partials may take the router's logits (decode batches, verify
+windows of up to 7 requests): there cuBLAS's fp32 GEMM is a cast launch and then a SIMT kernel
+on a few SMs (benchmarks/PERF_NOTES.md). Past it the CUDA-core FMAs of a [16, 8, 32] tile a
+step (a third of the loop's instructions) no longer beat cuBLAS on paper."""
+
+
 def use_router_partials(x: torch.Tensor) -> bool:
-    """Whether the router's logits of x [N, D] can come from router_partials (CUDA, bf16, below
-    ROUTER_GEMM_MIN_ROWS rows): the fp32 GEMM of cuBLAS there is a cast launch and then a SIMT
-    kernel on a few of the SMs at verify and decode sizes (benchmarks/PERF_NOTES.md)."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] < ROUTER_GEMM_MIN_ROWS
+    """Whether the router's logits of x [N, D] can come from router_partials (CUDA, bf16,
+    1..ROUTER_PARTIALS_MAX_ROWS rows)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= ROUTER_PARTIALS_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,7 @@ def router_partials_plan(N: int, E: int, D: int, sms: int = 132) -> RouterPartia
     """The fewest K splits (a power of two, at most ROUTER_PARTIALS_MAX_SPLITS, each at least
     four K steps) that give the (row tile, expert tile) grid one program per SM: at 256
     experts and 132 SMs, 8 splits (288 of 2304 K values each) at 1-16 rows, 4 at 17-32, 2 at
-    33-64, none from 65."""
+    33-64."""
     bm, bn, bk = ROUTER_PARTIALS_TILE
     tiles = cdiv(N, bm) * cdiv(E, bn)
     splits = 1
