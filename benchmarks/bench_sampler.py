@@ -4,8 +4,10 @@ top_p 0.95), at the model's vocabulary, for a few batch sizes.
     python benchmarks/bench_sampler.py --vocab 163840 --batches 1,4,16 --out sampler.json
 
 Times `Sampler.forward` (metadata built once, outside the timing) with CUDA events over many
-iterations; the logits are random normal, so the top-p nucleus is wide (a pessimistic case for
-sort-free methods, irrelevant for the full sort).
+iterations, for each sampler the engine can build: the full sort, the threshold search (top-k /
+top-p), and the threshold search with the fused race draw (kernels/sample/race.py, the default);
+the logits are random normal, so the top-p nucleus is wide (a pessimistic case for sort-free
+methods, irrelevant for the full sort).
 """
 
 from __future__ import annotations
@@ -52,15 +54,17 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sampler.py needs a CUDA GPU")
-    sampler = Sampler()
+    samplers = {"sort": Sampler(), "threshold": Sampler(threshold_kernel=True),
+                "threshold + race": Sampler(threshold_kernel=True, race_kernel=True)}
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         logits = torch.randn(b, args.vocab, device="cuda")
         for name, sp in SETTINGS.items():
             md = SamplingMetadata.build([sp] * b, device="cuda")
-            ms = time_ms(lambda: sampler(logits, md))
-            rows.append({"batch": b, "setting": name, "ms": ms})
-            print(f"batch {b:>3}  {name:<22} {ms * 1e3:8.1f} us", flush=True)
+            for label, sampler in samplers.items():
+                ms = time_ms(lambda sampler=sampler: sampler(logits, md))
+                rows.append({"batch": b, "setting": name, "sampler": label, "ms": ms})
+                print(f"batch {b:>3}  {name:<22} {label:<17} {ms * 1e3:8.1f} us", flush=True)
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "commit": git_commit() or "unknown", "vocab": args.vocab, "rows": rows}
     if args.out:

@@ -16,8 +16,9 @@
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
-# 4096), topp (bench_top_p.py at TOPP_BATCHES rows and TOPP_TILES search tiles), layers; each
-# has a *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
+# 4096), sampling (bench_sampler.py's three samplers at SAMPLER_BATCHES rows), topp
+# (bench_top_p.py at TOPP_BATCHES rows and TOPP_TILES search tiles), layers; each has a
+# *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS='--optimization-config {"pdl":false}' (or "decode_gemv", "fused_kda_decode"; no
 # spaces in the JSON: the variable is word-split) times the engine without a default kernel choice.
 #
@@ -74,7 +75,7 @@ if [[ $STAGES == *dspark* ]]; then   # W1-nospec and W1 with the DSpark drafter 
 fi
 if [[ $STAGES == *kbench* ]]; then   # the GEMV candidate vs cuBLAS, the sampler kernels
   timeout ${KBENCH_TIMEOUT:-240} python3 benchmarks/bench_gemv.py --out "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 | tail -30 | tee "$OUT/gemv.log"
-  timeout 120 python3 benchmarks/bench_sampler.py --out "$OUT/sampler.json" 2>&1 | tail -12 | tee "$OUT/sampler.log"
+  timeout 150 python3 benchmarks/bench_sampler.py --batches ${SAMPLER_BATCHES:-1,16,64,144} --out "$OUT/sampler.json" 2>&1 | tail -40 | tee "$OUT/sampler.log"
 fi
 if [[ $STAGES == *breakdown* ]]; then   # per-step wall time + cProfile (plain, then speculative)
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
@@ -141,6 +142,10 @@ if [[ $STAGES == *router* ]]; then   # the router's fp32 logits: router_partials
   timeout ${ROUTER_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --cases router \
     --tokens ${ROUTER_TOKENS:-3,9,16,64,144,288,1023,2048} --time-budget 150 --out "$OUT/router.json" \
     2>&1 | grep -v Warn | tail -80 | tee "$OUT/router.log"
+fi
+if [[ $STAGES == *sampling* ]]; then   # the engine's samplers: sort, threshold, threshold + race
+  timeout ${SAMPLING_TIMEOUT:-150} python3 benchmarks/bench_sampler.py --batches ${SAMPLER_BATCHES:-1,16,64,144} \
+    --out "$OUT/sampler.json" 2>&1 | tail -40 | tee "$OUT/sampler.log"
 fi
 if [[ $STAGES == *topp* ]]; then   # the top-p threshold search at decode and verify rows, by search tiles
   timeout ${TOPP_TIMEOUT:-150} python3 benchmarks/bench_top_p.py --batches ${TOPP_BATCHES:-1,16,144} \

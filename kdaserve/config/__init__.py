@@ -406,6 +406,10 @@ class KernelConfig:
     decode_gemv: bool = True
     """Projections of 1-2 token rows (decode batches <= 2) through the Triton GEMV
     (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
+    router_partials: bool = True
+    """The MoE router's fp32 logits of 3-64 rows (decode batches, small verify steps) as
+    K-split partial products on the CUDA cores that the top-k launch adds up
+    (kernels/moe/router.py router_partials), instead of a cast launch and cuBLAS's fp32 GEMM."""
     pdl: bool = True
     """Triton kernels inside the captured CUDA graphs launched with programmatic dependent
     launch (Hopper and newer; off on older GPUs): each may start while the previous kernel
@@ -442,6 +446,11 @@ class KernelConfig:
     sampling_threshold_kernel: bool = True
     """Top-k / top-p of the sampler and the rejection sampler through the sort-free threshold
     search (kernels/sample/top_p.py) instead of a full sort of the vocabulary per row."""
+    sampling_race_kernel: bool = True
+    """The sampler's random draw (and the candidates of synthetic acceptance) as one Triton
+    pass over the filtered logits, an exponential race with in-kernel Philox noise and the
+    top-p threshold as its cut (kernels/sample/race.py), instead of masking, softmax, a noise
+    tensor, a division and an argmax over the vocabulary."""
     mla_verify_fold: bool = True
     """Speculative verify steps whose windows all have one length (the verify CUDA graphs, the
     DSpark block pass): the MLA decode takes 2 rows of a window as one program's columns

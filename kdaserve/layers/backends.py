@@ -89,6 +89,12 @@ class LayerBackends:
     gated_act: str = "reference"
     k3_gates: str = "reference"
     sampler: str = "sort"
+    router_partials: bool = False
+    """The MoE router's fp32 logits of 3-64 rows as K-split partials on the CUDA cores summed
+    by the top-k kernel (kernels/moe/router.py router_partials) instead of cuBLAS."""
+    race_sampler: bool = False
+    """The sampler's draw (and the synthetic rejection sampler's) as the fused exponential race
+    (kernels/sample/race.py) instead of softmax, noise and argmax over the vocabulary."""
 
     def __post_init__(self) -> None:
         for kind, registry in (("linear", LINEAR_BACKENDS), ("dense_mlp", DENSE_MLP_BACKENDS),
@@ -127,4 +133,6 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
         attn_res="triton" if kc.k3_fused_ops else "reference",
         gated_act="triton" if kc.k3_fused_ops else "reference",
         k3_gates="triton" if kc.k3_fused_ops else "reference",
-        sampler="threshold" if kc.sampling_threshold_kernel else "sort")
+        sampler="threshold" if kc.sampling_threshold_kernel else "sort",
+        router_partials=kc.router_partials,
+        race_sampler=kc.sampling_race_kernel)

@@ -34,9 +34,13 @@ class Sampler(nn.Module):
     on CUDA through the sort-free threshold search (KernelConfig.sampling_threshold_kernel).
     """
 
-    def __init__(self, threshold_kernel: bool = False) -> None:
+    def __init__(self, threshold_kernel: bool = False, race_kernel: bool = False) -> None:
         super().__init__()
         self.threshold_kernel = threshold_kernel
+        self.race_kernel = race_kernel
+        """The draw on CUDA through the fused exponential race (kernels/sample/race.py,
+        KernelConfig.sampling_race_kernel): the top-p threshold as its cut, no softmax, no
+        noise tensor."""
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != md.num_rows:
@@ -72,17 +76,65 @@ class Sampler(nn.Module):
             # Greedy rows take the argmax above; keep their random branch finite.
             temperature = torch.where(is_greedy_temperature(temperature), 1.0, temperature)
         logits = logits / temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k,
-                                   None if md.no_top_p else md.top_p, md.max_top_k, md.all_top_k,
-                                   self.threshold_kernel)
-        if not md.no_min_p:
-            logits = apply_min_p(logits, md.min_p)
-        probs = torch.softmax(logits, dim=-1)  # [B, V]
-        sampled = exponential_race(probs, md.generators)
+        race = self.race_kernel and logits.is_cuda
+        logits, tau = filter_logits(logits, None if md.no_top_k else md.top_k,
+                                    None if md.no_top_p else md.top_p,
+                                    None if md.no_min_p else md.min_p, md.max_top_k,
+                                    md.all_top_k, self.threshold_kernel, want_tau=race)
+        if race:
+            from kdaserve.kernels.sample.race import race_sample
+
+            sampled = race_sample(logits, row_seeds(logits.shape[0], md.generators,
+                                                    logits.device), tau)
+        else:
+            probs = torch.softmax(logits, dim=-1)  # [B, V]
+            sampled = exponential_race(probs, md.generators)
 
         if greedy is None:
             return sampled
         return torch.where(is_greedy_temperature(md.temperature), greedy, sampled)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                  min_p: torch.Tensor | None, max_top_k: int = 0, all_top_k: bool = False,
+                  threshold_kernel: bool = False, want_tau: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Top-k, top-p (apply_top_k_top_p) and min-p of tempered logits [B, V] -> (logits, tau).
+    With want_tau, where apply_top_k_top_p would take the threshold search, its threshold
+    comes back as tau [B] and those logits stay unmasked (the race keeps l >= tau itself);
+    otherwise tau is None and every filter masks to -inf."""
+    tau = None
+    if want_tau and threshold_kernel and logits.is_cuda and uses_threshold(
+            top_k, top_p, max_top_k, all_top_k, logits.shape[-1]):
+        from kdaserve.kernels.sample.top_p import top_k_top_p_threshold
+
+        logits = logits.float().contiguous()
+        tau = top_k_top_p_threshold(logits, top_k, top_p)                      # [B]
+    else:
+        logits = apply_top_k_top_p(logits, top_k, top_p, max_top_k, all_top_k, threshold_kernel)
+    if min_p is not None:
+        logits = apply_min_p(logits, min_p)
+    return logits, tau
+
+
+def uses_threshold(top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int,
+                   all_top_k: bool, vocab: int) -> bool:
+    """Whether apply_top_k_top_p (with threshold_kernel, CUDA) filters through the sort-free
+    threshold search: top-p on, and not every row with a top-k below the vocabulary."""
+    return top_p is not None and not (top_k is not None and all_top_k
+                                      and 0 < max_top_k < vocab)
+
+
+def row_seeds(num_rows: int, generators: dict[int, torch.Generator],
+              device: torch.device) -> torch.Tensor:
+    """[num_rows] int64 Philox keys for race_sample: a seeded row's from its own generator
+    (one draw a step), the others from the global generator."""
+    seeds = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if len(generators) < num_rows:
+        seeds.random_(0, 2**62)
+    for row, gen in generators.items():
+        seeds[row:row + 1].random_(0, 2**62, generator=gen)
+    return seeds
 
 
 def apply_top_k_top_p(
@@ -107,7 +159,7 @@ def apply_top_k_top_p(
     vocab = logits.shape[-1]
     if top_p is None:
         return _apply_top_k_only(logits, top_k, max_top_k)
-    if top_k is not None and all_top_k and 0 < max_top_k < vocab:
+    if not uses_threshold(top_k, top_p, max_top_k, all_top_k, vocab):
         return _apply_top_k_top_p_partial(logits, top_k, top_p, max_top_k)
     if threshold_kernel and logits.is_cuda:   # instead of the full sort below
         from kdaserve.kernels.sample.top_p import top_k_top_p_threshold

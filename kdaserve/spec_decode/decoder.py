@@ -85,10 +85,12 @@ class _PendingCommit:
 class SpecDecoder:
     def __init__(self, config: EngineConfig, target_args, device: torch.device,
                  dtype: torch.dtype, threshold_kernel: bool = False,
-                 target_model: torch.nn.Module | None = None) -> None:
+                 target_model: torch.nn.Module | None = None,
+                 race_kernel: bool = False) -> None:
         """threshold_kernel: the rejection sampler's top-k / top-p through the sort-free
         threshold search (the sampler backend). target_model: the loaded target (method mtp:
-        the drafter shares its embedding and LM head)."""
+        the drafter shares its embedding and LM head). race_kernel: its synthetic-acceptance
+        draws through the fused race (LayerBackends.race_sampler)."""
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         self.method = sc.method
@@ -100,17 +102,18 @@ class SpecDecoder:
         self.conv_dtype_bytes = torch.empty((), dtype=dtype).element_size()
         self.max_model_len = config.scheduler_config.max_model_len
         self.sampler = RejectionSampler(sc.rejection_sample_method, sc.synthetic_rates,
-                                        threshold_kernel)
+                                        threshold_kernel, race_kernel)
         self.stats = SpecDecodingStats(self.k, synthetic=self.sampler.is_synthetic)
         self.probabilistic = sc.method in ("draft_model", "mtp", "dspark") and \
             sc.draft_sample_method == "probabilistic"
         if sc.method == "ngram":
             self.proposer = NgramProposer(self.k, sc.prompt_lookup_min, sc.prompt_lookup_max)
         elif sc.method == "mtp":
-            self.proposer = self._mtp_proposer(config, target_args, target_model, device, dtype)
+            self.proposer = self._mtp_proposer(config, target_args, target_model, device, dtype,
+                                               race_kernel)
         elif sc.method == "dspark":
             self.proposer = self._dspark_proposer(config, target_args, target_model, device,
-                                                  dtype)
+                                                  dtype, race_kernel)
         else:
             from kdaserve.spec_decode.draft_model import DraftModelProposer
 
@@ -119,7 +122,7 @@ class SpecDecoder:
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_model_len=self.max_model_len, block_size=config.cache_config.block_size,
                 device=device, dtype=dtype, draft_sample_method=sc.draft_sample_method,
-                catchup=sc.draft_catchup)
+                catchup=sc.draft_catchup, race_draws=race_kernel)
         self.draft_probs: dict[str, torch.Tensor] = {}
         """req_id -> [K_i, V] distributions its pending drafts were sampled from."""
         self.scratch_base: int | None = None
@@ -134,7 +137,8 @@ class SpecDecoder:
         engine may then schedule a step before the previous one's output is processed."""
 
     @staticmethod
-    def _mtp_proposer(config: EngineConfig, target_args, target_model, device, dtype):
+    def _mtp_proposer(config: EngineConfig, target_args, target_model, device, dtype,
+                      race_draws: bool = False):
         from kdaserve.models.mtp import build_mtp, load_mtp_weights
         from kdaserve.spec_decode.mtp import MTPProposer
 
@@ -148,10 +152,11 @@ class SpecDecoder:
                            config.scheduler_config.max_num_seqs,
                            config.scheduler_config.max_model_len,
                            config.cache_config.block_size, device, dtype,
-                           sc.draft_sample_method)
+                           sc.draft_sample_method, race_draws=race_draws)
 
     @staticmethod
-    def _dspark_proposer(config: EngineConfig, target_args, target_model, device, dtype):
+    def _dspark_proposer(config: EngineConfig, target_args, target_model, device, dtype,
+                         race_draws: bool = False):
         from kdaserve.models.dspark import DSparkConfig, build_dspark, load_dspark_weights
         from kdaserve.spec_decode.dspark import DSparkProposer
 
@@ -166,7 +171,7 @@ class SpecDecoder:
                               config.scheduler_config.max_num_seqs,
                               config.scheduler_config.max_model_len,
                               config.cache_config.block_size, device, dtype,
-                              sc.draft_sample_method)
+                              sc.draft_sample_method, race_draws=race_draws)
 
     @property
     def needs_hidden(self) -> bool:

@@ -50,35 +50,50 @@ if TYPE_CHECKING:
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
-def draw_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str) -> torch.Tensor:
+def draw_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str,
+                race: bool = False) -> torch.Tensor:
     """logits [n, V] fp32, temps [n] -> draft ids [n]. greedy (and T = 0 rows): the argmax;
     probabilistic: a draw from softmax(logits / T) as an exponential race on the logits,
     argmax(logits / T - log E) with E ~ Exp(1) i.i.d. (= argmax(q / E): category i wins with
     probability q_i). No softmax: a left-to-right drafter computes q once for all its
-    positions (draft_probs), where a softmax per position is one slow launch per position."""
+    positions (draft_probs), where a softmax per position is one slow launch per position.
+    race (CUDA, LayerBackends.race_sampler): the race as one fused launch pair with in-kernel
+    noise (kernels/sample/race.py) instead of a noise tensor and five ops over [n, V]."""
     if method == "greedy":
         return logits.argmax(dim=-1)
+    if race and logits.is_cuda:
+        from kdaserve.kernels.sample.race import race_sample
+
+        seeds = torch.empty(logits.shape[0], dtype=torch.int64,
+                            device=logits.device).random_(0, 2**62)
+        return race_sample(logits, seeds, None, temps.float())
     sampled = temps >= 1e-5
     t = torch.where(sampled, temps, 1.0)
     noise = torch.empty_like(logits).exponential_().clamp_min_(1e-20).log_()  # no log 0
     return (logits / t[:, None] - noise * sampled[:, None]).argmax(dim=-1)
 
 
-def draft_probs(logits: torch.Tensor, temps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def draft_probs(logits: torch.Tensor, temps: torch.Tensor, ids: torch.Tensor,
+                race: bool = False) -> torch.Tensor:
     """q [n, V] fp32 of probabilistic drafts: softmax(logits / T), one-hot at ids on T = 0
-    rows (logits [n, V], temps [n], ids [n] from draw_drafts)."""
+    rows (logits [n, V], temps [n], ids [n] from draw_drafts). race (CUDA): the row-split
+    softmax of kernels/sample/softmax.py, the one-hot rows in the same pass."""
+    if race and logits.is_cuda:
+        from kdaserve.kernels.sample.softmax import tempered_softmax
+
+        return tempered_softmax(logits, temps.float(), ids)
     greedy = temps < 1e-5
     q = torch.softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
     return torch.where(greedy[:, None],
                        torch.nn.functional.one_hot(ids, q.shape[-1]).to(q.dtype), q)
 
 
-def sample_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str
+def sample_drafts(logits: torch.Tensor, temps: torch.Tensor, method: str, race: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, V] fp32, temps [n] -> (draft ids [n], q [n, V] or None): draw_drafts, and
     draft_probs for probabilistic drafts (greedy: no q; T = 0 rows a one-hot q)."""
-    ids = draw_drafts(logits, temps, method)
-    return ids, None if method == "greedy" else draft_probs(logits, temps, ids)
+    ids = draw_drafts(logits, temps, method, race)
+    return ids, None if method == "greedy" else draft_probs(logits, temps, ids, race)
 
 
 @dataclass
@@ -116,7 +131,9 @@ class DraftModelProposer:
                  max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype,
                  draft_sample_method: str = "greedy", num_blocks: int | None = None,
-                 catchup: str = "window") -> None:
+                 catchup: str = "window", race_draws: bool = False) -> None:
+        """race_draws: probabilistic drafts drawn and their q computed by the fused kernels of
+        kernels/sample (race.py, softmax.py) on CUDA (LayerBackends.race_sampler)."""
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
@@ -128,6 +145,7 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.sample_method = draft_sample_method
+        self.race_draws = race_draws
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_req = -(-(max_model_len + num_speculative_tokens) // block_size)
         num_blocks = num_blocks or max_num_seqs * self.max_blocks_per_req
@@ -431,7 +449,7 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[last])
 
     def _sample(self, logits: torch.Tensor, temps: torch.Tensor):
-        return sample_drafts(logits, temps, self.sample_method)
+        return sample_drafts(logits, temps, self.sample_method, self.race_draws)
 
     def _copy_slots(self, src: list[int], dst: list[int]) -> None:
         s, d = self._tensor(src), self._tensor(dst)   # staged: no wait for the device

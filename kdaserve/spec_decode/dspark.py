@@ -107,7 +107,7 @@ class DSparkProposer(HiddenConditionedProposer):
         drafts, q = block_drafts(self.model, kv, self._tensor(ids), self._tensor(slots),
                                  table.to(self.device), seq_lens.int(),
                                  self._tensor([t[-1] for t in token_ids]), temps,
-                                 self.sample_method, k)                       # [n, K]
+                                 self.sample_method, k, self.race_draws)      # [n, K]
         return self._proposal(list(drafts.unbind(1)),
                               [None] * k if q is None else list(q.unbind(1)), max_drafts)
 
@@ -162,5 +162,5 @@ class DSparkProposer(HiddenConditionedProposer):
         inputs = (ids.reshape(-1), self._slots(tab, pos), tab.int(), seq_lens, last, temps)
         if self.graphs is not None and s <= self.graphs.max_size:
             return self.graphs.run(*inputs)
-        return block_drafts(self.model, kv, *inputs, self.sample_method, k)
+        return block_drafts(self.model, kv, *inputs, self.sample_method, k, self.race_draws)
 

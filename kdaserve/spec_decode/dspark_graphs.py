@@ -35,12 +35,13 @@ logger = logging.getLogger(__name__)
 
 def block_drafts(model: "DSparkModel", kv: list[torch.Tensor], ids: torch.Tensor,
                  slots: torch.Tensor, table: torch.Tensor, seq_lens: torch.Tensor,
-                 last: torch.Tensor, temps: torch.Tensor, sample_method: str, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 last: torch.Tensor, temps: torch.Tensor, sample_method: str, k: int,
+                 race: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The query blocks of n requests through the drafter, then its Markov head left to
     right: ids, slots, seq_lens [n * K], table [n * K, W], last [n] (each request's last
     committed token, the Markov head's first `prev`), temps [n]. Returns (drafts [n, K] int64,
-    q [n, K, V] fp32 or None for greedy drafts). Eager, or what a graph replay runs."""
+    q [n, K, V] fp32 or None for greedy drafts). Eager, or what a graph replay runs. race:
+    the draws and q through kernels/sample's fused race and split softmax (draw_drafts)."""
     n = last.shape[0]
     hidden = model.forward_block(ids, kv, slots, table, seq_lens, k)              # [n * K, D]
     logits = model.base_logits(hidden).view(n, k, -1)                            # [n, K, V]
@@ -48,13 +49,13 @@ def block_drafts(model: "DSparkModel", kv: list[torch.Tensor], ids: torch.Tensor
     for j in range(k):
         _, bias = model.markov_bias(prev)
         logits[:, j] += bias            # in place: logits ends as every position's own
-        prev = draw_drafts(logits[:, j], temps, sample_method)
+        prev = draw_drafts(logits[:, j], temps, sample_method, race)
         drafts.append(prev)
     drafts = torch.stack(drafts, dim=1)                                          # [n, K]
     if sample_method == "greedy":
         return drafts, None
     # q of all K positions in one softmax (one launch over n * K rows, not K launches)
-    q = draft_probs(logits.view(n * k, -1), temps.repeat_interleave(k), drafts.view(-1))
+    q = draft_probs(logits.view(n * k, -1), temps.repeat_interleave(k), drafts.view(-1), race)
     return drafts, q.view(n, k, -1)
 
 
@@ -97,7 +98,7 @@ class DSparkBlockGraphs:
         r = size * p.k
         return block_drafts(p.model, list(p.caches.mla_kv), self.ids[:r], self.slots[:r],
                             self.table[:r], self.seq_lens[:r], self.last[:size],
-                            self.temps[:size], p.sample_method, p.k)
+                            self.temps[:size], p.sample_method, p.k, p.race_draws)
 
     def run(self, ids: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
             seq_lens: torch.Tensor, last: torch.Tensor, temps: torch.Tensor

@@ -36,7 +36,9 @@ class HiddenConditionedProposer:
     def __init__(self, model: torch.nn.Module, num_speculative_tokens: int, max_num_seqs: int,
                  max_model_len: int, block_size: int, device: torch.device | str,
                  dtype: torch.dtype, draft_sample_method: str = "greedy",
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, race_draws: bool = False) -> None:
+        """race_draws: probabilistic drafts drawn and their q computed by the fused kernels of
+        kernels/sample (race.py, softmax.py) on CUDA (LayerBackends.race_sampler)."""
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if draft_sample_method not in DRAFT_SAMPLE_METHODS:
@@ -49,6 +51,7 @@ class HiddenConditionedProposer:
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.sample_method = draft_sample_method
+        self.race_draws = race_draws
         self.max_blocks_per_req = -(-(max_model_len + num_speculative_tokens) // block_size)
         num_blocks = num_blocks or max_num_seqs * self.max_blocks_per_req
         self.caches: ModelCaches = allocate_caches(model.args, num_blocks, block_size, 1, dtype,

@@ -79,7 +79,8 @@ class MTPProposer(HiddenConditionedProposer):
             r.num_done = len(toks) - 1
 
         drafts, probs = [], []
-        tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method)
+        tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method,
+                               self.race_draws)
         drafts.append(tok)
         probs.append(q)
         # 2. K - 1 one-token steps: draft j at position L - 2 + j
@@ -87,7 +88,8 @@ class MTPProposer(HiddenConditionedProposer):
             prev = self._forward([[t] for t in drafts[-1].tolist()], list(prev[:, None]),
                                  [r.num_done + j - 1 for r in reqs],
                                  [r.block_ids for r in reqs])
-            tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method)
+            tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method,
+                                   self.race_draws)
             drafts.append(tok)
             probs.append(q)
         return self._proposal(drafts, probs, max_drafts)
@@ -122,7 +124,8 @@ class MTPProposer(HiddenConditionedProposer):
         table = self._device_table([step.req_ids[i] for i in step.sample_rows])
         bound = [step.num_computed[i] + step.query_lens[i] for i in step.sample_rows]
         drafts, probs = [], []
-        tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method)
+        tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method,
+                               self.race_draws)
         drafts.append(tok)
         probs.append(q)
         for j in range(1, self.k):
@@ -132,7 +135,8 @@ class MTPProposer(HiddenConditionedProposer):
             md.seq_lens.copy_(pos + 1)
             md.slot_mapping.copy_(self._slots(table, pos))
             prev = self.model(drafts[-1], prev, pos == 0, ForwardContext(md, self.caches))
-            tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method)
+            tok, q = sample_drafts(self.model.compute_logits(prev), temps, self.sample_method,
+                                   self.race_draws)
             drafts.append(tok)
             probs.append(q)
         q_all = None if self.sample_method == "greedy" else torch.stack(probs, dim=1)

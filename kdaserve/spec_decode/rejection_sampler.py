@@ -31,8 +31,7 @@ from torch import nn
 from kdaserve.sample.metadata import SamplingMetadata, is_greedy_temperature
 from kdaserve.sample.sampler import (
     SamplerOutput,
-    apply_min_p,
-    apply_top_k_top_p,
+    filter_logits,
     gather_logprobs,
     to_logprob_dicts,
 )
@@ -138,10 +137,15 @@ class RejectionSampler(nn.Module):
 
     def __init__(self, method: str = "standard",
                  synthetic_rates: list[float] | None = None,
-                 threshold_kernel: bool = False) -> None:
+                 threshold_kernel: bool = False, race_kernel: bool = False) -> None:
         super().__init__()
         self.threshold_kernel = threshold_kernel
         """Top-k / top-p through the sort-free threshold kernel on CUDA (see Sampler)."""
+        self.race_kernel = race_kernel
+        """CUDA: under synthetic acceptance each row's candidate is drawn by the fused
+        exponential race on its filtered logits (kernels/sample/race.py; p is not needed
+        there); under standard acceptance p comes from the row-split softmax
+        (kernels/sample/softmax.py)."""
         if method not in REJECTION_SAMPLE_METHODS:
             raise ValueError(f"rejection_sample_method must be one of "
                              f"{REJECTION_SAMPLE_METHODS}, got {method!r}")
@@ -184,8 +188,10 @@ class RejectionSampler(nn.Module):
 
         greedy_row = is_greedy_temperature(md.temperature)[spec.row_req]      # [R]
         argmax = None if md.all_random else logits.argmax(dim=-1)             # [R]
-        probs = None if md.all_greedy else self._target_probs(logits, spec, md,
-                                                               self.threshold_kernel)  # [R, V]
+        race = (self.race_kernel and self.is_synthetic and logits.is_cuda
+                and not md.all_greedy)
+        probs = None if md.all_greedy or race else self._target_probs(
+            logits, spec, md, self.threshold_kernel, self.race_kernel)          # [R, V]
         uniform, noise = self._draw(spec, md, R, V, device, need_noise=probs is not None)
 
         drafts = spec.draft_token_ids                                          # [D]
@@ -193,8 +199,11 @@ class RejectionSampler(nn.Module):
         d_req = spec.row_req[d_rows]
         accepted = self._accept(drafts, d_rows, d_req, spec, greedy_row, argmax, probs,
                                 draft_probs, uniform)                          # [D] bool
-        candidate = self._candidates(drafts, d_rows, greedy_row, argmax, probs,
-                                     draft_probs, noise)                       # [R]
+        if race:
+            candidate = self._race_candidates(logits, spec, md, greedy_row, argmax)  # [R]
+        else:
+            candidate = self._candidates(drafts, d_rows, greedy_row, argmax, probs,
+                                         draft_probs, noise)                   # [R]
 
         # Accepted prefix per request: [B, Kmax] padded with False, cumulative AND.
         acc = torch.zeros(B, max(Kmax, 1), dtype=torch.bool, device=device)
@@ -252,20 +261,51 @@ class RejectionSampler(nn.Module):
         return logits.index_put((rows, toks), logits.new_full((), float("-inf")))
 
     @staticmethod
-    def _target_probs(logits, spec: SpecDecodeMetadata, md: SamplingMetadata,
-                      threshold_kernel: bool = False):
-        """p per target row: temperature, top-k, top-p, min-p of the row's request."""
+    def _target_logits(logits, spec: SpecDecodeMetadata, md: SamplingMetadata,
+                       threshold_kernel: bool = False, want_tau: bool = False):
+        """(filtered logits, tau or None) per target row: temperature, top-k, top-p, min-p of
+        the row's request (sampler.filter_logits)."""
         temp = md.temperature
         if not md.all_random:
             temp = torch.where(is_greedy_temperature(temp), 1.0, temp)
         r = spec.row_req
-        logits = logits / temp[r].unsqueeze(1)
-        logits = apply_top_k_top_p(logits, None if md.no_top_k else md.top_k[r],
-                                   None if md.no_top_p else md.top_p[r], md.max_top_k,
-                                   md.all_top_k, threshold_kernel)
-        if not md.no_min_p:
-            logits = apply_min_p(logits, md.min_p[r])
-        return torch.softmax(logits, dim=-1)
+        return filter_logits(logits / temp[r].unsqueeze(1),
+                             None if md.no_top_k else md.top_k[r],
+                             None if md.no_top_p else md.top_p[r],
+                             None if md.no_min_p else md.min_p[r], md.max_top_k, md.all_top_k,
+                             threshold_kernel, want_tau)
+
+    @classmethod
+    def _target_probs(cls, logits, spec: SpecDecodeMetadata, md: SamplingMetadata,
+                      threshold_kernel: bool = False, split_softmax: bool = False):
+        """p per target row: temperature, top-k, top-p, min-p of the row's request.
+        split_softmax (CUDA): kernels/sample/softmax.py's row-split softmax."""
+        filtered = cls._target_logits(logits, spec, md, threshold_kernel)[0]
+        if split_softmax and filtered.is_cuda:
+            from kdaserve.kernels.sample.softmax import tempered_softmax
+
+            return tempered_softmax(filtered.float().contiguous())
+        return torch.softmax(filtered, dim=-1)
+
+    def _race_candidates(self, logits, spec: SpecDecodeMetadata, md: SamplingMetadata,
+                         greedy_row, argmax):
+        """Synthetic acceptance: every row's candidate is a draw from p (no residual), by the
+        race on the filtered logits; a seeded request's rows take their keys from its
+        generator, after its uniforms (as _draw orders its noise)."""
+        from kdaserve.kernels.sample.race import race_sample
+
+        filtered, tau = self._target_logits(logits, spec, md, self.threshold_kernel,
+                                            want_tau=True)
+        R = logits.shape[0]
+        seeds = torch.empty(R, dtype=torch.int64, device=logits.device)
+        if len(md.generators) < spec.num_reqs:
+            seeds.random_(0, 2**62)
+        if md.generators:
+            cu = np.cumsum([0] + [k + 1 for k in spec.num_draft_tokens]).tolist()   # host
+            for req, gen in md.generators.items():
+                seeds[cu[req]:cu[req + 1]].random_(0, 2**62, generator=gen)
+        sampled = race_sample(filtered, seeds, tau)
+        return sampled if argmax is None else torch.where(greedy_row, argmax, sampled)
 
     def _draw(self, spec: SpecDecodeMetadata, md: SamplingMetadata, R: int, V: int, device,
               need_noise: bool):

@@ -110,13 +110,24 @@ def _forward(runner: ModelRunner, query_lens: list[int], computed: list[int],
 
 
 def warmup_sampler(sampler: Sampler, vocab_size: int, device: torch.device) -> None:
-    """Sample once with top-p alone and once with top-p plus top-k on some rows: the
-    threshold kernels' variants compile at start-up, not in the first requests' steps.
-    Seeded rows, so the global CUDA generator is left as it was."""
+    """Sample once with top-p alone, once with top-p plus top-k on some rows and once with
+    neither: the threshold kernels' variants and the race's (with and without a threshold)
+    compile at start-up, not in the first requests' steps. Seeded rows, so the global CUDA
+    generator is left as it was."""
     logits = torch.randn(2, vocab_size, device=device)
     gens = {i: torch.Generator(device=device).manual_seed(i) for i in range(2)}
     for params in ([SamplingParams(temperature=1.0, top_p=0.9, seed=0)] * 2,
                    [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0),
-                    SamplingParams(temperature=1.0, top_p=0.9, seed=1)]):
+                    SamplingParams(temperature=1.0, top_p=0.9, seed=1)],
+                   [SamplingParams(temperature=1.0, seed=0)] * 2):
         sampler(logits, SamplingMetadata.build(params, gens, None, device))
+    if sampler.race_kernel:   # the drafters' variants: tempered draws, q with one-hot rows
+        from kdaserve.kernels.sample.race import race_sample
+        from kdaserve.kernels.sample.softmax import tempered_softmax
+
+        temps = torch.tensor([1.0, 0.0], device=device)
+        seeds = torch.zeros(2, dtype=torch.int64, device=device)
+        ids = race_sample(logits, seeds, None, temps)
+        tempered_softmax(logits, temps, ids)
+        tempered_softmax(logits)
     torch.cuda.synchronize()

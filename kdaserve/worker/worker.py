@@ -150,12 +150,14 @@ class Worker:
         if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
             spec = SpecDecoder(config, self.args, self.device, self.dtype,
                                threshold_kernel=self.backends.sampler == "threshold",
-                               target_model=self.model)
+                               target_model=self.model,
+                               race_kernel=self.backends.race_sampler)
         self.dcp_size = self.parallel.dcp_size
         dcp = (DCPGroup.of(self.parallel.dcp, config.parallel_config.dcp_kv_cache_interleave_size)
                if self.dcp_size > 1 else None)
         self.model_runner = ModelRunner(config, self.model,
-                                        Sampler(self.backends.sampler == "threshold"), spec,
+                                        Sampler(self.backends.sampler == "threshold",
+                                                self.backends.race_sampler), spec,
                                         self.device, self.dtype, dcp=dcp)
         self.kv_connector: ConnectorWorker | None = make_connector_worker(
             config, self.parallel.tp_rank)

@@ -15,13 +15,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py",
            "test_top_p_threshold.py", "../spec_decode/recover_checks.py", "mxfp4_moe_checks.py",
-           "k3_ops_checks.py", "mla_merge_checks.py"]
+           "k3_ops_checks.py", "mla_merge_checks.py", "race_checks.py"]
 KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel",
            "mla_decode_partial_kernel", "mla_decode_partial_t_kernel", "mla_decode_reduce_kernel",
            "mla_decode_partial_fold_kernel",
            "store_latent_kernel", "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
-           "topk_sigmoid_kernel", "router_logits_kernel", "router_partials_kernel", "add_rms_norm_kernel", "rms_norm_gated_kernel",
-           "search_pass_kernel", "gemv_kernel", "kda_spec_verify_kernel",
+           "topk_sigmoid_kernel", "router_logits_kernel", "router_partials_kernel",
+           "add_rms_norm_kernel", "rms_norm_gated_kernel",
+           "search_pass_kernel", "race_partial_kernel", "race_reduce_kernel", "gemv_kernel",
+           "kda_spec_verify_kernel",
            "kda_recover_commit_kernel", "conv_spec_verify_kernel", "moe_gemm2_sum_kernel",
            "mxfp4_moe_gemm1_kernel", "mxfp4_moe_gemm2_kernel", "mxfp4_moe_gemv1_kernel",
            "mxfp4_moe_gemv2_kernel", "latent_moe_tail_kernel",

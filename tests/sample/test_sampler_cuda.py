@@ -21,13 +21,14 @@ def _params(batch):
             for i in range(batch)]
 
 
-def test_forward_has_no_host_sync():
+@pytest.mark.parametrize("race", [False, True])
+def test_forward_has_no_host_sync(race):
     params = _params(32)
     gens = {i: torch.Generator(device=DEV).manual_seed(p.seed)
             for i, p in enumerate(params) if p.seed is not None}
     md = SamplingMetadata.build(params, gens, [(i, 3) for i in range(0, 32, 5)], device=DEV)
     logits = torch.randn(32, VOCAB, device=DEV, dtype=torch.bfloat16) * 3
-    sampler = Sampler()
+    sampler = Sampler(threshold_kernel=True, race_kernel=race)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -41,9 +42,10 @@ def test_forward_has_no_host_sync():
     torch.testing.assert_close(out.logprobs, ref.gather(1, out.logprob_token_ids))
 
 
-def test_seeded_row_batch_invariant_on_cuda():
+@pytest.mark.parametrize("race", [False, True])
+def test_seeded_row_batch_invariant_on_cuda(race):
     target = [torch.randn(1, VOCAB, device=DEV) * 2 for _ in range(12)]
-    sampler = Sampler()
+    sampler = Sampler(threshold_kernel=True, race_kernel=race)
 
     def run(rows, params, seeds):
         gens = {r: torch.Generator(device=DEV).manual_seed(s) for r, s in seeds.items()}
@@ -80,3 +82,34 @@ def test_threshold_kernel_matches_the_sort():
         md = SamplingMetadata.build(params, gens, None, device=DEV)
         ids.append(Sampler(threshold_kernel=kernel)(logits, md).sampled_token_ids)
     assert (ids[0] != ids[1]).sum() <= 1
+
+
+@pytest.mark.parametrize("params", [SP(temperature=0.8, top_p=0.9), SP(temperature=1.3),
+                                    SP(temperature=1.0, top_k=6, top_p=0.95, min_p=0.05)])
+def test_race_draws_follow_the_filtered_softmax(params):
+    """The race path's draws of one row (4000 rows, unseeded) against the sort path's filtered
+    softmax: nothing outside the kept set, counts consistent with the probabilities."""
+    import math
+
+    from kdaserve.sample.sampler import apply_min_p, apply_top_k_top_p
+
+    n, V = 4000, 4096
+    row = torch.full((V,), -20.0, device=DEV)
+    row[torch.arange(0, V, 512, device=DEV)] = torch.linspace(-1.0, 2.0, 8, device=DEV)
+    md = SamplingMetadata.build([params] * n, {}, None, device=DEV)
+    got = Sampler(threshold_kernel=True, race_kernel=True)(row.repeat(n, 1), md)
+    t = params.temperature
+    k = torch.tensor([params.top_k], device=DEV) if params.top_k > 0 else None
+    p = torch.tensor([params.top_p], device=DEV) if params.top_p < 1 else None
+    filt = apply_top_k_top_p((row / t)[None], k, p, max(params.top_k, 0), k is not None)
+    if params.min_p > 0:
+        filt = apply_min_p(filt, torch.tensor([params.min_p], device=DEV))
+    probs = torch.softmax(filt[0], 0).double()
+    counts = torch.bincount(got.sampled_token_ids, minlength=V).double()
+    assert counts[probs == 0].sum() == 0
+    cells = probs > 1e-4
+    exp = probs[cells] / probs[cells].sum() * counts[cells].sum()
+    stat = ((counts[cells] - exp) ** 2 / exp).sum().item()
+    dof = int(cells.sum()) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    assert 0.5 * math.erfc(z / math.sqrt(2)) > 1e-4, (counts[cells], exp)

@@ -29,13 +29,51 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def _run(logits_per_pos, drafts, params, draft_probs=None, method="standard", rates=None,
-         generators=None):
-    """logits_per_pos: [K+1, V] shared by every request; drafts: [N, K]."""
+         generators=None, device="cpu"):
+    """logits_per_pos: [K+1, V] shared by every request; drafts: [N, K]. device cuda: the
+    engine's CUDA sampler (threshold search, fused race and split softmax); the outputs come
+    back on the CPU."""
     N = drafts.shape[0]
-    spec = SpecDecodeMetadata.make(drafts.tolist())
-    logits = logits_per_pos.repeat(N, 1)
-    md = SamplingMetadata.build(params * N if len(params) == 1 else params, generators)
-    return RejectionSampler(method, rates)(logits, spec, md, draft_probs)
+    spec = SpecDecodeMetadata.make(drafts.tolist(), device=device)
+    logits = logits_per_pos.repeat(N, 1).to(device)
+    md = SamplingMetadata.build(params * N if len(params) == 1 else params, generators,
+                                device=device)
+    cuda = device != "cpu"
+    out = RejectionSampler(method, rates, threshold_kernel=cuda, race_kernel=cuda)(
+        logits, spec, md, None if draft_probs is None else draft_probs.to(device))
+    if cuda:
+        out.output_token_ids = out.output_token_ids.cpu()
+        out.num_accepted = out.num_accepted.cpu()
+        out.accepted_per_position = out.accepted_per_position.cpu()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["standard", "synthetic"])
+@pytest.mark.parametrize("params", [SP(temperature=1.0), SP(temperature=0.8, top_p=0.8)])
+def test_cuda_sampler_follows_target(method, params):
+    """The CUDA path (split softmax for standard acceptance, the fused race for synthetic
+    candidates, top-p as the threshold): the emitted tokens follow the filtered target."""
+    torch.manual_seed(11)
+    V, K, N = 6, 2, 30000
+    logits = torch.randn(K + 1, V) * 1.5
+    q = torch.softmax(torch.randn(K, V) * 1.5, dim=-1)
+    drafts = torch.stack([torch.multinomial(q[j], N, replacement=True) for j in range(K)], 1)
+    rates = [0.6, 0.3] if method == "synthetic" else None
+    out = _run(logits, drafts, [params], q.repeat(N, 1), method, rates, device="cuda")
+    scaled = logits / params.temperature
+    if params.top_p < 1:
+        from kdaserve.sample.sampler import apply_top_k_top_p
+
+        scaled = apply_top_k_top_p(scaled, None, torch.full((K + 1,), params.top_p))
+    target = torch.softmax(scaled, -1)
+    if method == "standard":
+        _emitted_distribution_check(out, target, K)
+    else:   # the token after the accepted drafts is a draw from the target at that position
+        for j in range(K + 1):
+            tok = out.output_token_ids[out.num_accepted == j, j]
+            assert chi2_pvalue(torch.bincount(tok, minlength=V), target[j]) > 0.01
 
 
 def _emitted_distribution_check(out, target_probs, K):

@@ -142,6 +142,8 @@ OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "latent_moe_fused_tail": BOOL,
     "k3_fused_ops": BOOL,
     "mla_verify_fold": BOOL,
+    "sampling_race_kernel": BOOL,
+    "router_partials": BOOL,
     "kda_checkpoint_mode": one_of("internal", "split"),
     "kda_checkpoint_interval": POSITIVE_INT,
     "num_kda_checkpoint_slots": NON_NEGATIVE_INT,
