@@ -11,7 +11,9 @@
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), verify (the DSpark
 # verify step's parts: step_breakdown.py at 8000-token prompts with PDL off, so kernel times do
 # not overlap, and bench_batch.py's MoE / MLA at verify shapes, VERIFY_ARGS), fold (the DSpark step at
-# 8000-token prompts with mla_verify_fold off, then on, same lease), ablation (W1 switches,
+# 8000-token prompts with mla_verify_fold off, then on, same lease), abnew (step_breakdown.py
+# plain at ABNEW_BATCHES and DSpark at 1,16, 8000-token prompts, with the defaults and with
+# ABNEW_OFF: router_partials and sampling_race_kernel off by default), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
@@ -104,6 +106,19 @@ if [[ $STAGES == *fold* ]]; then   # A/B of KernelConfig.mla_verify_fold on the 
       --prompt-len 8000 --steps 20 --optimization-config "{\"mla_verify_fold\":$fold}" \
       --out "$OUT/breakdown_fold_$fold.json" 2>&1 | grep -v Warn \
       | grep -E "ms/step synced|device:|a replay" | tee -a "$OUT/fold.log"
+  done
+fi
+if [[ $STAGES == *abnew* ]]; then   # the new CUDA-path defaults against their own off switches
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  for name in on off; do
+    cfg='{}'; [ $name = off ] && cfg=${ABNEW_OFF:-'{"router_partials":false,"sampling_race_kernel":false}'}
+    timeout ${ABNEW_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 --batches ${ABNEW_BATCHES:-1,4,16,32} \
+      --prompt-len 8000 --steps 20 --optimization-config "$cfg" --out "$OUT/breakdown_new_$name.json" 2>&1 \
+      | grep -v Warn | grep -E "ms/step synced|device:|a replay" | tee -a "$OUT/abnew.log"
+    timeout ${ABNEW_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 --draft-model /tmp/k48-dspark \
+      --draft-method dspark --spec-batches 1,16 --prompt-len 8000 --steps 20 --optimization-config "$cfg" \
+      --out "$OUT/breakdown_new_spec_$name.json" 2>&1 | grep -v Warn \
+      | grep -E "ms/step synced|device:|a replay" | tee -a "$OUT/abnew.log"
   done
 fi
 if [[ $STAGES == *ablation* ]]; then   # W1 switches (issue 7): all-on, all-off, one-off runs
