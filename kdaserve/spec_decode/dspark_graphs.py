@@ -45,18 +45,44 @@ def block_drafts(model: "DSparkModel", kv: list[torch.Tensor], ids: torch.Tensor
     n = last.shape[0]
     hidden = model.forward_block(ids, kv, slots, table, seq_lens, k)              # [n * K, D]
     logits = model.base_logits(hidden).view(n, k, -1)                            # [n, K, V]
-    prev, drafts = last, []
-    for j in range(k):
-        _, bias = model.markov_bias(prev)
-        logits[:, j] += bias            # in place: logits ends as every position's own
-        prev = draw_drafts(logits[:, j], temps, sample_method, race)
-        drafts.append(prev)
-    drafts = torch.stack(drafts, dim=1)                                          # [n, K]
+    if race and logits.is_cuda:   # each position's bias, update and draw in one pass
+        drafts = _markov_race_drafts(model, logits, last, temps, sample_method, k)
+    else:
+        prev, drafts = last, []
+        for j in range(k):
+            _, bias = model.markov_bias(prev)
+            logits[:, j] += bias            # in place: logits ends as every position's own
+            prev = draw_drafts(logits[:, j], temps, sample_method)
+            drafts.append(prev)
+        drafts = torch.stack(drafts, dim=1)                                      # [n, K]
     if sample_method == "greedy":
         return drafts, None
     # q of all K positions in one softmax (one launch over n * K rows, not K launches)
     q = draft_probs(logits.view(n * k, -1), temps.repeat_interleave(k), drafts.view(-1), race)
     return drafts, q.view(n, k, -1)
+
+
+def _markov_race_drafts(model: "DSparkModel", logits: torch.Tensor, last: torch.Tensor,
+                        temps: torch.Tensor, sample_method: str, k: int) -> torch.Tensor:
+    """block_drafts' Markov head through kernels/sample/race.py markov_race: per position one
+    pass adds the bias of the previous draw to its logits (in place) and draws (temperature 0:
+    the argmax, as greedy drafts). Returns drafts [n, K] int64."""
+    from kdaserve.kernels.sample.race import markov_race
+
+    n = last.shape[0]
+    ids = torch.empty(k, n, dtype=torch.int64, device=logits.device)             # [K, n]
+    if sample_method == "greedy":
+        temps = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        seeds = torch.zeros(k, n, dtype=torch.int64, device=logits.device)
+    else:
+        temps = temps.float()
+        seeds = torch.empty(k, n, dtype=torch.int64, device=logits.device).random_(0, 2**62)
+    emb, proj = model.markov_embed.weight, model.markov_proj.weight                # [V, r]
+    prev = last
+    for j in range(k):
+        markov_race(logits[:, j], emb, proj, prev, seeds[j], temps, out=ids[j])
+        prev = ids[j]
+    return ids.t().contiguous()
 
 
 class DSparkBlockGraphs:

@@ -13,7 +13,8 @@ import kernel_checks  # noqa: E402
 
 kernel_checks.patch_triton_interpreter()
 
-from kdaserve.kernels.sample.race import race_sample, race_sample_reference  # noqa: E402
+from kdaserve.kernels.sample.race import (markov_race, markov_race_reference,  # noqa: E402
+                                          race_sample, race_sample_reference)
 from kdaserve.kernels.sample.softmax import softmax_reference, tempered_softmax  # noqa: E402
 
 INF = float("inf")
@@ -131,7 +132,39 @@ def check_softmax() -> None:
     torch.testing.assert_close(tempered_softmax(torch.zeros(2, 1)), torch.ones(2, 1))
 
 
+def check_markov() -> None:
+    """A Markov head position: the logits gain the bias of each row's previous token (the
+    eager head's bf16 product, to within its rounding) in place, greedy rows (T = 0) draw the
+    argmax of the updated logits, sampled rows follow their softmax (1000 draws of one row,
+    the previous token read with a row stride), and the draws land in `out`."""
+    torch.manual_seed(6)
+    V, r = 600, 32
+    emb = (torch.randn(V, r) * 0.5).bfloat16()
+    proj = (torch.randn(V, r) * 0.5).bfloat16()
+    base = torch.randn(3, V)
+    prev = torch.tensor([[5, 0], [599, 0], [17, 0]])[:, 0]               # row stride 2
+    temps = torch.tensor([0.0, 0.0, 0.0])
+    got_logits = base.clone()
+    out = torch.full((3,), -1, dtype=torch.int64)
+    got = markov_race(got_logits, emb, proj, prev, torch.zeros(3, dtype=torch.int64), temps,
+                      out=out)
+    want_logits = base.clone()
+    want = markov_race_reference(want_logits, emb, proj, prev, torch.ones(3, V), temps)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0.05)
+    assert got is out and torch.equal(got, got_logits.argmax(-1)), (got, want)
+    n = 1000
+    row_logits = torch.tensor([1.0, 0.0, -1.0, 0.5]).repeat(n, 1)
+    e4, p4 = torch.zeros(4, 8).bfloat16(), torch.zeros(4, 8).bfloat16()
+    e4[2, 0], p4[:, 0] = 1.0, torch.tensor([0.0, 1.0, 0.0, -1.0]).bfloat16()  # bias of token 2
+    draws = markov_race(row_logits, e4, p4, torch.full((n,), 2, dtype=torch.int64),
+                        torch.arange(n, dtype=torch.int64) + 3, torch.full((n,), 1.0))
+    updated = torch.tensor([1.0, 1.0, -1.0, -0.5])
+    assert torch.equal(row_logits[0], updated)
+    assert chi_square_p(torch.bincount(draws, minlength=4), torch.softmax(updated, 0)) > 1e-4
+
+
 if __name__ == "__main__":
+    check_markov()
     check_softmax()
     check_temperature()
     check_distribution()

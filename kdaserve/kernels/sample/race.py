@@ -52,18 +52,66 @@ def race_sample(logits: torch.Tensor, seeds: torch.Tensor, tau: torch.Tensor | N
         return out
     require_triton()
     check_kernel_device(logits)
+    _launch(logits, seeds, tau, temperature, None, out)
+    return out
+
+
+MARKOV_BLOCK = 256
+"""Tokens a Markov race program takes per step: its [256, rank] projection tile (rank 32: 64
+values a thread at 4 warps)."""
+
+
+def markov_race(logits: torch.Tensor, emb: torch.Tensor, proj: torch.Tensor,
+                prev: torch.Tensor, seeds: torch.Tensor, temperature: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """One position of a DSpark Markov head in one pass: logits [B, V] fp32 (a view with a
+    contiguous last dim; updated in place) += proj @ emb[prev] per row (emb, proj [V, r], the
+    head's two tables; prev [B] int64, any row stride), then race_sample(logits, seeds, None,
+    temperature) of the updated rows. out: [B] int64 (contiguous) to write the draws into, or
+    None. Returns the draws [B]. Twin: markov_race_reference."""
+    _check(logits, seeds, None, temperature)
+    B, V = logits.shape
+    r = emb.shape[1]
+    if (emb.shape != proj.shape or emb.shape[0] != V or not emb.is_contiguous()
+            or not proj.is_contiguous() or r & (r - 1)):
+        raise ValueError(f"emb and proj must be contiguous [V={V}, r] with r a power of two, "
+                         f"got {tuple(emb.shape)} and {tuple(proj.shape)}")
+    if prev.shape != (B,) or prev.dtype != torch.int64:
+        raise ValueError(f"prev must be int64 [B={B}], got {prev.dtype} {tuple(prev.shape)}")
+    if out is None:
+        out = torch.zeros(B, dtype=torch.int64, device=logits.device)
+    if B:
+        require_triton()
+        check_kernel_device(logits)
+        _launch(logits, seeds, None, temperature, (emb, proj, prev), out)
+    return out
+
+
+def markov_race_reference(logits: torch.Tensor, emb: torch.Tensor, proj: torch.Tensor,
+                          prev: torch.Tensor, noise: torch.Tensor,
+                          temperature: torch.Tensor) -> torch.Tensor:
+    """markov_race's math in torch with the noise given: the bias as the bf16 GEMM of the
+    eager head (markov_proj(markov_embed(prev)).float()) added in place, then the race."""
+    logits += torch.nn.functional.linear(emb[prev], proj).float()
+    return race_sample_reference(logits, noise, None, temperature)
+
+
+def _launch(logits, seeds, tau, temperature, markov, out) -> None:
     from kdaserve.kernels.sample.triton_race import race_partial_kernel, race_reduce_kernel
 
+    B, V = logits.shape
     S, split_len = race_splits(B, V, num_sms(logits.device))
     part_val = torch.empty(B, S, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, S, dtype=torch.int32, device=logits.device)
-    race_partial_kernel[(B, S)](logits, tau if tau is not None else logits,
-                                temperature if temperature is not None else logits, seeds,
-                                part_val, part_idx, V, split_len, logits.stride(0),
-                                HAS_TAU=tau is not None, HAS_TEMP=temperature is not None,
-                                BLOCK=RACE_BLOCK, num_warps=4)
+    emb, proj, prev = markov if markov is not None else (logits, logits, seeds)
+    race_partial_kernel[(B, S)](
+        logits, tau if tau is not None else logits,
+        temperature if temperature is not None else logits, seeds, part_val, part_idx,
+        emb, proj, prev, V, split_len, logits.stride(0), prev.stride(0),
+        HAS_TAU=tau is not None, HAS_TEMP=temperature is not None, MARKOV=markov is not None,
+        RANK=emb.shape[1] if markov is not None else 1,
+        BLOCK=MARKOV_BLOCK if markov is not None else RACE_BLOCK, num_warps=4)
     race_reduce_kernel[(B,)](part_val, part_idx, out, S, BLOCK_S=RACE_MAX_SPLITS, num_warps=1)
-    return out
 
 
 def race_sample_reference(logits: torch.Tensor, noise: torch.Tensor,
@@ -103,4 +151,5 @@ def _check(logits: torch.Tensor, seeds: torch.Tensor, tau: torch.Tensor | None,
                              f"{tuple(t.shape)} on {t.device}")
 
 
-__all__ = ["race_sample", "race_sample_reference", "race_splits"]
+__all__ = ["markov_race", "markov_race_reference", "race_sample", "race_sample_reference",
+           "race_splits"]

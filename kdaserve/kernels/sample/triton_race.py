@@ -30,15 +30,19 @@ def _exp1(seed, offs):
     return tl.where(v < _SERIES_BELOW, series, -tl.log(1.0 - v))
 
 
-@triton.jit(do_not_specialize=["V", "split_len", "stride_lb"])
-def race_partial_kernel(logits_ptr, tau_ptr, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr, V,
-                        split_len, stride_lb, HAS_TAU: tl.constexpr, HAS_TEMP: tl.constexpr,
-                        BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["V", "split_len", "stride_lb", "stride_prev"])
+def race_partial_kernel(logits_ptr, tau_ptr, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
+                        emb_ptr, proj_ptr, prev_ptr, V, split_len, stride_lb, stride_prev,
+                        HAS_TAU: tl.constexpr, HAS_TEMP: tl.constexpr, MARKOV: tl.constexpr,
+                        RANK: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, split): the best race score over tokens [split * split_len, +split_len)
     of the row, and its index (the row's first kept token of that slice on ties within a
     block, the earliest block across blocks); (-inf, slice start) when nothing is kept.
     HAS_TEMP: the row's logits are divided by its temperature first, and a row with T < 1e-5
-    scores its raw logits without noise (greedy: the argmax)."""
+    scores its raw logits without noise (greedy: the argmax).
+    MARKOV (a DSpark Markov head position): first the logits get the bias of the row's
+    previous token p = prev[row * stride_prev], proj[v] . emb[p] (a rank-RANK product, fp32,
+    rounded to the weights' dtype as a GEMM's output would be), and are written back."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     S = tl.num_programs(1)
@@ -54,12 +58,23 @@ def race_partial_kernel(logits_ptr, tau_ptr, temp_ptr, seed_ptr, part_val_ptr, p
         t = tl.load(temp_ptr + row)
         noisy = t >= 1e-5
         inv_t = 1.0 / tl.where(noisy, t, 1.0)
+    r = tl.arange(0, RANK)
+    e = tl.zeros([RANK], tl.float32)
+    if MARKOV:
+        prev = tl.load(prev_ptr + row * stride_prev).to(tl.int64)
+        e = tl.load(emb_ptr + prev * RANK + r).to(tl.float32)               # [RANK]
     best_val = float("-inf")
     best_idx = start
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         lg = tl.load(logits_ptr + row * stride_lb + offs, mask=offs < end,
                      other=float("-inf"))                                 # [BLOCK]
+        if MARKOV:
+            w = tl.load(proj_ptr + offs[:, None].to(tl.int64) * RANK + r[None, :],
+                        mask=(offs < end)[:, None], other=0.0)              # [BLOCK, RANK]
+            bias = tl.sum(w.to(tl.float32) * e[None, :], axis=1)
+            lg += bias.to(proj_ptr.dtype.element_ty).to(tl.float32)
+            tl.store(logits_ptr + row * stride_lb + offs, lg, mask=offs < end)
         if HAS_TEMP:
             lg = lg * inv_t
         keep = (lg >= tau) & (lg > float("-inf"))
