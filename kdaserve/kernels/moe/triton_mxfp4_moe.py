@@ -41,6 +41,21 @@ def _e2m1(code):
 
 
 @triton.jit
+def _e2m1_pair_tiny(byte):
+    """int32 packed bytes (0..255) -> (low nibble, high nibble) as E2M1 value x 2^-126 in fp32:
+    _e2m1's bit patterns without its multiply, placed straight from the byte (the shifts and
+    masks drop the other nibble's bits, so no `& 15` or `>> 4` first). The GEMV scales its
+    activations by 2^63 and each group's sum by 2^63 instead: every product stays a normal
+    fp32 (value x activation x 2^-63), two multiplies a byte fewer."""
+    lo = ((byte << 22) & 0x01C00000) | ((byte << 28) & -2147483648)
+    hi = ((byte << 18) & 0x01C00000) | ((byte << 24) & -2147483648)
+    return lo.to(tl.float32, bitcast=True), hi.to(tl.float32, bitcast=True)
+
+
+TWO_POW_63 = tl.constexpr(9.223372036854775808e18)
+
+
+@triton.jit
 def _e8m0(s):
     """int32 E8M0 bytes (0..255) -> 2^(s - 127) in fp32, exactly, from bits: s << 23 is the
     exponent field for s in 1..254; s = 0 and s = 255 also set mantissa bit 22, giving 2^-127
@@ -200,15 +215,18 @@ def mxfp4_moe_gemm2_kernel(
 @triton.jit
 def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
     """The activation chunk k0 .. k0 + BLOCK_K of one row, in fp32, shaped for _gemv_dot.
-    MXFP4: (even K values [1, G, 16], odd K values [1, G, 16]), G = BLOCK_K / 32 scale groups,
+    MXFP4: (even K values [1, G, 16], odd K values [1, G, 16]) times 2^63, G = BLOCK_K / 32
+    scale groups,
     packed position j = 16 g + t holding K values 2j (low nibble) and 2j + 1 (high nibble), so
     the packed weight bytes need no interleave. Dense: (the chunk [1, BLOCK_K], the same)."""
-    if MXFP4:
+    if MXFP4:   # times 2^63: the other half of the decode's 2^126 (_e2m1_pair_tiny)
         G: tl.constexpr = BLOCK_K // 32
         j = k0 // 2 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]   # [G, 16]
         mask = j < K // 2
         lo = tl.load(row_ptr + 2 * j, mask=mask, other=0.0).to(tl.float32)[None, :, :]
         hi = tl.load(row_ptr + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)[None, :, :]
+        lo = lo * TWO_POW_63
+        hi = hi * TWO_POW_63
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         lo = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]  # [1, BK]
@@ -219,12 +237,15 @@ def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
 @triton.jit
 def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride_sn,
               BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
-    """[BN] fp32: the weight rows offs_n of one expert (w_ptr, s_ptr at the expert) dotted with
-    the activation chunk k0 .. k0 + BLOCK_K of _gemv_x. MXFP4: the packed bytes as [BN, G, 16]
-    (contiguous along K), one E8M0 scale per group of 16 bytes applied to the group's sum (an
-    exact power of two, so the same value as scaling each decoded element, up to fp32
-    rounding); both nibbles decoded with _e2m1 against the even / odd activations. Dense: a
-    [BN, BLOCK_K] tile of an [N, K] weight (s_ptr unused)."""
+    """The weight rows offs_n of one expert (w_ptr, s_ptr at the expert) against the
+    activation chunk k0 .. k0 + BLOCK_K of _gemv_x, as fp32 partial sums the caller adds up
+    elementwise over the K loop and reduces once after it (a cross-thread reduction every K
+    step costs more instructions than the products). MXFP4: [BN, G], the
+    packed bytes as [BN, G, 16] (contiguous along K, 16 to a thread), each group's sum times
+    its E8M0 scale (an exact power of two, so the same value as scaling each decoded element,
+    up to fp32 rounding); both nibbles decoded by _e2m1_pair_tiny against the even / odd
+    activations (x 2^63: _gemv_x). Dense: [BN, BLOCK_K] products of a tile of an [N, K] weight
+    (s_ptr unused)."""
     rows = offs_n.to(tl.int64)
     if MXFP4:
         G: tl.constexpr = BLOCK_K // 32
@@ -235,14 +256,16 @@ def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride
                         mask=mask_g[:, :, None], other=0).to(tl.int32)           # [BN, G, 16]
         scale = _e8m0(tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :],
                               mask=mask_g, other=127).to(tl.int32))              # [BN, G]
-        part = _e2m1(codes & 15) * x_lo + _e2m1(codes >> 4) * x_hi               # [BN, G, 16]
-        acc = tl.sum(tl.sum(part, axis=2) * scale, axis=1)
+        lo, hi = _e2m1_pair_tiny(codes)                                          # x 2^-126
+        part = lo * x_lo + hi * x_hi                              # [BN, G, 16], x 2^-63
+        acc = (tl.sum(part, axis=2) * TWO_POW_63) * scale      # exact, then the group scale
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :],
                     mask=mask_n[:, None] & (k < K)[None, :], other=0.0)          # [BN, BK]
-        acc = tl.sum(w.to(tl.float32) * x_lo, axis=1)
+        acc = w.to(tl.float32) * x_lo
     return acc
+
 
 
 @triton.jit
@@ -279,15 +302,16 @@ def mxfp4_moe_gemv1_kernel(
     w_e = w_ptr + e * stride_we
     s_e = s_ptr + e * stride_se
     x_row = x_ptr + (r // top_k) * stride_xm
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    W: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K     # _gemv_dot's partial columns
+    acc_g = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, W], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         x_lo, x_hi = _gemv_x(x_row, k0, hidden, BLOCK_K, MXFP4)
         acc_g += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, hidden, x_lo, x_hi, stride_wn,
                            stride_sn, BLOCK_K, MXFP4)
         acc_u += _gemv_dot(w_e, s_e, offs_n + inter_size, mask_n, k0, hidden, x_lo, x_hi,
                            stride_wn, stride_sn, BLOCK_K, MXFP4)
-    h = _glu(acc_g, acc_u, beta, linear_beta, ACT, CLIP_UP)
+    h = _glu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta, linear_beta, ACT, CLIP_UP)
     tl.store(inter_ptr + r * stride_im + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -309,12 +333,14 @@ def mxfp4_moe_gemv2_kernel(
     w_e = w_ptr + e * stride_we
     s_e = s_ptr + e * stride_se
     a_row = inter_ptr + r * stride_im
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    W: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K     # _gemv_dot's partial columns
+    acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         a_lo, a_hi = _gemv_x(a_row, k0, inter_size, BLOCK_K, MXFP4)
         acc += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, inter_size, a_lo, a_hi, stride_wn,
                          stride_sn, BLOCK_K, MXFP4)
-    tl.store(out_ptr + r * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(out_ptr + r * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
+             mask=mask_n)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
