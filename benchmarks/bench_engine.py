@@ -1,11 +1,22 @@
-"""In-process engine benchmark on one GPU (issues 2 and 3 figures).
+"""In-process engine benchmark on one GPU, or on several with -tp / -dcp (issues 2, 3, 25).
 
     python benchmarks/bench_engine.py MODEL_DIR --load-format dummy --out results.json
+    python benchmarks/bench_engine.py MODEL_DIR -tp 2 -dcp 2 --batches 1,16 --skip-throughput
 
 MODEL_DIR is an HF-style folder (e.g. `kdaserve make-model /tmp/k48 --preset
-kimi-linear-48b-a3b`: config + tokenizer only). Measures: load time; one 8000-token prefill and
+kimi-linear-48b-a3b`: config + tokenizer only). Measures: load time; the KV capacity (the
+engine's stats: with DCP a block holds dcp x block_size tokens); one 8000-token prefill and
 32 decode steps (time of each); decode step time at batch 1/4/16 with 8K context, CUDA graphs on
 and off, next to the byte floor; offline throughput of 16 x (8000 in, 1000 out).
+
+Under tensor parallelism the engine holds rank 0's worker in this process and the other ranks
+follow its launch / collect commands; what this script does to rank 0 alone must not change the
+work the ranks do. So with TP > 1: no eager runs (switching rank 0's CUDA graphs off would leave
+the other ranks replaying theirs: collectives of other shapes); experts touched are counted on
+rank 0's model without a collective (roofline.experts_touched); the byte floor is one rank's:
+rank 0's weight shard, its KDA heads (1/tp) and its share of each context's latent KV (1/dcp),
+as the engine's own floor gauge counts it. Toggling async scheduling is the engine core's
+business (the ranks follow rank 0's calls), so the graphs_sync rows still run.
 """
 
 from __future__ import annotations
@@ -71,11 +82,19 @@ def main() -> None:
                          "engine's)")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="one step at a time (the decode rows then have no graphs_sync twin)")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="default: max(32, largest batch); KDA slots take memory from the KV")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rng = random.Random(0)
+    tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
     result = {"command": " ".join(sys.argv), "commit": git_commit(),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "tensor_parallel_size": tp, "decode_context_parallel_size": dcp,
+              "gpus_visible": torch.cuda.device_count()}
+    skipped = []    # parts left out under TP > 1 (module docstring)
     bw = measure_copy_bandwidth(torch.device("cuda"))
     result["copy_bandwidth_TBps"] = bw / 1e12
     batches = [int(x) for x in args.batches.split(",")]
@@ -84,13 +103,18 @@ def main() -> None:
     # max_num_seqs rows (the rest of the requests wait)
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format=args.load_format, **args.model_loader_extra_config,
-        max_model_len=12288, max_num_seqs=max(32, *batches), max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9, **args.optimization_config,
-        async_scheduling=not args.no_async_scheduling)
+        max_model_len=12288, max_num_seqs=args.max_num_seqs or max(32, *batches),
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.9, **args.optimization_config,
+        async_scheduling=not args.no_async_scheduling, tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp)
     result["engine_start_s"] = time.perf_counter() - t0
-    rn = engine.model_runner
-    result["kv_cache_tokens"] = rn.num_blocks * rn.block_size
+    rn = engine.model_runner            # rank 0's runner under TP
+    stats = engine.get_stats()
+    result["kv_cache_tokens"] = stats.num_total_kv_tokens   # logical: per-rank blocks x dcp x bs
+    result["kv_blocks_per_rank"] = rn.num_blocks
+    result["block_size_per_rank"] = rn.block_size
     result["kda_state_slots"] = rn.num_slots
+    result["max_num_seqs"] = engine.engine_config.scheduler_config.max_num_seqs
     vocab = engine.vocab_size
     print(json.dumps(result, indent=1), flush=True)
 
@@ -117,14 +141,19 @@ def main() -> None:
         times.append(time.perf_counter() - t)
         graph_tokens = outs[0].outputs[0].token_ids if outs else None
     sched.async_scheduling = use_async
-    saved, rn.graphs = rn.graphs, None
-    engine.add_request("p0-eager", p0, sp)
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        eager_tokens = outs[0].outputs[0].token_ids if outs else None
-    rn.graphs = saved
-    result["graphs_equal_eager_greedy_tokens"] = graph_tokens == eager_tokens
-    print("graphs vs eager greedy tokens equal:", graph_tokens == eager_tokens, flush=True)
+    if tp == 1:
+        saved, rn.graphs = rn.graphs, None
+        engine.add_request("p0-eager", p0, sp)
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            eager_tokens = outs[0].outputs[0].token_ids if outs else None
+        rn.graphs = saved
+        result["graphs_equal_eager_greedy_tokens"] = graph_tokens == eager_tokens
+        print("graphs vs eager greedy tokens equal:", graph_tokens == eager_tokens, flush=True)
+    else:
+        result["graphs_equal_eager_greedy_tokens"] = None
+        skipped.append("eager runs (graphs vs eager tokens, step_ms_eager*): rank 0 alone "
+                       "cannot switch its graphs off")
     result["prefill_8000_ms"] = times[0] * 1e3
     result["decode_32_steps_ms"] = [t * 1e3 for t in times[1:]]
     print(f"prefill {args.prompt_len}: {times[0] * 1e3:.1f} ms; decode steps median "
@@ -136,15 +165,17 @@ def main() -> None:
         ps = [prompt(rng, args.prompt_len, vocab) for _ in range(b)]
         with torch.inference_mode():
             touched = experts_touched(rn.model, torch.tensor([p[-1] for p in ps], device="cuda"))
-        floor = byte_floor(rn.model, engine.engine_config.model_config.arch, b, args.prompt_len,
-                           touched, bw, state_bytes_per_slot(engine.engine_config.model_config.arch,
-                                                             rn.dtype))
+        arch = engine.engine_config.model_config.arch
+        # one rank's bytes: rank 0's shard, its KDA heads, its 1/dcp of each context's latents
+        floor = byte_floor(rn.model, arch, b, -(-args.prompt_len // dcp), touched, bw,
+                           state_bytes_per_slot(arch, rn.dtype, tp))
         row = {"batch": b, "context": args.prompt_len, **floor}
         sched = engine.engine_config.scheduler_config
         use_async = sched.async_scheduling
-        runs = [("graphs", True, use_async), ("eager", False, use_async)]
+        runs = [("graphs", True, use_async)] + ([("eager", False, use_async)] if tp == 1 else [])
         if use_async:   # the same without async scheduling
-            runs += [("graphs_sync", True, False), ("eager_sync", False, False)]
+            runs += [("graphs_sync", True, False)] + (
+                [("eager_sync", False, False)] if tp == 1 else [])
         for key, graphs, async_on in runs:
             saved = rn.graphs
             if not graphs:
@@ -163,7 +194,7 @@ def main() -> None:
         row["floor_ms_w4"] = floor["total_bytes"] / W4_COPY_BYTES_PER_S * 1e3
         row["ratio_graphs_w4"] = row["step_ms_graphs"] / row["floor_ms_w4"]
         print(f"batch {b}: graphs {row['step_ms_graphs']:.2f} ms, eager "
-              f"{row['step_ms_eager']:.2f} ms, graphs without async scheduling "
+              f"{row.get('step_ms_eager', float('nan')):.2f} ms, graphs without async scheduling "
               f"{row.get('step_ms_graphs_sync', float('nan')):.2f} ms, floor "
               f"{floor['floor_ms']:.2f} ms at the measured copy bandwidth (ratio "
               f"{row['ratio_graphs']:.2f}), W4 floor {row['floor_ms_w4']:.2f} ms (ratio "
@@ -186,6 +217,12 @@ def main() -> None:
                                 "steps": len(times)}
         print(f"offline throughput: {n} x ({args.prompt_len} in, {out_len} out) in "
               f"{wall:.1f} s = {n * out_len / wall:.0f} output tok/s", flush=True)
+    result["floor_scope"] = ("per rank: rank 0's weight shard, KDA state of 1/tp of the heads, "
+                             "1/dcp of each context's latent KV" if tp > 1 else "the model")
+    result["skipped_under_tp"] = skipped
+    result["experts_touched_method"] = (
+        "rank 0's model alone: ids folded into its vocabulary rows, no collective" if tp > 1
+        else "embedding + first MoE layer's router")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

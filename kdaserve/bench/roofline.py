@@ -52,13 +52,24 @@ def byte_floor(model, args, batch: int, context: int, experts_touched: int,
 
 def experts_touched(model, token_ids) -> int:
     """Distinct experts the batch's tokens pick in the first MoE layer (embedding + norm as
-    input: with dummy weights routing barely depends on depth)."""
+    input: with dummy weights routing barely depends on depth).
+
+    Needs no collective, so it runs on one tensor-parallel rank's model alone (the engine's
+    rank 0 under TP): a vocabulary-parallel embedding's forward all-reduces, so with more than
+    one rank each id is folded into the rank's own rows (id mod rows: still a vocabulary
+    token) and looked up there; the norm and the router are replicated."""
     import torch
+    import torch.nn.functional as F
 
     layer = next((l for l in model.model.layers if hasattr(l.mlp, "gate")), None)
     if layer is None:
         return 0
-    x = model.model.embed_tokens(token_ids)
+    embed = model.model.embed_tokens
+    tp = getattr(embed, "tp", None)
+    if tp is not None and tp.size > 1:
+        x = F.embedding(token_ids % embed.weight.shape[0], embed.weight)
+    else:
+        x = embed(token_ids)
     _, ids = layer.mlp.gate(layer.post_attention_layernorm(x))
     return int(torch.unique(ids).numel())
 

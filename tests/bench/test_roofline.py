@@ -28,3 +28,43 @@ def test_roofline_cpu(tmp_path):
     by = {(r["batch"], r["context"]): r for r in res["rows"]}
     assert by[(3, 80)]["kv_bytes"] == 3 * by[(1, 80)]["kv_bytes"]
     assert by[(1, 80)]["kv_bytes"] > by[(1, 32)]["kv_bytes"]
+
+
+def test_experts_touched_needs_no_collective_on_a_tp_rank():
+    """On one rank's model under TP (rank 0 alone, as bench_engine.py holds it) the
+    vocabulary-parallel embedding is not called (its all-reduce would wait for the other
+    ranks): ids fold into the rank's rows, the router sees those rows' embeddings."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from kdaserve.bench.roofline import experts_touched
+    from kdaserve.distributed.comm import GroupComm
+    from kdaserve.layers.parallel import VocabParallelEmbedding
+
+    class NoCollective:
+        rank, size = 0, 2
+
+        def all_reduce(self, x):
+            raise AssertionError("a collective on one rank alone")
+
+    class Gate(nn.Module):   # expert = the largest embedding dimension
+        def forward(self, x):
+            return x.max(-1, keepdim=True)
+
+    def model(embed):
+        layer = SimpleNamespace(mlp=SimpleNamespace(gate=Gate()),
+                                post_attention_layernorm=nn.Identity())
+        return SimpleNamespace(model=SimpleNamespace(layers=[layer], embed_tokens=embed))
+
+    full = torch.eye(8)[[0, 1, 2, 2, 3, 4, 5, 6]]           # token -> its expert, one-hot
+    one = VocabParallelEmbedding(8, 8, GroupComm.single())
+    one.weight.data = full
+    rank0 = VocabParallelEmbedding(8, 8, NoCollective())     # rows 0..3 of the vocabulary
+    rank0.weight.data = full[:4].clone()
+    ids = torch.tensor([0, 1, 2, 3])
+    assert experts_touched(model(one), ids) == 3             # tokens 2 and 3 share expert 2
+    assert experts_touched(model(rank0), ids) == 3
+    assert experts_touched(model(rank0), ids + 4) == 3       # folded onto rows 0..3
+    assert experts_touched(model(rank0), torch.tensor([0, 4])) == 1
