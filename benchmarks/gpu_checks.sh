@@ -95,7 +95,7 @@ if [[ $STAGES == *verify* ]]; then   # issue 20: where a verify step's time goes
     --steps 10 --optimization-config '{"pdl":false}' --out "$OUT/breakdown_verify.json" 2>&1 \
     | grep -v Warn | grep -E "ms/step synced|device:|a replay|ms/step +[0-9.]+x" | tee "$OUT/verify.log"
   timeout ${VERIFY_BATCH_TIMEOUT:-380} python3 benchmarks/bench_batch.py --cases moe,mla \
-    --batches 72,144,288 --mla-rows-per-seq 9 --time-budget 300 --out "$OUT/batch_verify.json" \
+    --batches ${VERIFY_BATCHES:-9,72,144,288} --mla-rows-per-seq 9 --time-budget 300 --out "$OUT/batch_verify.json" \
     ${VERIFY_ARGS:-} 2>&1 | grep -v Warn | tail -20 | tee -a "$OUT/verify.log"
 fi
 if [[ $STAGES == *fold* ]]; then   # A/B of KernelConfig.mla_verify_fold on the DSpark step
