@@ -4,7 +4,11 @@ own toolchain (LLVM + the bundled ptxas), no GPU needed.
     python compile_sm90.py LAUNCHES.jsonl
 
 Non-constexpr ints become i32 (i64 past its range), floats fp32, tensors pointers of their dtype;
-constexpr parameters keep their recorded value, or their default when not passed. Each distinct
+constexpr parameters keep their recorded value, or their default when not passed. Each launch
+gets the specialisation the JIT would give it on a GPU: a 16-divisibility hint on ints that
+are multiples of 16 and on 16-byte aligned tensors, except where the kernel says
+do_not_specialize (ints) or do_not_specialize_on_alignment (so the loads vectorise as they do
+there). Each distinct
 (kernel, signature, constexprs, options) compiles once, and once more with every fp32 pointer
 as bf16 (the checks run fp32 on the CPU; the GPU runs bf16 activations). Prints one line per
 failure and exits 1 if any failed.
@@ -32,7 +36,7 @@ def _scalar_type(v) -> str:
 def plan(rec: dict):
     """(key, module, name, signature, constexprs, options) of one launch."""
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-    sig, consts = {}, {}
+    sig, consts, divisible = {}, {}, []
     for i, p in enumerate(fn.params):
         arg = rec["args"].get(p.name)
         if p.is_constexpr or (arg is not None and arg.get("value", 0) is None):
@@ -45,23 +49,30 @@ def plan(rec: dict):
             raise TypeError(f"{rec['name']}: argument {p.name} was not recorded")
         elif "tensor" in arg:
             sig[p.name] = "*" + PTR[arg["tensor"]]
+            if arg.get("aligned") and not p.do_not_specialize_on_alignment:
+                divisible.append(i)
         else:
             sig[p.name] = _scalar_type(arg["value"])
+            v = arg["value"]
+            if (isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+                    and not p.do_not_specialize and not p.do_not_specialize_on_alignment):
+                divisible.append(i)
     key = json.dumps([rec["module"], rec["name"], sig, sorted((k[0], repr(v)) for k, v in
                                                                consts.items()),
-                      sorted(rec["options"].items())])
-    return key, rec["module"], rec["name"], sig, consts, rec["options"]
+                      sorted(rec["options"].items()), divisible])
+    return key, rec["module"], rec["name"], sig, consts, rec["options"], divisible
 
 
 def compile_one(item) -> str | None:
-    _, module, name, sig, consts, options = item
+    _, module, name, sig, consts, options, divisible = item
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(module), name)
     try:
-        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+        attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+        triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(options))
     except Exception as e:  # noqa: BLE001 - reported per launch
         msg = str(e).strip().splitlines()
@@ -70,9 +81,9 @@ def compile_one(item) -> str | None:
 
 
 def bf16_variant(item):
-    key, module, name, sig, consts, options = item
+    key, module, name, sig, consts, options, divisible = item
     sig = {k: "*bf16" if v == "*fp32" else v for k, v in sig.items()}
-    return (key + " bf16", module, name, sig, consts, options)
+    return (key + " bf16", module, name, sig, consts, options, divisible)
 
 
 def main(path: str, workers: int = 2) -> int:

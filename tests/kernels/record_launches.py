@@ -3,8 +3,9 @@ TRITON_INTERPRET=1; used by test_compile_sm90.py).
 
     python record_launches.py OUT.jsonl SCRIPT [SCRIPT ...]
 
-Each launch is one JSON line: the kernel (module, name), every argument as a tensor dtype or a
-plain value, and the launch options (num_warps, num_stages).
+Each launch is one JSON line: the kernel (module, name), every argument as a tensor dtype
+(and whether its address is 16-byte aligned) or a plain value, and the launch options
+(num_warps, num_stages).
 """
 
 import json
@@ -21,7 +22,8 @@ sys.path.insert(0, str(HERE))
 
 def describe(value):
     if isinstance(value, torch.Tensor):
-        return {"tensor": str(value.dtype).removeprefix("torch.")}
+        return {"tensor": str(value.dtype).removeprefix("torch."),
+                "aligned": value.data_ptr() % 16 == 0}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     return {"repr": repr(value)}
