@@ -178,8 +178,10 @@ class SparseMoE(nn.Module):
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor | None:
         """An fp32 buffer like x for the preceding norm to write the router's input into
-        (CUDA, fused path only); None where the router casts x itself."""
-        if self.w13_all is None or self.gate.gemv or use_router_logits(x):
+        (CUDA, fused path only); None where the router reads x itself (the GEMV,
+        router_partials, router_logits)."""
+        if (self.w13_all is None or self.gate.gemv or use_router_logits(x)
+                or (self.gate.partials and use_router_partials(x))):
             return None
         return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
