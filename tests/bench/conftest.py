@@ -4,6 +4,8 @@ download) and a running fake OpenAI server that counts prompt tokens with it."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import random
 
 import pytest
@@ -47,3 +49,17 @@ def fake_server(tokenizer_dir):
                            encode=lambda text: tok.encode(text, add_special_tokens=False).ids)
     with FakeOpenAIServer(cfg) as server:
         yield server
+
+
+def _load_benchmark(name: str):
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """name -> benchmarks/<name>.py imported as a module (the scripts are not a package)."""
+    return _load_benchmark

@@ -2,14 +2,10 @@
 """benchmarks/multi_gpu_report.py: the pytest summary, the merged engine runs and the guidellm
 levels (a report shaped as guidellm 0.8.1 writes it) next to the seed's reference rows."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
-                      "multi_gpu_report.py")
 LOG = """\
 tests/distributed/test_dcp_engine.py::test_dcp2_cuda_graphs_equal_tp1_gpu PASSED       [ 50%]
 tests/distributed/test_tp_server.py::test_other_gpu FAILED                              [100%]
@@ -18,11 +14,8 @@ tests/distributed/test_tp_server.py::test_other_gpu FAILED                      
 
 
 @pytest.fixture(scope="module")
-def rep():
-    spec = importlib.util.spec_from_file_location("multi_gpu_report", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def rep(load_benchmark):
+    return load_benchmark("multi_gpu_report")
 
 
 def _stat(mean, median=None):

@@ -5,22 +5,14 @@ tests/distributed/test_dcp_engine.py asserts), each layout in its own child proc
 JSON carries the capacities (DCP=2 holds twice TP=2's KV tokens in the same blocks); the
 comparison's verdicts on a divergence within and outside the top-k."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
-                      "parallel_equality.py")
-
 
 @pytest.fixture(scope="module")
-def pe():
-    spec = importlib.util.spec_from_file_location("parallel_equality", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def pe(load_benchmark):
+    return load_benchmark("parallel_equality")
 
 
 @pytest.mark.timeout(900)

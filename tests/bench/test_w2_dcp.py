@@ -4,21 +4,14 @@ per layout (TP=2, then TP=2 with DCP=2), shared-prefix token-id prompts whose la
 the prefix cache, the capacity from the log and /metrics (DCP=2 holds twice the KV tokens),
 TPOT p50 and no request errors."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "w2_dcp.py")
-
 
 @pytest.fixture(scope="module")
-def w2():
-    spec = importlib.util.spec_from_file_location("w2_dcp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def w2(load_benchmark):
+    return load_benchmark("w2_dcp")
 
 
 @pytest.mark.timeout(900)

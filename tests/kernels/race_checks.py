@@ -2,7 +2,6 @@
 test_race_sample.py in a subprocess with TRITON_INTERPRET=1, and recorded for the sm_90 compile
 test. Each check is deterministic (fixed seeds), so a wrong draw fails every run."""
 
-import math
 import sys
 from pathlib import Path
 
@@ -16,20 +15,9 @@ kernel_checks.patch_triton_interpreter()
 from kdaserve.kernels.sample.race import (markov_race, markov_race_reference,  # noqa: E402
                                           race_sample, race_sample_reference)
 from kdaserve.kernels.sample.softmax import softmax_reference, tempered_softmax  # noqa: E402
+from tests.stats import chi2_pvalue  # noqa: E402
 
 INF = float("inf")
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Upper tail of the chi-square statistic of counts against probs (cells with p > 0), by
-    the Wilson-Hilferty normal approximation (good for the cell counts used here)."""
-    n = counts.sum().item()
-    keep = probs > 0
-    exp = probs[keep].double() * n
-    stat = ((counts[keep].double() - exp) ** 2 / exp).sum().item()
-    k = int(keep.sum()) - 1
-    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def check_distribution() -> None:
@@ -45,7 +33,7 @@ def check_distribution() -> None:
     probs = torch.softmax(torch.where(keep, row, -INF), 0)
     counts = torch.bincount(got, minlength=row.numel())
     assert (counts[~keep] == 0).all(), counts
-    p = chi_square_p(counts, probs)
+    p = chi2_pvalue(counts, probs)
     assert p > 1e-4, (counts.tolist(), probs.tolist(), p)
 
 
@@ -104,7 +92,7 @@ def check_temperature() -> None:
     got = race_sample(row.repeat(n, 1), torch.arange(n, dtype=torch.int64) + 5, None,
                       torch.full((n,), 2.0))
     probs = torch.softmax(row / 2.0, 0)
-    assert chi_square_p(torch.bincount(got, minlength=4), probs) > 1e-4
+    assert chi2_pvalue(torch.bincount(got, minlength=4), probs) > 1e-4
     noise = torch.ones(2, V)
     noise[:, 3] = 1e-30
     want = race_sample_reference(logits, noise, None, temps)
@@ -160,7 +148,7 @@ def check_markov() -> None:
                         torch.arange(n, dtype=torch.int64) + 3, torch.full((n,), 1.0))
     updated = torch.tensor([1.0, 1.0, -1.0, -0.5])
     assert torch.equal(row_logits[0], updated)
-    assert chi_square_p(torch.bincount(draws, minlength=4), torch.softmax(updated, 0)) > 1e-4
+    assert chi2_pvalue(torch.bincount(draws, minlength=4), torch.softmax(updated, 0)) > 1e-4
 
 
 if __name__ == "__main__":

@@ -12,20 +12,7 @@ from kdaserve.spec_decode.rejection_sampler import (
 from kdaserve.sample.sampler import Sampler
 from kdaserve.sampling_params import SamplingParams as SP
 from kdaserve.config.synthetic import rates_from_length
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; cells with expected < 5 are pooled into one."""
-    n = counts.sum().double()
-    exp = probs.double() * n
-    big = exp >= 5
-    obs_c = torch.cat([counts.double()[big], counts.double()[~big].sum().view(1)])
-    exp_c = torch.cat([exp[big], exp[~big].sum().view(1)])
-    keep = exp_c > 0
-    obs_c, exp_c = obs_c[keep], exp_c[keep]
-    stat = ((obs_c - exp_c) ** 2 / exp_c).sum()
-    df = obs_c.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
+from tests.stats import chi2_pvalue
 
 
 def _run(logits_per_pos, drafts, params, draft_probs=None, method="standard", rates=None,

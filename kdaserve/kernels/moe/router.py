@@ -148,14 +148,7 @@ def router_partials(x: torch.Tensor, weight: torch.Tensor,
     require_triton()
     from kdaserve.kernels.moe.triton_router import router_partials_kernel
 
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be bf16 [N, D] with a contiguous last dim, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] != x.shape[1]
-            or weight.stride(1) != 1):
-        raise ValueError(f"weight must be fp32 [E, D={x.shape[1]}] with a contiguous last dim, "
-                         f"got {weight.dtype} {tuple(weight.shape)}")
-    check_kernel_device(x)
+    _check_router_gemm(x, weight)
     N, D = x.shape
     E = weight.shape[0]
     p = plan or router_partials_plan(N, E, D, num_sms(x.device))
@@ -207,14 +200,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterGemmConfi
     require_triton()
     from kdaserve.kernels.moe.triton_router import router_logits_kernel
 
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
-        raise ValueError(f"x must be bf16 [N, D] with a contiguous last dim, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] != x.shape[1]
-            or weight.stride(1) != 1):
-        raise ValueError(f"weight must be fp32 [E, D={x.shape[1]}] with a contiguous last dim, "
-                         f"got {weight.dtype} {tuple(weight.shape)}")
-    check_kernel_device(x)
+    _check_router_gemm(x, weight)
     N, D = x.shape
     E = weight.shape[0]
     out = torch.empty(N, E, dtype=torch.float32, device=x.device)
@@ -226,3 +212,16 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterGemmConfi
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=D % c.block_k == 0,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_options(pdl, x))
     return out
+
+
+def _check_router_gemm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The inputs of router_partials and router_logits: bf16 x [N, D], fp32 weight [E, D], both
+    with a contiguous last dim, on a kernel device."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError(f"x must be bf16 [N, D] with a contiguous last dim, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] != x.shape[1]
+            or weight.stride(1) != 1):
+        raise ValueError(f"weight must be fp32 [E, D={x.shape[1]}] with a contiguous last dim, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    check_kernel_device(x)
