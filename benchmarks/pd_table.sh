@@ -4,13 +4,19 @@
 # `kdaserve proxy` in front of a kv_producer and a kv_consumer instance of the same model, then
 # against one instance alone; same client (`kdaserve bench serve`), same limits. After the PD
 # run the consumer's /metrics give the pulls' bytes and latencies (bandwidth, mean pull time).
-# Run from the repo root with .whl carried and nixl-cu13's wheel in /tmp/nk (carried in a call
-# of its own: `mkdir -p /tmp/nk && cp .nixlkit/*.whl /tmp/nk/`); results land in $OUT:
-#   LEVELS=4,16 [SINGLE=0] bash benchmarks/pd_table.sh
+# Run from the repo root with .whl and .nixlkit carried. nixl-cu13's wheel (57 MB) does not fit
+# the device's 64 MiB carry next to the tree, so .nixlkit holds it unpacked without nixl_ep
+# (the expert-parallel library, unused here) as nixl_cu13.tar.xz (18 MB):
+#   pip download --no-deps --python-version 3.12 --only-binary=:all: nixl-cu13 -d /tmp/nk
+#   (mkdir x && cd x && unzip -q /tmp/nk/nixl_cu13-*.whl && rm -r nixl_ep_cu13 \
+#    && tar -cJf ../.nixlkit/nixl_cu13.tar.xz .)
+# Results land in $OUT:
+#   LEVELS=4,16 [SINGLE=0] [UCX_TLS=...] bash benchmarks/pd_table.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -d /tmp/site/fla ] && [ -d /tmp/site/nixl_cu13 ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .whl/*.whl /tmp/nk/*.whl || exit 1
+[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -d /tmp/site/nixl_cu13 ] || tar -xJf .nixlkit/nixl_cu13.tar.xz -C /tmp/site || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if ls .tcache/triton.tar.xz.* >/dev/null 2>&1 && [ ! -d ~/.triton/cache ]; then
   mkdir -p ~/.triton && cat .tcache/triton.tar.xz.* | tar -xJf - -C ~/.triton

@@ -129,10 +129,11 @@ def test_fused_moe_gemms_one_specialisation(monkeypatch):
 
 def _mla_rows(B: int, H: int, rank: int, rope: int, width: int, page: int, offset: int = 0):
     """q [B, H, rank] and q_pe [B, H, rope] as views of one projection starting `offset` rows
-    into it, a zero block table of `width` pages, and full lengths."""
+    into it, a zero block table of `width` pages, and full lengths (both `offset` rows into
+    larger buffers, as a step's rows after other requests' rows)."""
     proj = torch.randn(offset + B, H, rank + rope, dtype=torch.bfloat16)[offset:]
-    table = torch.zeros(B, width, dtype=torch.int32)
-    lens = torch.full((B,), width * page, dtype=torch.int32)
+    table = torch.zeros(offset + B, width, dtype=torch.int32)[offset:]
+    lens = torch.full((offset + B,), width * page, dtype=torch.int32)[offset:]
     return proj[..., :rank], proj[..., rank:], table, lens
 
 

@@ -31,6 +31,13 @@ LN2 = tl.constexpr(0.6931471805599453)   # readable inside kernels
 _SPLIT_ARGS = ["num_heads", "num_splits", "stride_po_b", "stride_po_h", "stride_pl_b",
                "stride_pl_h"]
 
+# A verify window's rows come from wherever the step put them: q and q_pe may start at any
+# row of a larger projection, and the block table and lengths at any row of the step's
+# buffers. Their alignment and the q strides are not specialised, so a new step composition
+# reuses the warm-up's build (the rows are read once a program; the latents stay vectorised).
+_WINDOW_ROWS = ["q_ptr", "qr_ptr", "block_table_ptr", "seq_lens_ptr"]
+_ROW_STRIDES = ["stride_qb", "stride_qh", "stride_qrb", "stride_qrh"]
+
 
 @triton.jit
 def _load_tile(kv_ptr, bt_row, n0, end, offs_c, mask_c, offs_r, mask_r, stride_kv_block,
@@ -185,7 +192,8 @@ def _finish_t(acc, l_i, m_i):
     return out, lse
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt"])
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt"] + _ROW_STRIDES,
+            do_not_specialize_on_alignment=_WINDOW_ROWS)
 def mla_decode_partial_t_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
@@ -253,7 +261,9 @@ def mla_decode_partial_t_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt", "rows_per_seq", "num_rows"])
+@triton.jit(do_not_specialize=_SPLIT_ARGS + _ROW_STRIDES + ["stride_bt", "rows_per_seq",
+                                                            "num_rows"],
+            do_not_specialize_on_alignment=_WINDOW_ROWS)
 def mla_decode_partial_fold_kernel(
     q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     sm_scale_log2,
