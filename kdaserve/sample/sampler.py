@@ -100,9 +100,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
                   threshold_kernel: bool = False, want_tau: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Top-k, top-p (apply_top_k_top_p) and min-p of tempered logits [B, V] -> (logits, tau).
-    With want_tau, where apply_top_k_top_p would take the threshold search, its threshold
-    comes back as tau [B] and those logits stay unmasked (the race keeps l >= tau itself);
-    otherwise tau is None and every filter masks to -inf."""
+    With want_tau, where apply_top_k_top_p would take the threshold search or top-k alone, the
+    threshold comes back as tau [B] and those logits stay unmasked (the race keeps l >= tau
+    itself); otherwise tau is None and every filter masks to -inf."""
     tau = None
     if want_tau and threshold_kernel and logits.is_cuda and uses_threshold(
             top_k, top_p, max_top_k, all_top_k, logits.shape[-1]):
@@ -110,6 +110,8 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
 
         logits = logits.float().contiguous()
         tau = top_k_top_p_threshold(logits, top_k, top_p)                      # [B]
+    elif want_tau and top_p is None and top_k is not None:
+        tau = _top_k_threshold(logits, top_k, max_top_k).squeeze(1)            # [B]
     else:
         logits = apply_top_k_top_p(logits, top_k, top_p, max_top_k, all_top_k, threshold_kernel)
     if min_p is not None:
@@ -180,15 +182,21 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, order, logits_sort)
 
 
-def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Top-k without a full sort: torch.topk up to the batch's largest k."""
+def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """[B, 1] each row's k-th largest logit (-inf where top-k is off): keep l >= it. torch.topk
+    up to the batch's largest k, no full sort."""
     vocab = logits.shape[-1]
     max_k = min(max_top_k, vocab) if max_top_k > 0 else vocab
     top_vals = logits.topk(max_k, dim=-1).values  # [B, max_k] descending
     k = top_k.clamp(min=1, max=max_k).to(torch.int64)
     kth = top_vals.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
-    kth = kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))  # rows with top-k off
-    return logits.masked_fill(logits < kth, float("-inf"))
+    return kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))  # rows with top-k off
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k without a full sort."""
+    return logits.masked_fill(logits < _top_k_threshold(logits, top_k, max_top_k),
+                              float("-inf"))
 
 
 def _apply_top_k_top_p_partial(

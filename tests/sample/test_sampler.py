@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
-from kdaserve.sample.sampler import (Sampler, apply_min_p, apply_top_k_top_p, to_logprob_dicts)
+from kdaserve.sample.sampler import (Sampler, apply_min_p, apply_top_k_top_p, filter_logits,
+                                     to_logprob_dicts)
 from kdaserve.sampling_params import SamplingParams as SP
 
 VOCAB = 64
@@ -68,6 +69,26 @@ def test_top_k_only_path_matches_sorted_path():
     assert torch.equal(torch.isinf(fast), torch.isinf(slow))
     kept = (~torch.isinf(fast)).sum(-1).tolist()
     assert kept == [1, 5, VOCAB, VOCAB, VOCAB, 3]
+
+
+@pytest.mark.parametrize("min_p", [None, 0.2])
+def test_top_k_threshold_keeps_what_the_mask_keeps(min_p):
+    """Top-k alone with want_tau (the race's input): the logits stay unmasked and l >= tau keeps
+    exactly the tokens the masking path keeps, ties and rows with top-k off included."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    logits[1, :20] = 9.0   # ties across the k-th logit
+    top_k = torch.tensor([1, 10, 0, 299, 300])
+    mp = None if min_p is None else torch.full((5,), min_p)
+    masked, tau = filter_logits(logits, top_k, None, mp, max_top_k=300)
+    assert tau is None
+    kept, tau = filter_logits(logits, top_k, None, mp, max_top_k=300, want_tau=True)
+    assert tau.shape == (5,)
+    if min_p is None:
+        assert torch.equal(kept, logits)
+    assert torch.equal(torch.isfinite(masked), torch.isfinite(kept) & (kept >= tau[:, None]))
+    if min_p is None:
+        assert torch.isfinite(masked).sum(1).tolist() == [1, 20, 300, 299, 300]
 
 
 def test_top_p_keeps_smallest_nucleus():
