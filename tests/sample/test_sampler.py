@@ -4,8 +4,13 @@ import pytest
 import torch
 
 from kdaserve.sample.metadata import SamplingMetadata, min_tokens_banned_ids
-from kdaserve.sample.sampler import (Sampler, apply_min_p, apply_top_k_top_p, filter_logits,
-                                     to_logprob_dicts)
+from kdaserve.sample.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_top_k_top_p,
+    filter_logits,
+    to_logprob_dicts,
+)
 from kdaserve.sampling_params import SamplingParams as SP
 
 VOCAB = 64
