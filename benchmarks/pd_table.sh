@@ -11,7 +11,7 @@
 #   (mkdir x && cd x && unzip -q /tmp/nk/nixl_cu13-*.whl && rm -r nixl_ep_cu13 \
 #    && tar -cJf ../.nixlkit/nixl_cu13.tar.xz .)
 # Results land in $OUT:
-#   LEVELS=4,16 [SINGLE=0] [UCX_TLS=...] bash benchmarks/pd_table.sh
+#   LEVELS=4,16 [SINGLE=0] [KV_BUFFER=cpu] [UCX_TLS=...] bash benchmarks/pd_table.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -61,8 +61,9 @@ if [ "${SINGLE:-1}" = 1 ]; then   # SINGLE=0: the PD run alone
   stop_all
 fi
 
-KVP='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"hold_timeout_s":300}}'
-KVC='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"load_timeout_s":120}}'
+BUF=${KV_BUFFER:-cuda}   # kv_buffer_device of both instances (cpu: through pinned host buffers)
+KVP='{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"'$BUF'","kv_connector_extra_config":{"hold_timeout_s":300}}'
+KVC='{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_device":"'$BUF'","kv_connector_extra_config":{"load_timeout_s":120}}'
 if start prefill 8101 0.45 --kv-transfer-config "$KVP" && start decode 8102 0.45 --kv-transfer-config "$KVC"; then
   setsid python3 -m kdaserve.entrypoints.cli proxy --prefill http://127.0.0.1:8101 \
     --decode http://127.0.0.1:8102 --port 8103 > "$OUT/pd_proxy.log" 2>&1 &

@@ -315,6 +315,14 @@ class KVTransferConfig:
     """Side-channel port of TP rank 0 (rank r listens on kv_port + r); 0: a free port each."""
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     """Connector knobs (KV_CONNECTOR_EXTRA_DEFAULTS); unknown keys are an error."""
+    kv_buffer_device: str = "cuda"
+    """Where transfers read and write: "cuda", the caches themselves (device memory on a GPU);
+    "cpu", host buffers of kv_buffer_size bytes on each side, the producer copying a request's
+    blocks and state in and the consumer copying them out (for transports that cannot reach
+    device memory quickly). Both sides of a transfer must agree."""
+    kv_buffer_size: float = 1e9
+    """Bytes of each side's host buffer with kv_buffer_device "cpu" (one request's state must
+    fit; requests beyond it wait for buffer space)."""
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -338,6 +346,14 @@ class KVTransferConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"kv_connector_extra_config {key!r} must be a number > 0, "
                                  f"got {v!r}")
+        if self.kv_buffer_device not in ("cuda", "cpu"):
+            raise ValueError(f"kv_buffer_device must be 'cuda' or 'cpu', got "
+                             f"{self.kv_buffer_device!r}")
+        if (isinstance(self.kv_buffer_size, bool)
+                or not isinstance(self.kv_buffer_size, (int, float))
+                or not self.kv_buffer_size >= 2**20):
+            raise ValueError(f"kv_buffer_size must be a number of bytes >= 1 MiB, got "
+                             f"{self.kv_buffer_size!r}")
         backends = self.kv_connector_extra_config["backends"]
         if not (isinstance(backends, list) and backends
                 and all(isinstance(b, str) for b in backends)):
@@ -368,6 +384,11 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def staged(self) -> bool:
+        """Transfers go through host buffers (kv_buffer_device "cpu")."""
+        return self.kv_buffer_device == "cpu"
 
     def extra(self, key: str) -> Any:
         return self.kv_connector_extra_config[key]

@@ -59,6 +59,9 @@ class CacheLayout:
     kda_recurrent: CacheRegion
     """Per KDA layer, items = request state slots."""
     kda_conv: CacheRegion
+    staged: bool = False
+    """Transfers go through host buffers (KVTransferConfig.kv_buffer_device "cpu"): a peer
+    asks this rank to stage a request and reads the staged extent, not the caches."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +72,7 @@ class CacheLayout:
                                      for f, v in d[k].items()})
                    for k in ("mla", "kda_recurrent", "kda_conv")}
         return cls(d["engine_id"], d["tp_rank"], d["tp_size"], d["mem_type"], d["device_id"],
-                   d["block_size"], **regions)
+                   d["block_size"], **regions, staged=bool(d.get("staged", False)))
 
     def check_compatible(self, remote: "CacheLayout") -> None:
         """HandshakeError naming the first difference that forbids a transfer."""
@@ -78,6 +81,11 @@ class CacheLayout:
                 f"engine {remote.engine_id!r} runs tensor_parallel_size={remote.tp_size}, this "
                 f"one {self.tp_size}: transfers between different TP sizes are not supported "
                 "(run both sides with the same --tensor-parallel-size)")
+        if remote.staged != self.staged:
+            mode = {True: "'cpu' (host buffers)", False: "'cuda' (the caches)"}
+            raise HandshakeError(f"engine {remote.engine_id!r} transfers through "
+                                 f"kv_buffer_device={mode[remote.staged]}, this one through "
+                                 f"{mode[self.staged]}: give both the same kv_buffer_device")
         if remote.block_size != self.block_size:
             raise HandshakeError(f"engine {remote.engine_id!r} has block_size="
                                  f"{remote.block_size}, this one {self.block_size}")

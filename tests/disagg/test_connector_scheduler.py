@@ -254,7 +254,14 @@ def test_config_errors():
         KVTransferConfig.from_dict({"kv_connector": "NixlConnector"})
     with pytest.raises(ValueError, match="unknown kv_transfer_config keys"):
         KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                    "kv_buffer": 1})
+    with pytest.raises(ValueError, match="kv_buffer_size must be a number of bytes"):
+        KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                     "kv_buffer_size": 1})
+    with pytest.raises(ValueError, match="kv_buffer_device must be 'cuda' or 'cpu', got 'tpu'"):
+        KVTransferConfig("NixlConnector", "kv_both", kv_buffer_device="tpu")
+    assert KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                       "kv_buffer_device": "cpu"}).staged
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
         KVTransferConfig("NixlConnector", "kv_both", kv_connector_extra_config={"x": 1})
     with pytest.raises(ValueError, match="hold_timeout_s"):

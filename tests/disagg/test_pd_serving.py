@@ -35,16 +35,16 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "rho sigma tau upsilon phi chi psi omega").split()
 
 
-def kv_config(role: str, **extra) -> str:
-    cfg = {"kv_connector": "NixlConnector", "kv_role": role}
+def kv_config(role: str, top: dict | None = None, **extra) -> str:
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role, **(top or {})}
     if extra:
         cfg["kv_connector_extra_config"] = extra
     return json.dumps(cfg)
 
 
-def serve_args(model: str, role: str, **extra) -> list[str]:
+def serve_args(model: str, role: str, top: dict | None = None, **extra) -> list[str]:
     return [model, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", "--seed", "0",
-            "--served-model-name", "tiny", "--kv-transfer-config", kv_config(role, **extra)]
+            "--served-model-name", "tiny", "--kv-transfer-config", kv_config(role, top, **extra)]
 
 
 class ProxyProcess:
@@ -194,6 +194,34 @@ def test_proxy_equals_single_server(pd):
     assert_idle(p)
     assert p["kdaserve:kv_transfer_sends_total"] >= 32 and p[
         "kdaserve:kv_transfer_expired_total"] == 0
+
+
+def test_staged_proxy_equals_single_server(tiny):
+    """Both instances with kv_buffer_device "cpu" (pulls through host buffers): the same
+    answers as one server, every pull a load, nothing left held or allocated."""
+    top = {"kv_buffer_device": "cpu", "kv_buffer_size": 2**22}
+    prefill = RemoteServer(serve_args(tiny, "kv_producer", top, hold_timeout_s=300.0),
+                           env=UCX_ENV)
+    decode = RemoteServer(serve_args(tiny, "kv_consumer", top, load_timeout_s=120.0),
+                          env=UCX_ENV)
+    proxy = ProxyProcess([prefill.url], [decode.url])
+    try:
+        reqs = [request(i) for i in range(16)]
+        expected = run_all(decode.url, reqs)
+        got = run_all(proxy.url, reqs)
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert a == b, (i, reqs[i], a, b)
+        m = wait_idle(decode.url)
+        assert_idle(m)
+        assert m["kdaserve:kv_transfer_loads_total"] == 16, m
+        assert m["kdaserve:kv_transfer_failures_total"] == 0
+        p = wait_idle(prefill.url)
+        assert_idle(p)
+        assert p["kdaserve:kv_transfer_sends_total"] >= 16
+    finally:
+        proxy.stop()
+        prefill.stop()
+        decode.stop()
 
 
 def test_first_token_ends_the_request(pd):

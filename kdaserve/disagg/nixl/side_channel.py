@@ -1,12 +1,14 @@
 """The producer's side channel (ZMQ REQ/REP over TCP): a consumer fetches a rank's agent
-metadata and cache layout from it once per producer (the handshake), and tells it which held
-requests it will never pull (releases), so they are freed before their hold times out."""
+metadata and cache layout from it once per producer (the handshake), tells it which held
+requests it will never pull (releases), so they are freed before their hold times out, and,
+with host staging (kv_buffer_device "cpu"), asks it to stage a request before reading it."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -18,11 +20,14 @@ _POLL_MS = 100
 
 
 class SideChannelServer:
-    """A daemon thread answering {"op": "meta"} with the metadata blob and {"op": "release",
-    "ids": [...]} by queueing the ids (`take_released`)."""
+    """A daemon thread answering {"op": "meta"} with the metadata blob, {"op": "release",
+    "ids": [...]} by queueing the ids (`take_released`), and {"op": "stage", ...} with what
+    `stage(msg)` returns (a dict; runs on this thread)."""
 
-    def __init__(self, host: str, port: int, metadata: dict[str, Any]) -> None:
+    def __init__(self, host: str, port: int, metadata: dict[str, Any],
+                 stage: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self._blob = msgspec.msgpack.encode(metadata)
+        self._stage = stage
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.REP)
@@ -49,6 +54,8 @@ class SideChannelServer:
                     for rid in msg.get("ids", []):
                         self._released.put(str(rid))
                     self._sock.send(b"ok")
+                elif msg.get("op") == "stage" and self._stage is not None:
+                    self._sock.send(msgspec.msgpack.encode(self._stage(msg)))
                 else:
                     self._sock.send(b"unknown op")
             except Exception:  # noqa: BLE001 - one bad message must not stop the channel
@@ -99,3 +106,16 @@ def fetch_metadata(host: str, port: int, timeout_s: float) -> dict[str, Any]:
 
 def send_release(host: str, port: int, ids: list[str], timeout_s: float) -> None:
     request(host, port, {"op": "release", "ids": ids}, timeout_s)
+
+
+def request_stage(host: str, port: int, msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Ask a producer rank to stage a request: {"addr", "nbytes", "token"} or {"error"}."""
+    reply = request(host, port, {"op": "stage", **msg}, timeout_s)
+    try:
+        out = msgspec.msgpack.decode(reply)
+    except msgspec.DecodeError:
+        out = None
+    if not isinstance(out, dict):
+        raise RuntimeError(f"the producer at {host}:{port} cannot stage requests "
+                           f"(answered {reply[:40]!r})")
+    return out

@@ -13,14 +13,26 @@ Producer: the scheduler tells this side which finished requests it holds; a held
 done here when every consumer rank that reads from this rank has acknowledged (one per rank for
 rank 0, the MLA source, else one), or its consumer released it over the side channel.
 Acknowledgements may arrive before this side learns of the hold: they wait in `_early`.
+
+With host staging (kv_buffer_device "cpu", staging.py) a consumer rank first asks the producer
+rank over the side channel to stage what it will read; the producer copies it into an extent
+of its registered host buffer (on the side channel's thread, on a stream of its own: the held
+blocks and slot are written already and nothing writes them while held) and answers with the
+extent's address and a token. The READ lands in an extent of the consumer's host buffer, which
+the consumer copies into its caches on the engine's stream before reporting the load; its
+notification carries the token, which frees the producer's extent (a release or an expired
+hold frees the request's extents as well).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib
+import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +46,7 @@ from kdaserve.config import KVTransferConfig
 from kdaserve.core.sched_output import KVConnectorOutput
 from kdaserve.disagg.base import ConnectorWorker
 from kdaserve.disagg.layout import CacheLayout, CacheRegion, HandshakeError
-from kdaserve.disagg.nixl import side_channel
+from kdaserve.disagg.nixl import side_channel, staging
 from kdaserve.disagg.nixl.metadata import LoadSpec, NixlConnectorMetadata
 from kdaserve.disagg.params import RemoteRef
 
@@ -44,6 +56,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ACK_PREFIX = b"kdaserve-ack:"
+TOKEN_SEP = "\x1f"
+"""Between the request id and the staged extent's token in an acknowledgement."""
+STAGE_RETRY_S = 0.02
+"""A stage answered "buffer full" (either side) is asked again after this long."""
 SLOW_CALL_S = 0.25
 """A NIXL call on the step's thread taking this long is logged (_timed)."""
 _NIXL_MODULES = ("nixl._api", "nixl_cu13", "nixl_cu12")
@@ -81,6 +97,11 @@ class _Load:
     nbytes: int = 0
     error: str | None = None
     """Set once failed; the load is reported when no transfer of it is left in flight."""
+    staged: dict[int, Any] = field(default_factory=dict)
+    """Host staging: producer rank -> its stage answer, or the Future of the request for it."""
+    extents: dict[int, int] = field(default_factory=dict)
+    """Host staging: producer rank -> offset of the local extent its READ lands in."""
+    retry_at: float = 0.0
 
 
 class NixlConnectorWorker(ConnectorWorker):
@@ -108,6 +129,17 @@ class NixlConnectorWorker(ConnectorWorker):
         self._out = KVConnectorOutput()
         self._tensors: list[torch.Tensor] = []
         self._reg = None
+        self._caches: tuple[list, list, list] = ([], [], [])
+        self._buf: torch.Tensor | None = None
+        """Host staging: the registered host buffer, its extents and the producer's copy
+        stream; extents the producer staged (token -> (request id, offset, time)) and the
+        consumer's extents waiting for their copies into the caches ((event, offsets))."""
+        self._extents: staging.ExtentPool | None = None
+        self._stage_stream = None
+        self._staged_out: dict[int, tuple[str, int, float]] = {}
+        self._staged_lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._unloading: list[tuple[Any, list[int]]] = []
         # NIXL crashes when an agent outlives the memory it registered (interpreter exit
         # frees in any order): tear down first.
         atexit.register(self.shutdown)
@@ -123,13 +155,26 @@ class NixlConnectorWorker(ConnectorWorker):
             "VRAM" if dev.type == "cuda" else "DRAM", dev.index or 0, self.block_size,
             CacheRegion.of(mla_kv, num_blocks), CacheRegion.of(kda_recurrent, num_state_slots),
             CacheRegion.of(kda_conv, num_state_slots))
+        self._caches = (list(mla_kv), list(kda_recurrent), list(kda_conv))
+        if self.config.staged:
+            import torch
+
+            self.layout = dataclasses.replace(self.layout, mem_type="DRAM", device_id=0,
+                                              staged=True)
+            on_cuda = dev.type == "cuda"
+            self._buf = staging.host_buffer(int(self.config.kv_buffer_size), pin=on_cuda)
+            self._extents = staging.ExtentPool(self._buf.numel())
+            if on_cuda:
+                self._stage_stream = torch.cuda.Stream(dev)
+            tensors = [self._buf]
         self._tensors = tensors   # registered: they must outlive the registration
         self._reg = self.agent.register_memory(tensors)
         if self.config.is_producer:
             port = self.config.kv_port + self.tp_rank if self.config.kv_port else 0
             self.side_channel = side_channel.SideChannelServer(
                 self.config.kv_ip, port, {"layout": self.layout.to_dict(),
-                                          "agent_metadata": self.agent.get_agent_metadata()})
+                                          "agent_metadata": self.agent.get_agent_metadata()},
+                stage=self._stage if self.config.staged else None)
             logger.info("KV side channel of rank %d on %s:%d (engine %s)", self.tp_rank,
                         self.config.kv_ip, self.side_channel.port, self.config.engine_id)
 
@@ -151,6 +196,8 @@ class NixlConnectorWorker(ConnectorWorker):
                     self._ack(rid, release=True)
         for rid in metadata.unholds:
             self._serving.pop(rid, None)
+            if self._staged_out:
+                self._free_staged(rid=rid)
         for ref in metadata.releases:
             self._release(ref)
         for spec in metadata.loads:
@@ -216,6 +263,8 @@ class NixlConnectorWorker(ConnectorWorker):
                     self.handshake_timeout_s))
 
     def _poll(self) -> None:
+        if self._unloading:
+            self._free_unloaded()
         for key, remote in self._remotes.items():
             if remote.future is not None and remote.future.done():
                 self._finish_handshake(key, remote)
@@ -256,7 +305,12 @@ class NixlConnectorWorker(ConnectorWorker):
                 if remote.error is not None:
                     self._fail(load, remote.error)
                     break
-                self._post(load, r, remote)
+                if self.config.staged:
+                    self._post_staged(load, r, remote)
+                    if load.error is not None:
+                        break
+                else:
+                    self._post(load, r, remote)
         states = {}
         for r, handle in load.posted.items():
             try:
@@ -279,16 +333,172 @@ class NixlConnectorWorker(ConnectorWorker):
                     del load.posted[r]
             if not load.posted:
                 del self._loads[rid]
+                for off in load.extents.values():
+                    self._extents.free(off)
                 self._out.failed_recving.add(rid)
                 self._release(load.spec.remote.ref)
             return
         if len(states) == len(load.ranks) and all(s == "DONE" for s in states.values()):
             for handle in load.posted.values():
                 _release_handle(handle)
+            if load.extents:
+                self._unstage(load)
             del self._loads[rid]
             self._out.finished_recving.add(rid)
             self._out.num_bytes_recved += load.nbytes
             self._out.recv_seconds += self.clock() - load.started
+
+    # ------------------------------------------------------------------ host staging
+    def _parts(self, r: int, block_ids, state_slot) -> list[staging.Part]:
+        """What this side's extent for producer rank r holds: the MLA blocks from rank 0,
+        the state slot from this rank's peer."""
+        mla, rec, conv = self._caches
+        return staging.extent_parts(mla, rec, conv, list(block_ids) if r == 0 else None,
+                                    state_slot if r == self.tp_rank else None)
+
+    def _post_staged(self, load: _Load, r: int, remote: _Remote) -> None:
+        """Ask producer rank r to stage (once its answer is in), then READ its extent into a
+        local one; a full buffer on either side is asked again shortly."""
+        spec = load.spec
+        if self.clock() < load.retry_at:
+            return
+        answer = load.staged.get(r)
+        if answer is None:
+            msg = {"rid": spec.remote.ref.request_id,
+                   "blocks": list(spec.remote.block_ids) if r == 0 else None,
+                   "slot": spec.remote.state_slot if r == self.tp_rank else None}
+            load.staged[r] = self._pool.submit(side_channel.request_stage, spec.remote.ref.host,
+                                               spec.remote.ref.ports[r], msg,
+                                               self.handshake_timeout_s)
+            return
+        if isinstance(answer, Future):
+            if not answer.done():
+                return
+            try:
+                answer = load.staged[r] = answer.result()
+            except Exception as e:  # noqa: BLE001 - a gone producer
+                self._fail(load, f"staging at the producer failed: {e}")
+                return
+        if "error" in answer:
+            if answer.get("retry"):
+                del load.staged[r]
+                load.retry_at = self.clock() + STAGE_RETRY_S
+            else:
+                self._fail(load, f"the producer could not stage the request: {answer['error']}")
+            return
+        parts = self._parts(r, spec.block_ids, spec.state_slot)
+        nbytes = staging.extent_bytes(parts)
+        if nbytes != answer["nbytes"]:
+            self._fail(load, f"the producer staged {answer['nbytes']} bytes, this side expects "
+                             f"{nbytes}")
+            return
+        off = load.extents.get(r)
+        if off is None:
+            off = self._extents.alloc(nbytes)
+            if off is None:
+                if nbytes > self._extents.nbytes:
+                    self._fail(load, f"its state needs {nbytes} bytes, more than "
+                                     f"kv_buffer_size ({self._extents.nbytes})")
+                else:
+                    load.retry_at = self.clock() + STAGE_RETRY_S
+                return
+            load.extents[r] = off
+        base = self._buf.data_ptr()
+        try:
+            descs_l, descs_r = _desc_pair([(base + off, nbytes)],
+                                          [(answer["addr"], nbytes)], 0, 0)
+            local_descs = self.agent.get_xfer_descs(descs_l, "DRAM")
+            remote_descs = self.agent.get_xfer_descs(descs_r, "DRAM")
+            notif = (ACK_PREFIX + spec.remote.ref.request_id.encode()
+                     + f"{TOKEN_SEP}{answer['token']}".encode())
+            with self._timed("initialize_xfer", spec.req_id, 1):
+                handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
+                                                    remote.agent_name, notif)
+            load.posted[r] = handle
+            with self._timed("transfer", spec.req_id, 1):
+                posted = self.agent.transfer(handle)
+            if posted == "ERR":
+                raise RuntimeError("posting the READ failed")
+        except Exception as e:  # noqa: BLE001 - a gone producer raises here
+            self._forget_remote(spec.remote.ref.engine_id, r)
+            self._fail(load, f"the transfer could not start: {e}")
+            return
+        load.nbytes += nbytes
+
+    def _unstage(self, load: _Load) -> None:
+        """Copy a finished load's extents into the caches on the current stream; the extents
+        are freed once the copies are done (at once on the CPU)."""
+        for r, off in load.extents.items():
+            staging.scatter(self._parts(r, load.spec.block_ids, load.spec.state_slot),
+                            self._buf, off)
+        event = None
+        if self._stage_stream is not None:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+        self._unloading.append((event, list(load.extents.values())))
+        load.extents = {}
+        self._free_unloaded()
+
+    def _free_unloaded(self) -> None:
+        keep = []
+        for event, offs in self._unloading:
+            if event is None or event.query():
+                for off in offs:
+                    self._extents.free(off)
+            else:
+                keep.append((event, offs))
+        self._unloading = keep
+
+    def _stage(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Producer, on the side channel's thread: copy what a consumer rank will read into
+        an extent of the host buffer."""
+        try:
+            rid = str(msg["rid"])
+            blocks, slot = msg.get("blocks"), msg.get("slot")
+            lay = self.layout
+            if blocks is not None and not all(
+                    isinstance(b, int) and 0 <= b < lay.mla.num_items for b in blocks):
+                return {"error": f"block ids outside [0, {lay.mla.num_items})"}
+            if slot is not None and not (isinstance(slot, int)
+                                         and 0 <= slot < lay.kda_recurrent.num_items):
+                return {"error": f"state slot outside [0, {lay.kda_recurrent.num_items})"}
+            mla, rec, conv = self._caches
+            parts = staging.extent_parts(mla, rec, conv, blocks, slot)
+            nbytes = staging.extent_bytes(parts)
+            if nbytes > self._extents.nbytes:
+                return {"error": f"the request's state is {nbytes} bytes, more than "
+                                 f"kv_buffer_size ({self._extents.nbytes})"}
+            off = self._extents.alloc(nbytes)
+            if off is None:
+                return {"error": "the host buffer is full", "retry": True}
+            if self._stage_stream is not None:
+                import torch
+
+                with torch.cuda.stream(self._stage_stream):
+                    staging.gather(parts, self._buf, off)
+                self._stage_stream.synchronize()
+            else:
+                staging.gather(parts, self._buf, off)
+            token = next(self._tokens)
+            with self._staged_lock:
+                self._staged_out[token] = (rid, off, self.clock())
+            return {"addr": self._buf.data_ptr() + off, "nbytes": nbytes, "token": token}
+        except Exception as e:  # noqa: BLE001 - answered, not raised, on the channel's thread
+            logger.exception("staging a request for a consumer failed")
+            return {"error": f"staging failed: {e}"}
+
+    def _free_staged(self, token: int | None = None, rid: str | None = None,
+                     older_than: float | None = None) -> None:
+        """Free the producer's extents: one token's, a request's, or those staged before a
+        time (their consumer is gone)."""
+        with self._staged_lock:
+            doomed = [t for t, (r, _, at) in self._staged_out.items()
+                      if t == token or r == rid or (older_than is not None and at < older_than)]
+            offs = [self._staged_out.pop(t)[1] for t in doomed]
+        for off in offs:
+            self._extents.free(off)
 
     def _post(self, load: _Load, r: int, remote: _Remote) -> None:
         spec = load.spec
@@ -370,14 +580,22 @@ class NixlConnectorWorker(ConnectorWorker):
         for msgs in self.agent.get_new_notifs().values():
             for msg in msgs:
                 if msg.startswith(ACK_PREFIX):
-                    self._ack(msg[len(ACK_PREFIX):].decode(errors="replace"))
+                    rid, _, token = msg[len(ACK_PREFIX):].decode(errors="replace").partition(
+                        TOKEN_SEP)
+                    if token.isdigit():
+                        self._free_staged(token=int(token))
+                    self._ack(rid)
         for rid in self.side_channel.take_released():
+            self._free_staged(rid=rid)
             self._ack(rid, release=True)
         now = self.clock()
         for rid in [r for r, (deadline, _) in self._serving.items() if deadline <= now]:
             del self._serving[rid]   # the scheduler's hold expired as well
+            self._free_staged(rid=rid)
         for rid in [r for r, (seen, _, _) in self._early.items() if seen + self.hold_s <= now]:
             del self._early[rid]
+        if self._staged_out:
+            self._free_staged(older_than=now - self.hold_s)
 
     def _ack(self, rid: str, release: bool = False) -> None:
         entry = self._serving.get(rid)
