@@ -21,7 +21,8 @@ blocks and slot are written already and nothing writes them while held) and answ
 extent's address and a token. The READ lands in an extent of the consumer's host buffer, which
 the consumer copies into its caches on the engine's stream before reporting the load; its
 notification carries the token, which frees the producer's extent (a release or an expired
-hold frees the request's extents as well).
+hold frees the request's extents as well, and any extent older than the hold timeout goes:
+a stage answered after its consumer gave up).
 """
 
 from __future__ import annotations
