@@ -72,23 +72,13 @@ def wait_finished(w: NixlConnectorWorker, key: str, ids: set[str], timeout: floa
     return got
 
 
-def test_load_copies_blocks_and_state(producer):
-    prod, (p_mla, p_rec, p_conv) = producer
-    tensors = caches(2)
-    cons = worker("kv_consumer", "cons", tensors)
-    c_mla, c_rec, c_conv = tensors
-    before = [t.clone() for t in c_mla + c_rec + c_conv]
-    # producer holds its request "r1" (blocks 3, 4, 9 and slot 2) before the pull starts
-    prod.start_step(NixlConnectorMetadata(holds={"r1": time.monotonic() + 60}))
-    cons.start_step(NixlConnectorMetadata(loads=[spec("r1", prod.side_channel_port,
-                                                      [3, 4, 9], [7, 0, 1], 2, 5,
-                                                      time.monotonic() + 20)]))
-    assert cons.wait_for_loads(20.0)
-    assert cons.get_finished().finished_recving == {"r1"}
+def assert_copied(prod, cons, before) -> None:
+    """Producer blocks 3, 4, 9 and slot 2 landed in consumer blocks 7, 0, 1 and slot 5; every
+    other block and slot of the consumer is untouched."""
+    (p_mla, p_rec, p_conv), (c_mla, c_rec, c_conv) = prod, cons
     for layer in range(2):
         for rb, lb in zip([3, 4, 9], [7, 0, 1]):
             assert torch.equal(c_mla[layer][lb], p_mla[layer][rb])
-        # every other block is untouched
         others = [b for b in range(NB) if b not in (7, 0, 1)]
         assert torch.equal(c_mla[layer][others], before[layer][others])
     for layer in range(3):
@@ -97,6 +87,21 @@ def test_load_copies_blocks_and_state(producer):
         keep = [s for s in range(NS + 2) if s != 5]
         assert torch.equal(c_rec[layer][keep], before[2 + layer][keep])
         assert torch.equal(c_conv[layer][keep], before[5 + layer][keep])
+
+
+def test_load_copies_blocks_and_state(producer):
+    prod, p_tensors = producer
+    tensors = caches(2)
+    cons = worker("kv_consumer", "cons", tensors)
+    before = [t.clone() for t in sum(tensors, [])]
+    # producer holds its request "r1" (blocks 3, 4, 9 and slot 2) before the pull starts
+    prod.start_step(NixlConnectorMetadata(holds={"r1": time.monotonic() + 60}))
+    cons.start_step(NixlConnectorMetadata(loads=[spec("r1", prod.side_channel_port,
+                                                      [3, 4, 9], [7, 0, 1], 2, 5,
+                                                      time.monotonic() + 20)]))
+    assert cons.wait_for_loads(20.0)
+    assert cons.get_finished().finished_recving == {"r1"}
+    assert_copied(p_tensors, tensors, before)
     # the READ's notification reaches the producer: the hold is done
     assert wait_finished(prod, "finished_sending", {"r1"}) == {"r1"}
     cons.shutdown()
@@ -240,26 +245,17 @@ def staged_producer():
 
 
 def test_staged_load_copies_blocks_and_state(staged_producer):
-    prod, (p_mla, p_rec, p_conv) = staged_producer
+    prod, p_tensors = staged_producer
     tensors = caches(22)
     cons = worker("kv_consumer", "scons", tensors, buffer="cpu")
-    c_mla, c_rec, c_conv = tensors
-    before = [t.clone() for t in c_mla + c_rec + c_conv]
+    before = [t.clone() for t in sum(tensors, [])]
     prod.start_step(NixlConnectorMetadata(holds={"s1": time.monotonic() + 60}))
     cons.start_step(NixlConnectorMetadata(loads=[spec("s1", prod.side_channel_port,
                                                       [3, 4, 9], [7, 0, 1], 2, 5,
                                                       time.monotonic() + 20, engine="sprod")]))
     assert cons.wait_for_loads(20.0)
     assert cons.get_finished().finished_recving == {"s1"}
-    for layer in range(2):
-        assert torch.equal(c_mla[layer][[7, 0, 1]], p_mla[layer][[3, 4, 9]])
-        others = [b for b in range(NB) if b not in (7, 0, 1)]
-        assert torch.equal(c_mla[layer][others], before[layer][others])
-    for layer in range(3):
-        assert torch.equal(c_rec[layer][5], p_rec[layer][2])
-        assert torch.equal(c_conv[layer][5], p_conv[layer][2])
-        keep = [s for s in range(NS + 2) if s != 5]
-        assert torch.equal(c_rec[layer][keep], before[2 + layer][keep])
+    assert_copied(p_tensors, tensors, before)
     assert wait_finished(prod, "finished_sending", {"s1"}) == {"s1"}
     # the acknowledgement freed the producer's extent; the consumer's was freed on copy
     assert prod._extents.used_bytes == 0 and cons._extents.used_bytes == 0

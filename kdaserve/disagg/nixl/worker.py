@@ -404,27 +404,9 @@ class NixlConnectorWorker(ConnectorWorker):
                     load.retry_at = self.clock() + STAGE_RETRY_S
                 return
             load.extents[r] = off
-        base = self._buf.data_ptr()
-        try:
-            descs_l, descs_r = _desc_pair([(base + off, nbytes)],
-                                          [(answer["addr"], nbytes)], 0, 0)
-            local_descs = self.agent.get_xfer_descs(descs_l, "DRAM")
-            remote_descs = self.agent.get_xfer_descs(descs_r, "DRAM")
-            notif = (ACK_PREFIX + spec.remote.ref.request_id.encode()
-                     + f"{TOKEN_SEP}{answer['token']}".encode())
-            with self._timed("initialize_xfer", spec.req_id, 1):
-                handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
-                                                    remote.agent_name, notif)
-            load.posted[r] = handle
-            with self._timed("transfer", spec.req_id, 1):
-                posted = self.agent.transfer(handle)
-            if posted == "ERR":
-                raise RuntimeError("posting the READ failed")
-        except Exception as e:  # noqa: BLE001 - a gone producer raises here
-            self._forget_remote(spec.remote.ref.engine_id, r)
-            self._fail(load, f"the transfer could not start: {e}")
-            return
-        load.nbytes += nbytes
+        self._read(load, r, remote, [(self._buf.data_ptr() + off, nbytes)],
+                   [(answer["addr"], nbytes)], (0, "DRAM"), (0, "DRAM"),
+                   f"{TOKEN_SEP}{answer['token']}")
 
     def _unstage(self, load: _Load) -> None:
         """Copy a finished load's extents into the caches on the current stream; the extents
@@ -517,14 +499,23 @@ class NixlConnectorWorker(ConnectorWorker):
                     rows_l.append((region.address(layer, spec.state_slot), region.item_bytes))
                     rows_r.append((rregion.address(layer, spec.remote.state_slot),
                                    rregion.item_bytes))
+        self._read(load, r, remote, rows_l, rows_r, (local.device_id, local.mem_type),
+                   (rl.device_id, rl.mem_type))
+
+    def _read(self, load: _Load, r: int, remote: _Remote, rows_l: list[tuple[int, int]],
+              rows_r: list[tuple[int, int]], where_l: tuple[int, str],
+              where_r: tuple[int, str], ack_suffix: str = "") -> None:
+        """Post one READ of (address, length) rows from producer rank r, (device id, memory
+        type) on each side; its notification acknowledges the request (+ ack_suffix)."""
+        spec = load.spec
         try:
-            descs_l, descs_r = _desc_pair(rows_l, rows_r, local.device_id, rl.device_id)
-            local_descs = self.agent.get_xfer_descs(descs_l, local.mem_type)
-            remote_descs = self.agent.get_xfer_descs(descs_r, rl.mem_type)
+            descs_l, descs_r = _desc_pair(rows_l, rows_r, where_l[0], where_r[0])
+            local_descs = self.agent.get_xfer_descs(descs_l, where_l[1])
+            remote_descs = self.agent.get_xfer_descs(descs_r, where_r[1])
+            notif = ACK_PREFIX + (spec.remote.ref.request_id + ack_suffix).encode()
             with self._timed("initialize_xfer", spec.req_id, len(rows_l)):
-                handle = self.agent.initialize_xfer(
-                    "READ", local_descs, remote_descs, remote.agent_name,
-                    ACK_PREFIX + spec.remote.ref.request_id.encode())
+                handle = self.agent.initialize_xfer("READ", local_descs, remote_descs,
+                                                    remote.agent_name, notif)
             load.posted[r] = handle
             with self._timed("transfer", spec.req_id, len(rows_l)):
                 posted = self.agent.transfer(handle)
