@@ -65,8 +65,14 @@ class RequestRecord:
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "itl": self.itl, "tpot": self.tpot}
+    def to_dict(self, detailed: bool = True) -> dict:
+        """The record as JSON; `detailed=False` drops the per-event lists (a 1000-token
+        request's three lists are most of a result file's bytes)."""
+        if detailed:
+            return {**asdict(self), "itl": self.itl, "tpot": self.tpot}
+        d = asdict(self)
+        del d["event_times"], d["event_tokens"]
+        return {**d, "num_events": len(self.event_times), "tpot": self.tpot}
 
 
 # ---------------------------------------------------------------------------------------------

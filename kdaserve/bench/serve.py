@@ -24,7 +24,8 @@ Output JSON: command, date, commit, gpu, server {base_url, server_flags, /v1/mod
 config, probe_request (chat template measurement), levels [{concurrency, metrics (vLLM
 names, ms), guidellm, server_counters (deltas of /metrics counters over the level: spec-decode
 acceptance, prefix-cache hits, preemptions; null without /metrics), requests (per-request
-records: start, ttft, latency, itl, tpot, prompt_tokens, output_tokens, error, ...),
+records: start, ttft, latency, tpot, prompt_tokens, output_tokens, error, ...; with
+--save-detailed also the per-event times, token counts and itl),
 warmup_requests}].
 """
 
@@ -149,6 +150,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--label", default=None, help="Run label (JSON and plot legend).")
     g.add_argument("--out", default=None, help="Write the result JSON here.")
     g.add_argument("--plot", default=None, help="Write a PNG plot here.")
+    g.add_argument("--save-detailed", action="store_true",
+                   help="Keep each request's per-event lists (event_times, event_tokens, itl) "
+                        "in the JSON; without it a request keeps its scalars (vLLM's flag).")
     g.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:20 e2el:10000.")
     g.add_argument("--metric-percentiles", default="50,90,95,99",
@@ -227,7 +231,7 @@ async def _run_pool(client, cfg, prompts, concurrency: int, t0: float, tag: str,
 async def run_level(client, cfg, factory: PromptFactory, concurrency: int, level_idx: int,
                     num_requests: int, warmup: int, duration: float | None,
                     prompt_len: int, template_tokens: int, percentiles, slos,
-                    level_timeout: float | None = None) -> dict:
+                    level_timeout: float | None = None, detailed: bool = False) -> dict:
     """One concurrency level. `prompt_len` is what the client generates (chat: the message
     content); the server should count `prompt_len + template_tokens`. `level_timeout` bounds
     the whole level (warm-up included): requests still running then are cancelled."""
@@ -259,8 +263,8 @@ async def run_level(client, cfg, factory: PromptFactory, concurrency: int, level
         "metrics": vllm_metrics(records, elapsed, percentiles, slos),
         "guidellm": guidellm_metrics(records, elapsed, percentiles),
         "server_counters": server_metrics.level_counters(counters_before, counters_after),
-        "requests": [r.to_dict() for r in records],
-        "warmup_requests": [r.to_dict() for r in warm_records],
+        "requests": [r.to_dict(detailed) for r in records],
+        "warmup_requests": [r.to_dict(detailed) for r in warm_records],
     }
 
 
@@ -322,7 +326,8 @@ async def run_benchmark(args: argparse.Namespace, log=print) -> dict:
             n = args.num_requests if args.num_requests is not None else max(1, 2 * conc)
             level = await run_level(client, cfg, factory, conc, idx, n, args.warmup,
                                     args.duration, prompt_len, template_tokens or 0,
-                                    percentiles, slos, args.level_timeout)
+                                    percentiles, slos, args.level_timeout,
+                                    args.save_detailed)
             m = level["metrics"]
             log(f"concurrency {conc}: {m['completed']} ok, {m['failed']} failed, "
                 f"{m['output_throughput']:.1f} out tok/s, TTFT {m['mean_ttft_ms']:.1f} ms, "

@@ -38,7 +38,8 @@ def test_w5_bench_serve_against_live_server(live_server, tmp_path, endpoint, lev
                "--input-len", "256", "--output-len", "32", "--concurrency", levels,
                "--warmup", "1", "--seed", "42", "--temperature", "1.0", "--top-p", "0.95",
                "--label", "W5", "--server-flags", live_server.command_line,
-               "--out", str(out), "--plot", str(png), "--tokenizer", live_server.model,
+               "--out", str(out), "--plot", str(png), "--save-detailed",
+               "--tokenizer", live_server.model,
                *extra])
     assert rc == 0
     assert png.read_bytes()[:4] == b"\x89PNG"

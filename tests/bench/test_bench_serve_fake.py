@@ -20,7 +20,7 @@ def test_chat_run_metrics_and_outputs(fake_server, tmp_path, capsys):
     rc, res, png = run_cli(fake_server, tmp_path, "--input-len", "64", "--output-len", "8",
                            "--concurrency", "1,4", "--warmup", "1", "--label", "fake",
                            "--server-flags", "--max-num-seqs 4", "--temperature", "1.0",
-                           "--top-p", "0.95")
+                           "--top-p", "0.95", "--save-detailed")
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "TTFT mean ms" in capsys.readouterr().out
@@ -62,11 +62,23 @@ def test_chat_run_metrics_and_outputs(fake_server, tmp_path, capsys):
     assert len(contents) == 1 + (1 + 2) + (1 + 8) and len(set(contents)) == len(contents)
 
 
+def test_requests_keep_scalars_without_save_detailed(fake_server, tmp_path):
+    rc, res, _ = run_cli(fake_server, tmp_path, "--input-len", "32", "--output-len", "6",
+                         "--concurrency", "2", "--num-requests", "2", "--warmup", "1")
+    assert rc == 0
+    lv = res["levels"][0]
+    for r in lv["requests"] + lv["warmup_requests"]:
+        assert not {"itl", "event_times", "event_tokens"} & r.keys()
+        assert r["success"] and r["output_tokens"] == 6 and r["num_events"] == 7
+        assert r["tpot"] is not None and r["ttft"] < r["latency"]
+    assert lv["metrics"]["completed"] == 2 and lv["metrics"]["mean_itl_ms"] > 0
+
+
 def test_completions_token_ids_multi_token_events(fake_server, tmp_path):
     fake_server.cfg.tokens_per_event = 3
     rc, res, _ = run_cli(fake_server, tmp_path, "--endpoint", "completions", "--token-ids",
                          "--input-len", "100", "--output-len", "10", "--concurrency", "2",
-                         "--num-requests", "3", "--warmup", "0")
+                         "--num-requests", "3", "--warmup", "0", "--save-detailed")
     assert rc == 0
     lv = res["levels"][0]
     assert lv["metrics"]["completed"] == 3 and res["config"]["chat_template_tokens"] is None
