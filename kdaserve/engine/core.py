@@ -58,24 +58,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SLOW_STEP_S = 1.0
-"""A step slower than this is logged (a decode step on a GPU takes milliseconds and a full
-8K-token prefill well under this): on CUDA as a warning, since it shows mid-serving JIT or
-autotune stalls; elsewhere (the CPU reference path is slow by nature) at debug level."""
+"""A step that computes prompt tokens (a prefill chunk, alone or with decodes) and takes longer
+than this is logged: a full chunk of max_num_batched_tokens takes a fraction of it on a GPU.
+On CUDA the line is a warning, since it shows mid-serving JIT or autotune stalls; elsewhere (the
+CPU reference path is slow by nature) it is a debug line."""
+SLOW_DECODE_STEP_S = 0.1
+"""The same for a step without prompt tokens (decodes, speculative verifies): those take
+milliseconds on a GPU, so anything near this is a stall the serving log should show."""
 
 _IDLE_POLL_MS = 1000
 _TRANSFER_POLL_MS = 5
 """Input wait of an idle loop that still has KV transfers to poll (held requests, loads)."""
 _GRAMMAR_WAIT_S = 0.005
+"""How long a step with nothing to schedule waits for a grammar compilation before returning."""
 _TRANSFER_WAIT_S = 0.002
 """How long a step with nothing to schedule but KV transfers in flight (loads, requests held
 for a remote reader) sleeps before returning: the worker polls the transfers each step."""
-"""How long a step with nothing to schedule waits for a grammar compilation before returning."""
 
 
 def slow_step_log_level(device_type: str) -> int:
     """The level of the slow-step line: a warning only where JIT compilation or autotuning
     of a new shape is its likely cause (Triton kernels and CUDA graphs, on CUDA)."""
     return logging.WARNING if device_type == "cuda" else logging.DEBUG
+
+
+def _has_prefill(so: SchedulerOutput) -> bool:
+    """Does some request compute more than its next token and its drafts (a prompt chunk, or
+    the recompute of a preempted request)?"""
+    spec = so.scheduled_spec_decode_tokens
+    return any(n > 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items())
 
 
 def config_eos_token_ids(config: EngineConfig) -> list[int]:
@@ -95,6 +106,8 @@ class _StepInFlight:
     so: SchedulerOutput
     context: int | None
     """Total context of a decode-only step (for the floor gauge), else None."""
+    prefill: bool
+    """Some request computes prompt (or recomputed) tokens in this step."""
     t0: float
     """perf_counter() at launch."""
     launched: LaunchedStep
@@ -216,7 +229,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if structured:
             self.structured_output.grammar_bitmask(so, self.scheduler.requests)
-        cur = _StepInFlight(so, self._decode_context(so), time.perf_counter(),
+        cur = _StepInFlight(so, self._decode_context(so), _has_prefill(so), time.perf_counter(),
                             self.worker.launch(so))
         outputs = failed + (self._process(prev, next_scheduled=True) if prev is not None
                             else [])
@@ -258,7 +271,7 @@ class EngineCore:
         # came later (overlapped steps): the time per step that limits throughput.
         elapsed = now - max(step.t0, self._last_collect or 0.0)
         self._last_collect = now
-        self._record_step_time(so, step.context, elapsed)
+        self._record_step_time(step, elapsed)
         outputs = self.scheduler.update_from_output(so, ro)
         drafts = {} if next_scheduled else ro.draft_token_ids
         if self.structured_output.active:
@@ -325,18 +338,20 @@ class EngineCore:
         requests = self.scheduler.requests
         return sum(requests[rid].num_computed_tokens + 1 for rid in so.num_scheduled_tokens)
 
-    def _record_step_time(self, so: SchedulerOutput, context: int | None,
-                          elapsed: float) -> None:
+    def _record_step_time(self, step: _StepInFlight, elapsed: float) -> None:
+        so, context = step.so, step.context
         if context is not None:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = elapsed / floor
-        if elapsed > SLOW_STEP_S and logger.isEnabledFor(self._slow_step_level):
+        limit = SLOW_STEP_S if step.prefill else SLOW_DECODE_STEP_S
+        if elapsed > limit and logger.isEnabledFor(self._slow_step_level):
             guess = (": JIT compilation or autotuning of a new shape?"
                      if self._slow_step_level >= logging.WARNING else "")
+            kind = (" (decode only)" if context else "" if step.prefill
+                    else " (no prompt tokens)")
             logger.log(self._slow_step_level, "slow step: %.2f s for %d tokens of %d requests "
                        "(%d new)%s%s", elapsed, so.total_num_scheduled_tokens,
-                       len(so.num_scheduled_tokens), len(so.scheduled_new_reqs),
-                       " (decode only)" if context else "", guess)
+                       len(so.num_scheduled_tokens), len(so.scheduled_new_reqs), kind, guess)
 
     def get_stats(self) -> SchedulerStats:
         """Everything but the token counters, which the front keeps."""

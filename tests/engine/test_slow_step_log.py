@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A step slower than SLOW_STEP_S is logged with its composition: a warning on CUDA, where
-mid-serving JIT or autotuning is its likely cause; a debug line on the CPU, whose reference
-path is slow by nature. Synchronous scheduling: each step() then processes the step it
-launched."""
+"""A step slower than its limit is logged with its composition (SLOW_STEP_S for a step with
+prompt tokens, SLOW_DECODE_STEP_S for one without): a warning on CUDA, where mid-serving JIT or
+autotuning is its likely cause; a debug line on the CPU, whose reference path is slow by nature.
+Synchronous scheduling: each step() then processes the step it launched."""
 
 import logging
 
@@ -27,10 +27,12 @@ def test_slow_steps_are_logged(tmp_path, monkeypatch, caplog):
                                                    async_scheduling=False)
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
     with caplog.at_level(logging.DEBUG, logger=core.__name__):
+        # the prefill step is held to SLOW_STEP_S, not to the decode limit
         monkeypatch.setattr(core, "SLOW_STEP_S", 1e9)
-        engine.step()                                 # the prefill: fast enough
+        monkeypatch.setattr(core, "SLOW_DECODE_STEP_S", 0.0)
+        engine.step()
         assert not _slow_records(caplog)
-        monkeypatch.setattr(core, "SLOW_STEP_S", 0.0)
+        # a decode step is held to SLOW_DECODE_STEP_S
         engine.step()
         # the CPU: a debug line, no warning and no JIT guess
         (record,) = _slow_records(caplog)
@@ -46,3 +48,31 @@ def test_slow_steps_are_logged(tmp_path, monkeypatch, caplog):
     message = record.getMessage()
     assert "1 tokens of 1 requests (0 new) (decode only)" in message, message
     assert "JIT compilation or autotuning" in message, message
+
+
+def test_prefill_steps_have_their_own_limit(tmp_path, monkeypatch, caplog):
+    model = make_model(str(tmp_path / "tiny"), "tiny")
+    engine = llm_engine.LLMEngine.from_engine_args(model=model, device="cpu", max_model_len=256,
+                                                   enable_prefix_caching=False,
+                                                   async_scheduling=False)
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    with caplog.at_level(logging.DEBUG, logger=core.__name__):
+        monkeypatch.setattr(core, "SLOW_STEP_S", 0.0)
+        monkeypatch.setattr(core, "SLOW_DECODE_STEP_S", 1e9)
+        engine.step()                                 # the prefill: over its limit
+        (record,) = _slow_records(caplog)
+        assert "20 tokens of 1 requests (1 new)" in record.getMessage()
+        assert "decode only" not in record.getMessage()
+        caplog.clear()
+        engine.step()                                 # a decode: under its limit
+        assert not _slow_records(caplog)
+
+
+def test_has_prefill_counts_drafts_as_decode():
+    from kdaserve.core.sched_output import SchedulerOutput
+
+    so = SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 4},
+                         scheduled_spec_decode_tokens={"b": [7, 8, 9]})
+    assert not core._has_prefill(so)
+    so.num_scheduled_tokens["c"] = 2                  # a 2-token prompt chunk, no drafts
+    assert core._has_prefill(so)
