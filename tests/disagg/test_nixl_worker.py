@@ -12,8 +12,11 @@ import time
 import pytest
 import torch
 
-os.environ.setdefault("UCX_TLS", "tcp")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+if not torch.cuda.is_available():
+    # CPU machines: loopback TCP only. With a GPU, UCX keeps its defaults: restricted to tcp it
+    # cannot create its backend next to a CUDA context (seen on the H200).
+    os.environ.setdefault("UCX_TLS", "tcp")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 from kdaserve.config import KVTransferConfig  # noqa: E402
 from kdaserve.disagg.nixl.metadata import LoadSpec, NixlConnectorMetadata  # noqa: E402
