@@ -12,7 +12,10 @@ import time
 
 
 class CompileLog:
-    """Records {kernel, s, attrs} for each cache miss from construction until close()."""
+    """Records {kernel, s, attrs, constexprs, warps_stages} for each cache miss from
+    construction until close(): attrs are the arguments' specialisations (alignment,
+    divisibility), constexprs the values of the constexpr arguments (by position), so that two
+    variants of one kernel can be told apart."""
 
     def __init__(self) -> None:
         from triton import knobs
@@ -31,8 +34,13 @@ class CompileLog:
 
     def _after(self, *, fn, **kw) -> None:
         t = time.perf_counter() - self._t0.pop(fn.name, time.perf_counter())
-        attrs = kw.get("compile", {}).get("configs", [None])[0]
-        self.events.append({"kernel": fn.name, "s": round(t, 3), "attrs": str(attrs)[:800]})
+        info = kw.get("compile", {})
+        attrs = info.get("configs", [None])[0]
+        constexprs = {k[0] if isinstance(k, tuple) and len(k) == 1 else k: v
+                      for k, v in (info.get("constants") or {}).items()}
+        self.events.append({"kernel": fn.name, "s": round(t, 3), "attrs": str(attrs)[:800],
+                            "constexprs": str(constexprs)[:800],
+                            "warps_stages": (info.get("num_warps"), info.get("num_stages"))})
 
     def take(self) -> list[dict]:
         out, self.events = self.events, []

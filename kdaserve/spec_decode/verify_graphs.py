@@ -27,7 +27,8 @@ import torch
 
 from kdaserve.attention import kda_spec
 from kdaserve.attention.builder import StepBuffers, slot_mapping
-from kdaserve.attention.forward_context import BatchDescriptor, ExecMode, ForwardContext
+from kdaserve.attention.forward_context import (BatchDescriptor, ExecMode, ForwardContext,
+                                                StepPlan)
 from kdaserve.attention.metadata import (AttentionMetadata, MLAAbsorbedRows, ModelCaches,
                                          SpecStep)
 
@@ -104,9 +105,10 @@ class SpecVerifyGraphs(WindowBuffers):
         return BatchDescriptor(ExecMode.VERIFY_GRAPH, bs, self.k1, stage)
 
     # ---- capture ----
-    def _forward(self, bs: int, md: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, bs: int, md: AttentionMetadata, eager: bool = False) -> torch.Tensor:
         """The captured work: per-token MLA inputs from the per-request buffers, then the
-        model over bs * (1 + K) tokens."""
+        model over bs * (1 + K) tokens. eager: under the plan of an eager step instead (no
+        PDL), as verification rows run next to a prefill chunk."""
         t = bs * self.k1
         self._token_block_tables(bs)
         # token j of a window sees the context before the step plus window tokens 0..j
@@ -114,12 +116,20 @@ class SpecVerifyGraphs(WindowBuffers):
             - (self.k1 - 1) + self.token_off[:t]
         md.spec.records.clear()
         md.spec.conv_inputs.clear()
-        ctx = ForwardContext(md, self.caches, self.graphs.plan(self.descriptor(bs)))
+        plan = StepPlan.eager(md) if eager else self.graphs.plan(self.descriptor(bs))
+        ctx = ForwardContext(md, self.caches, plan)
         return self.model(self.input_ids[:t], ctx, **self.hidden_outputs)
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
+        # Verification rows next to a prefill chunk run eagerly, where the kernels launch
+        # without PDL: a constexpr of their own, so variants the graphs do not build. Build
+        # them first (the captures below then leave each size's records as their graphs
+        # hold them). The window kernels' other keys do not follow the batch; the largest
+        # size covers the split rule's other end.
+        for bs in sorted({self.sizes[0], self.sizes[-1]}):
+            self._forward(bs, self._metadata(bs), eager=True)
         for bs in reversed(self.sizes):
             md = self._metadata(bs)
             self.graphs.capture(self.descriptor(bs), lambda bs=bs, md=md: self._forward(bs, md))

@@ -86,5 +86,6 @@ def test_warm_engine_compiles_nothing(tmp_path, spec):
         log.close()
     assert steps > 50
     assert not events, f"{len(events)} kernels compiled after start-up: " + "; ".join(
-        f"{e['kernel']} at step {e['step']} {e['decoding_running_waiting']} {e['attrs'][:300]}"
+        f"{e['kernel']} at step {e['step']} {e['decoding_running_waiting']} {e['attrs'][:300]} "
+        f"constexprs {e['constexprs'][:300]} warps, stages {e['warps_stages']}"
         for e in events)
