@@ -1,12 +1,15 @@
 """Which engine steps compile or autotune kernels on first use, and how long they take.
 
     python benchmarks/first_steps.py MODEL_DIR --waves 4,16 --out first_steps.json
+    python benchmarks/first_steps.py MODEL_DIR --async-scheduling --output-len 64 \
+        --speculative-config '{"method":"dspark","model":DRAFT_DIR,"num_speculative_tokens":8}'
 
 Serves W1-like waves in-process (N requests of 8000 prompt tokens arriving together, short
-outputs, the seed server's flags), one step at a time with a device sync around each, and logs
-per step: its composition (requests, prefill/decode rows, tokens), wall time, and every Triton
-kernel that was compiled or loaded from the disk cache during it (Triton's JIT hooks) plus every
-autotuning run (Triton's autotune printout, on stdout). Each wave runs twice: the second pass
+outputs, the seed server's flags, optionally a drafter), one step at a time with a device sync
+around each, and logs per step: its composition (requests, prefill / verification / decode
+rows, tokens), wall time, and every Triton kernel that was compiled or loaded from the disk
+cache during it (Triton's JIT hooks) plus every autotuning run (Triton's autotune printout, on
+stdout). Each wave runs twice: the second pass
 shows the steady time of the same compositions, so a slow first step with no compile event
 points elsewhere (fla's own caches, cuBLAS, the allocator).
 """
@@ -57,14 +60,17 @@ def run_wave(engine: LLMEngine, log: CompileLog, tag: str, n: int, prompt_len: i
             ms = (time.perf_counter() - t) * 1e3
             so = seen.pop("so", None)
             rows = so.num_scheduled_tokens if so is not None else {}
-            prefill = sum(1 for v in rows.values() if v > 1)
+            drafts = so.scheduled_spec_decode_tokens if so is not None else {}
+            # a verification row computes its token and its drafts; a prefill row more
+            prefill = sum(1 for r, v in rows.items() if v > 1 + len(drafts.get(r, ())))
+            verify = sum(1 for r in rows if drafts.get(r))
             events = log.take()
             row = {"ms": round(ms, 2), "requests": len(rows), "prefill_rows": prefill,
-                   "decode_rows": len(rows) - prefill, "tokens": sum(rows.values()),
-                   "compiles": events}
+                   "verify_rows": verify, "decode_rows": len(rows) - prefill - verify,
+                   "tokens": sum(rows.values()), "compiles": events}
             if prefill or events or ms > 50:
                 print(f"{tag}: {row['ms']:8.1f} ms  {row['requests']:2d} req "
-                      f"({prefill} prefill) {row['tokens']:5d} tok  compiles "
+                      f"({prefill} prefill, {verify} verify) {row['tokens']:5d} tok  compiles "
                       f"{[e['kernel'] + ':' + str(e['s']) for e in events]}", flush=True)
             steps.append(row)
     finally:
@@ -82,6 +88,10 @@ def main() -> None:
                     help="top_p: temperature 1, top_p 0.95, a seed per request")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="as the server runs (step times then overlap the next launch)")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help="as kdaserve serve's (JSON), e.g. a DSpark drafter: "
+                         '\'{"method":"dspark","model":DIR,"num_speculative_tokens":8,'
+                         '"draft_sample_method":"probabilistic"}\'')
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     log = CompileLog()
@@ -89,7 +99,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format="dummy", max_model_len=12288, max_num_seqs=32,
         max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
     start_s = time.perf_counter() - t0
     result = {"command": " ".join(sys.argv), "commit": git_commit(),
               "gpu": torch.cuda.get_device_name(), "engine_start_s": start_s,
