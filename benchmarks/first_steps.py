@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kdaserve import SamplingParams  # noqa: E402
-from kdaserve.bench.jit_log import CompileLog  # noqa: E402
+from kdaserve.kernels.jit_log import CompileLog  # noqa: E402
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.engine.llm_engine import LLMEngine  # noqa: E402
 

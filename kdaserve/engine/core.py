@@ -82,6 +82,19 @@ def slow_step_log_level(device_type: str) -> int:
     return logging.WARNING if device_type == "cuda" else logging.DEBUG
 
 
+def serve_compile_log(device_type: str):
+    """A CompileLog (kernels/jit_log.py) where Triton kernels run (CUDA), else None: after the
+    warm-up every compile or disk-cache load is a serve-time stall, named in the log."""
+    if device_type != "cuda":
+        return None
+    try:
+        from kdaserve.kernels.jit_log import CompileLog
+
+        return CompileLog()
+    except ImportError:   # no Triton: nothing compiles
+        return None
+
+
 def _has_prefill(so: SchedulerOutput) -> bool:
     """Does some request compute more than its next token and its drafts (a prompt chunk, or
     the recompute of a preempted request)?"""
@@ -149,6 +162,8 @@ class EngineCore:
         self.scheduler.grammar_ready = self.structured_output.grammar_ready
         spec = self.model_runner.spec
         self.scheduler.async_spec = spec is not None and spec.device_drafts
+        self._compiles = serve_compile_log(self.model_runner.device.type)
+        """Triton compiles after the warm-up (CUDA): each step's are logged with it."""
 
     # ------------------------------------------------------------------------------ requests
 
@@ -184,6 +199,10 @@ class EngineCore:
     def shutdown(self) -> None:
         """Finish the offload tier's file jobs (so that its disk index records them), then
         stop the other tensor-parallel ranks' processes and the worker's threads."""
+        compiles = getattr(self, "_compiles", None)
+        if compiles is not None:
+            compiles.close()
+            self._compiles = None
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.offload is not None:
             self._drain_offload(scheduler)
@@ -343,15 +362,28 @@ class EngineCore:
         if context is not None:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = elapsed / floor
+        # With async scheduling the next step was launched (and its kernels built) before
+        # this one was collected: a compile shows at the step collected after it.
+        compiled = self._compiles.take() if self._compiles is not None else []
+        names = ", ".join(f"{e['kernel']} {e['s']:.2f} s" for e in compiled)
         limit = SLOW_STEP_S if step.prefill else SLOW_DECODE_STEP_S
+        kind = (" (decode only)" if context else "" if step.prefill
+                else " (no prompt tokens)")
         if elapsed > limit and logger.isEnabledFor(self._slow_step_level):
-            guess = (": JIT compilation or autotuning of a new shape?"
-                     if self._slow_step_level >= logging.WARNING else "")
-            kind = (" (decode only)" if context else "" if step.prefill
-                    else " (no prompt tokens)")
+            if compiled:
+                guess = f": Triton built or loaded {names}"
+            elif self._slow_step_level >= logging.WARNING:
+                guess = ": JIT compilation or autotuning of a new shape?"
+            else:
+                guess = ""
             logger.log(self._slow_step_level, "slow step: %.2f s for %d tokens of %d requests "
                        "(%d new)%s%s", elapsed, so.total_num_scheduled_tokens,
                        len(so.num_scheduled_tokens), len(so.scheduled_new_reqs), kind, guess)
+        elif compiled:
+            logger.warning("Triton built or loaded %s while serving (a step of %d tokens of %d "
+                           "requests%s, %.3f s): a composition the warm-up missed", names,
+                           so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), kind,
+                           elapsed)
 
     def get_stats(self) -> SchedulerStats:
         """Everything but the token counters, which the front keeps."""

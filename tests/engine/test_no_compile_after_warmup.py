@@ -45,7 +45,7 @@ def test_warm_engine_compiles_nothing(tmp_path, spec):
     from tests.models.hf_tiny import make_hf_model
 
     from kdaserve import LLM
-    from kdaserve.bench.jit_log import CompileLog
+    from kdaserve.kernels.jit_log import CompileLog
     from kdaserve.models.make_model import make_dspark_model, make_model
 
     kw = {}

@@ -6,6 +6,8 @@ Synchronous scheduling: each step() then processes the step it launched."""
 
 import logging
 
+import pytest
+
 from kdaserve import SamplingParams
 from kdaserve.engine import core, llm_engine
 from kdaserve.models.make_model import make_model
@@ -76,3 +78,50 @@ def test_has_prefill_counts_drafts_as_decode():
     assert not core._has_prefill(so)
     so.num_scheduled_tokens["c"] = 2                  # a 2-token prompt chunk, no drafts
     assert core._has_prefill(so)
+
+
+def test_serve_time_compiles_are_named(tmp_path, monkeypatch, caplog):
+    """Where Triton runs (CUDA) the core keeps a CompileLog from the end of its start-up; a
+    kernel built during a step is named: in the slow-step line when the step is slow, else in
+    a warning of its own. On CPU the core keeps none; here one is installed by hand and fed
+    an event as Triton's hook would."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    from kdaserve.kernels.jit_log import CompileLog
+
+    assert core.serve_compile_log("cpu") is None
+    model = make_model(str(tmp_path / "tiny"), "tiny")
+    engine = llm_engine.LLMEngine.from_engine_args(model=model, device="cpu", max_model_len=256,
+                                                   enable_prefix_caching=False,
+                                                   async_scheduling=False)
+    ec = engine.engine_core
+    assert ec._compiles is None
+    hooks = knobs.runtime.jit_post_compile_hook
+    ec._compiles = CompileLog()
+    built = lambda name: ec._compiles._after(fn=SimpleNamespace(name=name),  # noqa: E731
+                                             compile={"constants": {(5,): 1}})
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    with caplog.at_level(logging.DEBUG, logger=core.__name__):
+        monkeypatch.setattr(core, "SLOW_STEP_S", 1e9)
+        monkeypatch.setattr(core, "SLOW_DECODE_STEP_S", 1e9)
+        built("fold_kernel")
+        engine.step()                                 # not slow: a warning of its own
+        (record,) = [r for r in caplog.records if "while serving" in r.getMessage()]
+        assert record.levelno == logging.WARNING
+        assert "Triton built or loaded fold_kernel" in record.getMessage()
+        assert "20 tokens of 1 requests" in record.getMessage()
+        caplog.clear()
+        engine.step()                                 # nothing built: nothing said
+        assert not caplog.records
+        monkeypatch.setattr(core, "SLOW_DECODE_STEP_S", 0.0)
+        ec._slow_step_level = core.slow_step_log_level("cuda")
+        built("verify_kernel")
+        engine.step()                                 # slow: the slow-step line names it
+    (record,) = _slow_records(caplog)
+    assert ": Triton built or loaded verify_kernel" in record.getMessage()
+    assert "JIT compilation" not in record.getMessage()
+    engine.engine_core.shutdown()
+    assert ec._compiles is None and knobs.runtime.jit_post_compile_hook is hooks

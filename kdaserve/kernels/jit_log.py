@@ -2,8 +2,10 @@
 
 Triton's runtime hooks (`triton.knobs.runtime.jit_cache_hook` / `jit_post_compile_hook`) fire on
 every in-memory cache miss of a `@triton.jit` function: a new specialisation compiles there, or
-comes back from the on-disk cache. Used by benchmarks/first_steps.py (per engine step) and by the
-test that a warmed-up engine compiles nothing while it serves.
+comes back from the on-disk cache. Used by the engine core on CUDA after its warm-up (a compile
+while serving is a stall: the slow-step line names it), by benchmarks/first_steps.py (per
+engine step) and by the test that a warmed-up engine compiles nothing while it serves. Logs
+stack: a new one passes every event on to the hooks that were installed before it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class CompileLog:
 
     def _before(self, *, fn, **kw) -> bool:
         self._t0[fn.name] = time.perf_counter()
-        return False
+        outer = self._saved[0]
+        return bool(outer(fn=fn, **kw)) if outer is not None else False
 
     def _after(self, *, fn, **kw) -> None:
         t = time.perf_counter() - self._t0.pop(fn.name, time.perf_counter())
@@ -41,6 +44,9 @@ class CompileLog:
         self.events.append({"kernel": fn.name, "s": round(t, 3), "attrs": str(attrs)[:800],
                             "constexprs": str(constexprs)[:800],
                             "warps_stages": (info.get("num_warps"), info.get("num_stages"))})
+        outer = self._saved[1]
+        if outer is not None:
+            outer(fn=fn, **kw)
 
     def take(self) -> list[dict]:
         out, self.events = self.events, []

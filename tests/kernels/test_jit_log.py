@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 def test_cache_miss_event_names_constexprs():
     from triton import knobs
 
-    from kdaserve.bench.jit_log import CompileLog
+    from kdaserve.kernels.jit_log import CompileLog
 
     before = knobs.runtime.jit_post_compile_hook
     log = CompileLog()
@@ -32,3 +32,24 @@ def test_cache_miss_event_names_constexprs():
     finally:
         log.close()
     assert knobs.runtime.jit_post_compile_hook == before
+
+
+def test_logs_stack():
+    """A log opened while another is open passes each event on to it (the engine core keeps
+    one while a benchmark or a test keeps its own); closing restores the hooks in order."""
+    from triton import knobs
+
+    from kdaserve.kernels.jit_log import CompileLog
+
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    outer = CompileLog()
+    inner = CompileLog()
+    fn = SimpleNamespace(name="k")
+    assert knobs.runtime.jit_cache_hook(fn=fn) is False
+    knobs.runtime.jit_post_compile_hook(fn=fn, compile={})
+    assert [e["kernel"] for e in inner.take()] == ["k"]
+    assert [e["kernel"] for e in outer.take()] == ["k"]
+    inner.close()
+    assert knobs.runtime.jit_post_compile_hook == outer._after
+    outer.close()
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
