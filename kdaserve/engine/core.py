@@ -362,8 +362,8 @@ class EngineCore:
         if context is not None:
             floor = self.step_floor.seconds(len(so.num_scheduled_tokens), context)
             self.step_floor_ratio = elapsed / floor
-        # With async scheduling the next step was launched (and its kernels built) before
-        # this one was collected: a compile shows at the step collected after it.
+        # With async scheduling the next step is launched (its kernels built at launch) before
+        # this one is collected: a build for step N + 1 may show with step N.
         compiled = self._compiles.take() if self._compiles is not None else []
         names = ", ".join(f"{e['kernel']} {e['s']:.2f} s" for e in compiled)
         limit = SLOW_STEP_S if step.prefill else SLOW_DECODE_STEP_S
