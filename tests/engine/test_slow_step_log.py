@@ -22,12 +22,19 @@ def _slow_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if "slow step" in r.getMessage()]
 
 
-def test_slow_steps_are_logged(tmp_path, monkeypatch, caplog):
+def _engine_with_one_request(tmp_path) -> llm_engine.LLMEngine:
+    """The tiny model on the CPU, synchronous, with one 20-token request of 3 output tokens
+    queued: its first step is the prefill, the next ones decodes."""
     model = make_model(str(tmp_path / "tiny"), "tiny")
     engine = llm_engine.LLMEngine.from_engine_args(model=model, device="cpu", max_model_len=256,
                                                    enable_prefix_caching=False,
                                                    async_scheduling=False)
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    return engine
+
+
+def test_slow_steps_are_logged(tmp_path, monkeypatch, caplog):
+    engine = _engine_with_one_request(tmp_path)
     with caplog.at_level(logging.DEBUG, logger=core.__name__):
         # the prefill step is held to SLOW_STEP_S, not to the decode limit
         monkeypatch.setattr(core, "SLOW_STEP_S", 1e9)
@@ -53,11 +60,7 @@ def test_slow_steps_are_logged(tmp_path, monkeypatch, caplog):
 
 
 def test_prefill_steps_have_their_own_limit(tmp_path, monkeypatch, caplog):
-    model = make_model(str(tmp_path / "tiny"), "tiny")
-    engine = llm_engine.LLMEngine.from_engine_args(model=model, device="cpu", max_model_len=256,
-                                                   enable_prefix_caching=False,
-                                                   async_scheduling=False)
-    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine = _engine_with_one_request(tmp_path)
     with caplog.at_level(logging.DEBUG, logger=core.__name__):
         monkeypatch.setattr(core, "SLOW_STEP_S", 0.0)
         monkeypatch.setattr(core, "SLOW_DECODE_STEP_S", 1e9)
@@ -93,17 +96,13 @@ def test_serve_time_compiles_are_named(tmp_path, monkeypatch, caplog):
     from kdaserve.kernels.jit_log import CompileLog
 
     assert core.serve_compile_log("cpu") is None
-    model = make_model(str(tmp_path / "tiny"), "tiny")
-    engine = llm_engine.LLMEngine.from_engine_args(model=model, device="cpu", max_model_len=256,
-                                                   enable_prefix_caching=False,
-                                                   async_scheduling=False)
+    engine = _engine_with_one_request(tmp_path)
     ec = engine.engine_core
     assert ec._compiles is None
     hooks = knobs.runtime.jit_post_compile_hook
     ec._compiles = CompileLog()
     built = lambda name: ec._compiles._after(fn=SimpleNamespace(name=name),  # noqa: E731
                                              compile={"constants": {(5,): 1}})
-    engine.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=3, ignore_eos=True))
     with caplog.at_level(logging.DEBUG, logger=core.__name__):
         monkeypatch.setattr(core, "SLOW_STEP_S", 1e9)
         monkeypatch.setattr(core, "SLOW_DECODE_STEP_S", 1e9)
