@@ -81,8 +81,16 @@ def compile_one(item) -> str | None:
 
 
 def bf16_variant(item):
+    """The launch with bf16 activations, as on the GPU; a kernel with a LUT constexpr (a PTX
+    path the interpreter cannot run, taken for bf16 on CUDA) gets LUT=True as well."""
     key, module, name, sig, consts, options, divisible = item
     sig = {k: "*bf16" if v == "*fp32" else v for k, v in sig.items()}
+    fn = getattr(importlib.import_module(module), name)
+    names = [p.name for p in fn.params]
+    if "LUT" in names and consts.get((names.index("LUT"),)) is not None:
+        consts = dict(consts)
+        consts[(names.index("LUT"),)] = consts.get((names.index("MXFP4"),), True) \
+            if "MXFP4" in names else True
     return (key + " bf16", module, name, sig, consts, options, divisible)
 
 

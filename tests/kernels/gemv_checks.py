@@ -183,3 +183,40 @@ def run_interpreter_suite() -> None:
 if __name__ == "__main__":
     run_interpreter_suite()
     print("gemv interpreter checks passed")
+
+
+def sass_loops(compiled) -> list[list[str]]:
+    """The loops of a compiled kernel's SASS (nvdisasm of its cubin, triton's bundled copy):
+    for each backward branch, the opcodes from its target to the branch, in order (not the
+    branch-to-itself that ends every kernel)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    instr, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.L_x_(\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if not m:
+            continue
+        for name in pending:
+            labels[name] = len(instr)
+        pending = []
+        instr.append((m.group(2).split(".")[0], m.group(3)))
+    loops = []
+    for i, (op, rest) in enumerate(instr):
+        target = re.search(r"\.L_x_(\d+)", rest) if op == "BRA" else None
+        if target and labels.get(target.group(1), i) < i:
+            loops.append([o for o, _ in instr[labels[target.group(1)]:i + 1]])
+    return loops

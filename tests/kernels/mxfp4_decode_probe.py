@@ -9,7 +9,7 @@ name an importable module and test_compile_sm90.py compiles the probe for sm_90 
 import triton
 import triton.language as tl
 
-from kdaserve.kernels.moe.triton_mxfp4_moe import _weight_tile
+from kdaserve.kernels.moe.triton_mxfp4_moe import _e2m1_pair_lut, _weight_tile
 
 
 @triton.jit
@@ -31,3 +31,14 @@ def mxfp4_decode_probe_kernel(w_ptr, s_ptr, out_ptr, expert, n_rows, half_k, str
         mask = (j < half_k)[:, None] & mask_n[None, :]
         tl.store(ptrs, lo, mask=mask)
         tl.store(ptrs + 1, hi, mask=mask)
+
+
+@triton.jit
+def mxfp4_lut_probe_kernel(codes_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr):
+    """lo[i], hi[i] = the fp32 values of the low and high nibble of byte codes[i], through the
+    GEMV's byte-permute decode (_e2m1_pair_lut: PTX, so GPU only)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    lo, hi = _e2m1_pair_lut(tl.load(codes_ptr + offs, mask=mask, other=0))
+    tl.store(lo_ptr + offs, lo, mask=mask)
+    tl.store(hi_ptr + offs, hi, mask=mask)

@@ -259,6 +259,21 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     return out
 
 
+@functools.cache
+def _lut_table_words(device: torch.device) -> torch.Tensor:
+    """The GEMV decode's two table words (triton_mxfp4_moe.LUT_TABLE_WORDS) as an int32
+    tensor on the device, made once (a CUDA graph captures its address): the first GEMV on a
+    device must run eagerly, as every graph's warm-up does."""
+    from kdaserve.kernels.moe.triton_mxfp4_moe import LUT_TABLE_WORDS
+
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the MXFP4 GEMV's first launch on a device is being captured in a "
+                           "CUDA graph: run it once eagerly first (its table is copied then)")
+
+    words = [w - (1 << 32) if w >= 1 << 31 else w for w in LUT_TABLE_WORDS]
+    return torch.tensor(words, dtype=torch.int32, device=device)
+
+
 def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_beta,
                    cfg: Mxfp4MoEConfig, pdl: bool, h: torch.Tensor, out: torch.Tensor) -> None:
     """moe_partials in its GEMV form (cfg.block_m = 1), arguments checked by it: gemv1 into h
@@ -270,15 +285,22 @@ def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_
     s13 = w13_scale if mxfp4 else w13
     s2 = w2_scale if mxfp4 else w2
     entries, (D, inter) = topk_ids.numel(), (x.shape[1], h.shape[1])
-    opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **pdl_options(pdl, x))
+    # LUT: the byte-permute decode (PTX, so not under the interpreter), reading the bf16
+    # activations as 32-bit (even, odd) pairs: rows must start on 4-byte boundaries (h is
+    # allocated here; a misaligned x view is copied, one variant per shape either way)
+    lut = mxfp4 and x.is_cuda and x.dtype == torch.bfloat16
+    if lut and (x.stride(0) % 2 or x.data_ptr() % 4):
+        x = x.clone(memory_format=torch.contiguous_format)
+    opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, LUT=lut,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
+    table = _lut_table_words(x.device)
     mxfp4_moe_gemv1_kernel[(entries * cdiv(inter, cfg.block_n),)](
-        x, w13, s13, h, topk_ids, inter, D, topk_ids.shape[1], w13.shape[0],
+        x, w13, s13, h, topk_ids, table, inter, D, topk_ids.shape[1], w13.shape[0],
         float(beta or 1.0), float(linear_beta or 1.0),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
         ACT=0 if act == "silu" else 1, CLIP_UP=linear_beta is not None, **opts)
     mxfp4_moe_gemv2_kernel[(entries * cdiv(D, cfg.block_n),)](
-        h, w2, s2, out, topk_ids, D, inter, w2.shape[0],
+        h, w2, s2, out, topk_ids, table, D, inter, w2.shape[0],
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         **opts)
 

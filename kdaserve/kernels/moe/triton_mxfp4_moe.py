@@ -14,7 +14,9 @@ fused_moe's alignment (or one entry per row block for one token, DIRECT).
   2. mxfp4_moe_gemm2_kernel  partial[r] = inter[r] @ W2_e^T                  (unweighted)
      mxfp4_moe_gemv1_kernel / mxfp4_moe_gemv2_kernel: the same two products for one or a few
      tokens without tl.dot (Mxfp4MoEConfig.block_m = 1): one program per (routing entry,
-     column tile), no alignment, the packed weight tile [BLOCK_N, BLOCK_K / 2] reduced along K.
+     column tile), no alignment, the packed weight tile [BLOCK_N, BLOCK_K / 2] reduced along K;
+     on the GPU they decode by byte-permute table lookups (E2M1_LUT_ASM), the interpreter's
+     path by bits.
   3. latent_moe_tail_kernel  out[n] = r_n * ((sum_j w[n, j] partial[n k + j]) * g) @ W_up^T
                                       + residual[n],  r_n = rsqrt(mean(lat_n^2) + eps)
      The top-k weighted sum is computed inside the tail, per K chunk of the latent, and never
@@ -53,6 +55,114 @@ def _e2m1_pair_tiny(byte):
 
 
 TWO_POW_63 = tl.constexpr(9.223372036854775808e18)
+
+# E2M1 bytes -> fp32 by byte-permute table lookups (PTX prmt), four packed bytes a call: per
+# byte (low nibble = even K value, high nibble = odd), its two values exactly, sign included.
+# A value's fp32 pattern is its bf16 pattern (high byte H, low byte L) followed by 16 zero
+# bits, and E2M1's eight magnitudes have eight (H, L) pairs: one prmt per table looks up
+# four magnitudes (selector = four 3-bit codes, their sign bits cleared). Signs: one prmt
+# maps each nibble's sign bit, moved to bit 2 of its nibble, to 0x00 (byte 0 of a zero pool
+# word, which needs no register) or 0x80 (byte 4), OR-ed into H. Then each byte's (L, H)
+# pairs are placed side by side (a bf16 pair) and split into two fp32 words by a shift and a
+# mask: 25 ops for 8 values, straight from the loaded word (the bit decode takes each byte
+# out first, builds each value with shifts and masks, and scales the activations by 2^63);
+# tests/kernels/test_mxfp4_lut.py holds the GEMV's K loop under 0.8x the bit decode's.
+# Tables: H = [00 3F 3F 3F 40 40 40 40], L = [00 00 80 C0 00 40 80 C0] for magnitudes 0..7
+# (0, 0.5, 1, 1.5, 2, 3, 4, 6); prmt's pool {b, a} numbers a's bytes 0-3 and b's 4-7. The
+# tables' low words (a, which must be a register) come in as operands, LUT_TABLE_WORDS read
+# from memory once a program: as immediates, ptxas re-materialises them before every prmt.
+# Registers: $0-$3 the low-nibble values of bytes 0-3, $4-$7 the high-nibble ones, $8 the
+# four bytes (byte i = bits 8i..8i+7), $9 H's low word, $13 L's ($10-$12, $14-$16: the
+# same words, an int32 operand taking one register per packed element).
+# tests/kernels/test_mxfp4_lut.py runs this text through a PTX model over every byte value.
+E2M1_LUT_ASM = tl.constexpr("""
+{
+.reg .b32 m, mh, s, sh, h0, h1, l0, l1, g0, g1, p0, p1, p2, p3;
+and.b32 m, $8, 0x77777777;
+shr.u32 mh, m, 16;
+prmt.b32 h0, $9, 0x40404040, m;
+prmt.b32 h1, $9, 0x40404040, mh;
+prmt.b32 l0, $13, 0xC0804000, m;
+prmt.b32 l1, $13, 0xC0804000, mh;
+shr.u32 s, $8, 1;
+and.b32 s, s, 0x44444444;
+shr.u32 sh, s, 16;
+prmt.b32 g0, 0, 0x80, s;
+prmt.b32 g1, 0, 0x80, sh;
+or.b32 h0, h0, g0;
+or.b32 h1, h1, g1;
+prmt.b32 p0, l0, h0, 0x5140;
+prmt.b32 p1, l0, h0, 0x7362;
+prmt.b32 p2, l1, h1, 0x5140;
+prmt.b32 p3, l1, h1, 0x7362;
+shl.b32 $0, p0, 16;
+and.b32 $4, p0, 0xFFFF0000;
+shl.b32 $1, p1, 16;
+and.b32 $5, p1, 0xFFFF0000;
+shl.b32 $2, p2, 16;
+and.b32 $6, p2, 0xFFFF0000;
+shl.b32 $3, p3, 16;
+and.b32 $7, p3, 0xFFFF0000;
+}
+""")
+LUT_TABLE_WORDS = (0x3F3F3F00, 0xC0800000)
+"""The low words of E2M1_LUT_ASM's H and L tables ($9, $13), as the kernels read them."""
+
+
+@triton.jit
+def _e2m1_pair_lut(codes, table_h, table_l):
+    """uint8 packed bytes -> (low nibble, high nibble) as exact fp32 values (E2M1_LUT_ASM, with
+    its two table words; elementwise, so any grouping of four bytes a call gives the same
+    result). PTX: GPU only, not under the interpreter."""
+    return tl.inline_asm_elementwise(E2M1_LUT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 9,
+                                     [codes, table_h, table_l], dtype=(tl.float32, tl.float32),
+                                     is_pure=True, pack=4)
+
+
+@triton.jit
+def _quarters(t):
+    """t [A, B, 4 n] -> four [A, B, n] tensors that together hold its elements (reshapes and
+    splits of a dim each thread holds whole: no data moves); [A, B] each when n = 1."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    C: tl.constexpr = t.shape[2]
+    even, odd = tl.split(tl.reshape(t, [A, B, C // 2, 2]))
+    if C == 4:
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+    else:
+        e0, e1 = tl.split(tl.reshape(even, [A, B, C // 4, 2]))
+        o0, o1 = tl.split(tl.reshape(odd, [A, B, C // 4, 2]))
+    return e0, o0, e1, o1
+
+
+@triton.jit
+def _pair_fma4(acc, lo, hi, x_lo, x_hi):
+    """acc [A, B] + sum over the last dim (4) of lo * x_lo + hi * x_hi, as an fma chain."""
+    l0, l1, l2, l3 = _quarters(lo)
+    h0, h1, h2, h3 = _quarters(hi)
+    a0, a1, a2, a3 = _quarters(x_lo)
+    b0, b1, b2, b3 = _quarters(x_hi)
+    acc = tl.fma(h0, b0, tl.fma(l0, a0, acc))
+    acc = tl.fma(h1, b1, tl.fma(l1, a1, acc))
+    acc = tl.fma(h2, b2, tl.fma(l2, a2, acc))
+    return tl.fma(h3, b3, tl.fma(l3, a3, acc))
+
+
+@triton.jit
+def _pair_dot16(lo, hi, x_lo, x_hi):
+    """sum over the last dim (16) of lo * x_lo + hi * x_hi: [A, B, 16] weights against
+    [1, B, 16] activations -> [A, B], as one chain of 32 fma (tl.sum of the products would
+    take a multiply, an fma and an add per pair)."""
+    l0, l1, l2, l3 = _quarters(lo)
+    h0, h1, h2, h3 = _quarters(hi)
+    a0, a1, a2, a3 = _quarters(x_lo)
+    b0, b1, b2, b3 = _quarters(x_hi)
+    acc = tl.zeros([lo.shape[0], lo.shape[1]], dtype=tl.float32)
+    acc = _pair_fma4(acc, l0, h0, a0, b0)
+    acc = _pair_fma4(acc, l1, h1, a1, b1)
+    acc = _pair_fma4(acc, l2, h2, a2, b2)
+    return _pair_fma4(acc, l3, h3, a3, b3)
 
 
 @triton.jit
@@ -213,13 +323,21 @@ def mxfp4_moe_gemm2_kernel(
 
 
 @triton.jit
-def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, LUT: tl.constexpr):
     """The activation chunk k0 .. k0 + BLOCK_K of one row, in fp32, shaped for _gemv_dot.
-    MXFP4: (even K values [1, G, 16], odd K values [1, G, 16]) times 2^63, G = BLOCK_K / 32
-    scale groups,
+    MXFP4: (even K values [1, G, 16], odd K values [1, G, 16]), G = BLOCK_K / 32 scale groups,
     packed position j = 16 g + t holding K values 2j (low nibble) and 2j + 1 (high nibble), so
-    the packed weight bytes need no interleave. Dense: (the chunk [1, BLOCK_K], the same)."""
-    if MXFP4:   # times 2^63: the other half of the decode's 2^126 (_e2m1_pair_tiny)
+    the packed weight bytes need no interleave; times 2^63 (the other half of the bit decode's
+    2^126) unless LUT. LUT (bf16 rows): each pair (2j, 2j + 1) is read as one 32-bit word and
+    split into its two fp32 values by a shift and a mask, no strided 16-bit loads.
+    Dense: (the chunk [1, BLOCK_K], the same)."""
+    if MXFP4 and LUT:
+        G: tl.constexpr = BLOCK_K // 32
+        j = k0 // 2 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]   # [G, 16]
+        words = tl.load(row_ptr.to(tl.pointer_type(tl.int32)) + j, mask=j < K // 2, other=0)
+        lo = (words << 16).to(tl.float32, bitcast=True)[None, :, :]
+        hi = (words & -65536).to(tl.float32, bitcast=True)[None, :, :]
+    elif MXFP4:   # times 2^63: the other half of the decode's 2^126 (_e2m1_pair_tiny)
         G: tl.constexpr = BLOCK_K // 32
         j = k0 // 2 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]   # [G, 16]
         mask = j < K // 2
@@ -236,7 +354,8 @@ def _gemv_x(row_ptr, k0, K, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
 
 @triton.jit
 def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride_sn,
-              BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+              BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, LUT: tl.constexpr, table_h=0,
+              table_l=0):
     """The weight rows offs_n of one expert (w_ptr, s_ptr at the expert) against the
     activation chunk k0 .. k0 + BLOCK_K of _gemv_x, as fp32 partial sums the caller adds up
     elementwise over the K loop and reduces once after it (a cross-thread reduction every K
@@ -244,8 +363,9 @@ def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride
     packed bytes as [BN, G, 16] (contiguous along K, 16 to a thread), each group's sum times
     its E8M0 scale (an exact power of two, so the same value as scaling each decoded element,
     up to fp32 rounding); both nibbles decoded by _e2m1_pair_tiny against the even / odd
-    activations (x 2^63: _gemv_x). Dense: [BN, BLOCK_K] products of a tile of an [N, K] weight
-    (s_ptr unused)."""
+    activations (x 2^63: _gemv_x), or with LUT by _e2m1_pair_lut (exact values; table_h,
+    table_l: LUT_TABLE_WORDS); each group's 32 products summed in one fma chain. Dense:
+    [BN, BLOCK_K] products of a tile of an [N, K] weight (s_ptr unused)."""
     rows = offs_n.to(tl.int64)
     if MXFP4:
         G: tl.constexpr = BLOCK_K // 32
@@ -253,12 +373,16 @@ def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride
         mask_g = mask_n[:, None] & (offs_g < K // 32)[None, :]                   # [BN, G]
         j = offs_g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]         # [1, G, 16]
         codes = tl.load(w_ptr + rows[:, None, None] * stride_wn + j,
-                        mask=mask_g[:, :, None], other=0).to(tl.int32)           # [BN, G, 16]
+                        mask=mask_g[:, :, None], other=0)                        # [BN, G, 16]
         scale = _e8m0(tl.load(s_ptr + rows[:, None] * stride_sn + offs_g[None, :],
                               mask=mask_g, other=127).to(tl.int32))              # [BN, G]
-        lo, hi = _e2m1_pair_tiny(codes)                                          # x 2^-126
-        part = lo * x_lo + hi * x_hi                              # [BN, G, 16], x 2^-63
-        acc = (tl.sum(part, axis=2) * TWO_POW_63) * scale      # exact, then the group scale
+        if LUT:
+            lo, hi = _e2m1_pair_lut(codes, table_h, table_l)
+            acc = _pair_dot16(lo, hi, x_lo, x_hi) * scale
+        else:
+            lo, hi = _e2m1_pair_tiny(codes.to(tl.int32))                         # x 2^-126
+            # x 2^-63, then exact, then the group scale
+            acc = (_pair_dot16(lo, hi, x_lo, x_hi) * TWO_POW_63) * scale
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_ptr + rows[:, None] * stride_wn + k[None, :],
@@ -266,6 +390,14 @@ def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride
         acc = w.to(tl.float32) * x_lo
     return acc
 
+
+
+@triton.jit
+def _lut_tables(table_ptr, LUT: tl.constexpr):
+    """LUT_TABLE_WORDS from memory (so they sit in registers through the K loop), or zeros."""
+    if LUT:
+        return tl.load(table_ptr), tl.load(table_ptr + 1)
+    return 0, 0
 
 
 @triton.jit
@@ -282,11 +414,11 @@ def _gemv_entry(topk_ids_ptr, num_experts, out_cols, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def mxfp4_moe_gemv1_kernel(
-    x_ptr, w_ptr, s_ptr, inter_ptr, topk_ids_ptr,
+    x_ptr, w_ptr, s_ptr, inter_ptr, topk_ids_ptr, table_ptr,
     inter_size, hidden, top_k, num_experts, beta, linear_beta,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
-    MXFP4: tl.constexpr = True, USE_PDL: tl.constexpr = False,
+    MXFP4: tl.constexpr = True, USE_PDL: tl.constexpr = False, LUT: tl.constexpr = False,
 ):
     """mxfp4_moe_gemm1_kernel's math for one or a few tokens, without tl.dot (whose 16-row
     minimum pads 15 of 16 rows at one token): one program per (routing entry r = n * top_k + j,
@@ -294,7 +426,9 @@ def mxfp4_moe_gemv1_kernel(
     x[n]) with e = topk_ids[r] (gate rows cols, up rows I + cols of w13). No alignment: the
     entry reads its token's row directly. Entries with ids outside [0, E) are left unwritten.
     Per BLOCK_K chunk the gate and up tiles reduce along K into fp32 [BLOCK_N] accumulators,
-    so wide K chunks make a short loop and many small programs fill the SMs."""
+    so wide K chunks make a short loop and many small programs fill the SMs. LUT: the
+    byte-permute decode (E2M1_LUT_ASM) with bf16 x read in (even, odd) pairs; table_ptr holds
+    LUT_TABLE_WORDS (int32), read only then."""
     pdl_wait(USE_PDL)
     r, e, offs_n, mask_n, skip = _gemv_entry(topk_ids_ptr, num_experts, inter_size, BLOCK_N)
     if skip:
@@ -305,23 +439,24 @@ def mxfp4_moe_gemv1_kernel(
     W: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K     # _gemv_dot's partial columns
     acc_g = tl.zeros([BLOCK_N, W], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    table_h, table_l = _lut_tables(table_ptr, LUT)
     for k0 in range(0, hidden, BLOCK_K):
-        x_lo, x_hi = _gemv_x(x_row, k0, hidden, BLOCK_K, MXFP4)
+        x_lo, x_hi = _gemv_x(x_row, k0, hidden, BLOCK_K, MXFP4, LUT)
         acc_g += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, hidden, x_lo, x_hi, stride_wn,
-                           stride_sn, BLOCK_K, MXFP4)
+                           stride_sn, BLOCK_K, MXFP4, LUT, table_h, table_l)
         acc_u += _gemv_dot(w_e, s_e, offs_n + inter_size, mask_n, k0, hidden, x_lo, x_hi,
-                           stride_wn, stride_sn, BLOCK_K, MXFP4)
+                           stride_wn, stride_sn, BLOCK_K, MXFP4, LUT, table_h, table_l)
     h = _glu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta, linear_beta, ACT, CLIP_UP)
     tl.store(inter_ptr + r * stride_im + offs_n, h.to(inter_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
 def mxfp4_moe_gemv2_kernel(
-    inter_ptr, w_ptr, s_ptr, out_ptr, topk_ids_ptr,
+    inter_ptr, w_ptr, s_ptr, out_ptr, topk_ids_ptr, table_ptr,
     hidden, inter_size, num_experts,
     stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr = True,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, LUT: tl.constexpr = False,
 ):
     """mxfp4_moe_gemm2_kernel's math in mxfp4_moe_gemv1_kernel's form: one program per
     (routing entry r, BLOCK_N columns of the latent), partial[r, cols] = W2_e[cols] inter[r],
@@ -335,10 +470,11 @@ def mxfp4_moe_gemv2_kernel(
     a_row = inter_ptr + r * stride_im
     W: tl.constexpr = BLOCK_K // 32 if MXFP4 else BLOCK_K     # _gemv_dot's partial columns
     acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    table_h, table_l = _lut_tables(table_ptr, LUT)
     for k0 in range(0, inter_size, BLOCK_K):
-        a_lo, a_hi = _gemv_x(a_row, k0, inter_size, BLOCK_K, MXFP4)
+        a_lo, a_hi = _gemv_x(a_row, k0, inter_size, BLOCK_K, MXFP4, LUT)
         acc += _gemv_dot(w_e, s_e, offs_n, mask_n, k0, inter_size, a_lo, a_hi, stride_wn,
-                         stride_sn, BLOCK_K, MXFP4)
+                         stride_sn, BLOCK_K, MXFP4, LUT, table_h, table_l)
     tl.store(out_ptr + r * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
              mask=mask_n)
 
