@@ -62,10 +62,11 @@ GEMM_CANDIDATES = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 2
 """The tl.dot tiles at decode sizes: 16-row blocks on 4 warps, 3 stages (at 2 stages ptxas
 spills registers in gemm1); the column and K tiles are what varies."""
 GEMM_GEMV_CANDIDATES = dict(block_m=(1,), block_n=(8, 16, 32), block_k=(128, 256, 512),
-                            num_warps=(2, 4, 8), num_stages=(2,))
+                            num_warps=(2, 4, 8), num_stages=(2,), gemv_lut=(True, False))
 """The GEMV form of the expert GEMMs (block_m = 1, opt-in), swept next to the tl.dot tiles below
-GEMV_BELOW tokens. One stage count: its loads feed no tl.dot, so Triton pipelines nothing and
-the sm_90 build is the same at 1, 2 and 3 stages."""
+GEMV_BELOW tokens, with both MXFP4 decodes (gemv_lut: table lookups, or the bit decode they
+replaced; the same kernel for bf16 experts). One stage count: its loads feed no tl.dot, so
+Triton pipelines nothing and the sm_90 build is the same at 1, 2 and 3 stages."""
 GEMV_BELOW = 16
 TAIL_GEMV_CANDIDATES = dict(tail_block_n=(8, 16, 32, 64), tail_block_k=(128, 256, 512),
                             tail_num_warps=(2, 4, 8))
@@ -73,7 +74,7 @@ TAIL_DOT_CANDIDATES = dict(tail_block_n=(32, 64, 128), tail_block_k=(64, 128),
                            tail_num_warps=(4, 8))
 QUICK = dict(block_n=(64,), num_stages=(3,), tail_block_n=(16, 32), tail_num_warps=(4,))
 """--quick: a few candidates per class (the smoke test, a first look)."""
-QUICK_GEMV = dict(block_n=(16,), block_k=(256,), num_warps=(4,))
+QUICK_GEMV = dict(block_n=(16,), block_k=(256,), num_warps=(4,), gemv_lut=(True,))
 """--quick for GEMM_GEMV_CANDIDATES: one candidate."""
 
 
@@ -166,6 +167,8 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
     point = {"experts": fmt, "tokens": N, "distinct_experts": used,
              "gemm_floor_us": round(gemm_floor_us, 2), "gemm": [], "tail": []}
     gemv = grid(GEMM_GEMV_CANDIDATES, a.quick, QUICK_GEMV) if N < GEMV_BELOW else []
+    if fmt != "mxfp4":   # one decode-free kernel whatever gemv_lut says
+        gemv = [c for c in gemv if c["gemv_lut"]]
     dot = grid(GEMM_CANDIDATES, a.quick)
     if a.gemv_only and gemv:   # the default tl.dot tile only, as the reference point
         dot = [{f: default[f] for f in GEMM_CANDIDATES}]

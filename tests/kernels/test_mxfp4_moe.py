@@ -120,21 +120,23 @@ def test_bf16_expert_gemms_on_gpu(N):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("N", [1, 7])
-@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dense,lut", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("act", ["silu", "situ"])
-def test_gemv_expert_gemms_on_gpu(N, dense, act):
+def test_gemv_expert_gemms_on_gpu(N, dense, lut, act):
     """The GEMV form of the expert GEMMs (GEMM_GEMV, opt-in through config=) at kimi-k3-mini's
-    shapes, MXFP4 and dense, and at a small shape with -1 entries and block_n 8."""
+    shapes, MXFP4 (table-lookup and bit decodes) and dense, and at a small shape with -1
+    entries and block_n 8."""
     import mxfp4_moe_checks as checks
 
     from kdaserve.kernels.moe.mxfp4_moe import GEMM_GEMV, Mxfp4MoEConfig
 
     kw = dict(beta=4.0, linear_beta=25.0) if act == "situ" else {}
     checks.check_partials("cuda", torch.bfloat16, N=N, act=act, dense=dense, seed=N,
-                          config=Mxfp4MoEConfig(**GEMM_GEMV), **MINI, **kw)
+                          config=Mxfp4MoEConfig(**GEMM_GEMV, gemv_lut=lut), **MINI, **kw)
     checks.check_partials("cuda", torch.bfloat16, N=N, act=act, dense=dense, bad_id=True,
                           seed=N + 1, E=64, k=8, D=512, inter=256, **kw,
-                          config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=512))
+                          config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=512,
+                                                gemv_lut=lut))
 
 
 @pytest.mark.gpu

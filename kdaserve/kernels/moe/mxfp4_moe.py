@@ -47,6 +47,10 @@ class Mxfp4MoEConfig:
     tail_block_k: int = 128
     tail_num_warps: int = 4
     tail_num_stages: int = 3
+    gemv_lut: bool = True
+    """The GEMV form decodes MXFP4 by byte-permute table lookups where it can (CUDA, bf16
+    activations); False: the bit decode it replaced, kept as the interpreter's path and as the
+    baseline benchmarks/bench_mxfp4_tiles.py times it against."""
 
 
 GEMM_CLASSES = (
@@ -288,7 +292,7 @@ def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_
     # LUT: the byte-permute decode (PTX, so not under the interpreter), reading the bf16
     # activations as 32-bit (even, odd) pairs: rows must start on 4-byte boundaries (h is
     # allocated here; a misaligned x view is copied, one variant per shape either way)
-    lut = mxfp4 and x.is_cuda and x.dtype == torch.bfloat16
+    lut = cfg.gemv_lut and mxfp4 and x.is_cuda and x.dtype == torch.bfloat16
     if lut and (x.stride(0) % 2 or x.data_ptr() % 4):
         x = x.clone(memory_format=torch.contiguous_format)
     opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, LUT=lut,
