@@ -21,6 +21,9 @@ scales; the tail's up weight and partials) over the device's measured copy bandw
     python benchmarks/bench_mxfp4_tiles.py --tokens 1 --experts mxfp4,bf16 --quick
     python benchmarks/bench_mxfp4_tiles.py --write-configs kdaserve/kernels/configs
 
+Below GEMV_BELOW tokens the MXFP4 GEMV candidates run with both decodes (gemv_lut); the
+bit decode's best is reported apart (best_gemm_bit_decode, the baseline) and never written.
+
 --write-configs DIR merges each point's fastest tiles into DIR's
 mxfp4_moe_gemm_device_name=GPU.json (per expert format) and latent_moe_tail_device_name=GPU.json
 (the tail's fastest over the formats' runs), the files moe_partials / latent_moe_tail read.
@@ -242,8 +245,13 @@ def main() -> None:
         for N in (int(t) for t in a.tokens.split(",")):
             p = sweep_point(a, fmt, N, bandwidth, device, gen)
             out["points"].append(p)
+            bits = [c for c in p["gemm"] if "us" in c and c.get("gemv_lut") is False]
+            if bits:   # the bit decode's best GEMV: the baseline, never written to the configs
+                p["best_gemm_bit_decode"] = min(bits, key=lambda c: c["us"])
+                print(f"{fmt:5s} N={N:3d} gemm: bit decode's best GEMV "
+                      f"{p['best_gemm_bit_decode']}", flush=True)
             for kind in ("gemm", "tail"):
-                ok = [c for c in p[kind] if "us" in c]
+                ok = [c for c in p[kind] if "us" in c and c.get("gemv_lut") is not False]
                 best = min(ok, key=lambda c: c["us"]) if ok else None
                 dflt = next((c for c in p[kind] if c["default"]), None)
                 p[f"best_{kind}"] = best

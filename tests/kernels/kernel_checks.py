@@ -26,10 +26,11 @@ def run_under_interpreter(script: str, timeout: float = 120) -> subprocess.Compl
 
 
 def patch_triton_interpreter() -> None:
-    """Two fixes to Triton 3.6's interpreter. It turns 1-element scalars into ints with
-    int(ndarray), which NumPy >= 2.4 rejects (dynamic loop bounds, range(start, end), then
-    fail): use .item() instead. Its tl.dot multiplies bf16 operands as their raw 16-bit
-    patterns (NumPy has no bf16): widen them to fp32 first (bf16 products are exact in fp32)."""
+    """Two fixes to Triton 3.6's interpreter and one addition. It turns 1-element scalars into
+    ints with int(ndarray), which NumPy >= 2.4 rejects (dynamic loop bounds, range(start, end),
+    then fail): use .item() instead. Its tl.dot multiplies bf16 operands as their raw 16-bit
+    patterns (NumPy has no bf16): widen them to fp32 first (bf16 products are exact in fp32).
+    It has no inline asm: run the PTX through ptx_model.py (the instructions our kernels use)."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.interpreter as interp
@@ -56,6 +57,29 @@ def patch_triton_interpreter() -> None:
         return dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
 
     builder.create_dot = create_dot
+
+    def create_inline_asm(self, asm, constraints, values, types, is_pure, pack):
+        # PTX through tests/kernels/ptx_model.py (the interpreter has no inline asm)
+        from ptx_model import run_inline_asm
+
+        shape = np.broadcast_shapes(*(v.data.shape for v in values))
+        raw = []
+        for v in values:
+            bits = v.dtype.scalar.primitive_bitwidth
+            data = np.broadcast_to(v.data, shape).reshape(-1)
+            raw.append((data.view(getattr(np, f"uint{data.itemsize * 8}")), bits))
+        scalars = [t.scalar for t in types]
+        outs = run_inline_asm(asm, constraints, raw, [t.primitive_bitwidth for t in scalars],
+                              pack)
+
+        class Results:
+            def get_result(self, i):
+                data = outs[i].view(interp._get_np_dtype(scalars[i])).reshape(shape)
+                return interp.TensorHandle(data, scalars[i])
+
+        return Results()
+
+    builder.create_inline_asm = create_inline_asm
     interp._kdaserve_patched = True
 
 

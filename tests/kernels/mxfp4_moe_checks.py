@@ -194,6 +194,8 @@ def run_suite(device="cpu", dtype=torch.float32) -> None:
     check_tail(device, dtype, N=600, k=2, L=80, H=300, residual=False, seed=6)     # 64 x 256
     check_layer(device, dtype, N=520, E=4, k=2, L=128, inter=128, H=300, seed=7)
     check_gemv_form(device, dtype)
+    if device == "cpu":
+        check_gemv_lut()
 
 
 def check_gemv_form(device="cpu", dtype=torch.float32) -> None:
@@ -218,6 +220,26 @@ def check_gemv_form(device="cpu", dtype=torch.float32) -> None:
                    seed=14)
     check_partials(device, dtype, N=1, D=256, inter=256, config=Mxfp4MoEConfig(**GEMM_GEMV),
                    seed=15, **situ, linear_beta=25.0)
+
+
+def check_gemv_lut() -> None:
+    """The GEMV form with bf16 activations on the CPU: the table-lookup decode (its PTX
+    through kernel_checks' model of it) and the bit decode, one token and several, SiTU,
+    -1 entries, K tails (D = 96 at block_k 64), block_n 8, GEMM_GEMV's tiles unshrunk."""
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_GEMV, Mxfp4MoEConfig
+
+    bf16 = torch.bfloat16
+    for lut in (True, False):
+        gemv = Mxfp4MoEConfig(block_m=1, block_n=16, block_k=64, num_warps=4, num_stages=2,
+                              gemv_lut=lut)
+        check_partials("cpu", bf16, N=1, config=gemv, seed=20)
+        check_partials("cpu", bf16, N=3, config=gemv, act="situ", beta=4.0, linear_beta=25.0,
+                       bad_id=True, seed=21)
+        check_partials("cpu", bf16, N=2, D=96, inter=32, config=gemv, seed=22)
+        check_partials("cpu", bf16, N=2, seed=23,
+                       config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=32, gemv_lut=lut))
+    check_partials("cpu", bf16, N=1, D=256, inter=256, seed=24, act="situ", beta=4.0,
+                   config=Mxfp4MoEConfig(**GEMM_GEMV))
 
 
 if __name__ == "__main__":

@@ -1,72 +1,20 @@
 """The MXFP4 GEMV's byte-permute decode (kernels/moe/triton_mxfp4_moe.py E2M1_LUT_ASM), without
-a GPU: its PTX text run through a model of the five instructions it uses, over every byte value
-in every byte position, against the OCP E2M1 values bit for bit; and the GEMV built with it for
-sm_90, whose K loop must be shorter than the bit-by-bit decode's. (On a GPU the GEMV itself is
-checked against its twin: test_mxfp4_moe.py test_gemv_expert_gemms_on_gpu.)"""
+a GPU: its PTX text run through ptx_model.py (the instructions it uses) over every byte value in
+every byte position, against the OCP E2M1 values bit for bit; and the GEMV built with it for
+sm_90, whose K loop must be shorter than the bit-by-bit decode's. The whole GEMV with the
+decode runs against its twin under the interpreter (mxfp4_moe_checks.py check_gemv_lut, the
+same PTX model standing in for inline asm) and on a GPU (test_mxfp4_moe.py)."""
 
-import re
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ptx_model import MASK, run_ptx
+from ptx_model import prmt as _prmt
 
-MASK = 0xFFFFFFFF
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 """The OCP MX spec's E2M1 values by code (sign bit 3)."""
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is byte sel[4i+2:4i] of {b, a} (a's
-    bytes 0-3, b's 4-7), or that byte's bit 7 replicated when sel bit 4i+3 is set."""
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 0xF
-        byte = pool[nib & 7]
-        if nib & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def run_ptx(asm: str, operands: dict[int, int]) -> dict[int, int]:
-    """Run the straight-line PTX of an inline-asm block: .reg declarations and and / or /
-    shl / shr.u32 / mov / prmt on .b32 values; $n operands from `operands`; returns every $n
-    written. Anything else raises, so a new instruction cannot pass unmodelled."""
-    regs = {f"${k}": v & MASK for k, v in operands.items()}
-
-    def val(tok: str) -> int:
-        tok = tok.strip()
-        if tok in regs:
-            return regs[tok]
-        if re.fullmatch(r"0[xX][0-9a-fA-F]+|\d+", tok):
-            return int(tok, 0) & MASK
-        raise KeyError(f"operand {tok!r} read before written")
-
-    for line in asm.replace("{", ";").replace("}", ";").split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [t.strip() for t in args.split(",")]
-        v = [val(t) for t in src]
-        if op == "and.b32":
-            r = v[0] & v[1]
-        elif op == "or.b32":
-            r = v[0] | v[1]
-        elif op == "shl.b32":
-            r = (v[0] << v[1]) & MASK if v[1] < 32 else 0
-        elif op == "shr.u32":
-            r = v[0] >> v[1] if v[1] < 32 else 0
-        elif op == "mov.b32":
-            r = v[0]
-        elif op == "prmt.b32":
-            r = _prmt(*v)
-        else:
-            raise NotImplementedError(f"PTX op {op} is not modelled")
-        regs[d] = r
-    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$") and int(k[1:]) < 8}
 
 
 def _bits(x: float) -> int:

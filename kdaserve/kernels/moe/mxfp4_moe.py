@@ -26,7 +26,7 @@ import torch
 
 from kdaserve.kernels.configs import device_name, load_configs, shape_key
 from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
-                                    pdl_options, require_triton)
+                                    pdl_options, require_triton, triton_interpret)
 
 
 @dataclass(frozen=True)
@@ -289,10 +289,11 @@ def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_
     s13 = w13_scale if mxfp4 else w13
     s2 = w2_scale if mxfp4 else w2
     entries, (D, inter) = topk_ids.numel(), (x.shape[1], h.shape[1])
-    # LUT: the byte-permute decode (PTX, so not under the interpreter), reading the bf16
-    # activations as 32-bit (even, odd) pairs: rows must start on 4-byte boundaries (h is
-    # allocated here; a misaligned x view is copied, one variant per shape either way)
-    lut = cfg.gemv_lut and mxfp4 and x.is_cuda and x.dtype == torch.bfloat16
+    # LUT: the byte-permute decode (PTX: the GPU, or the interpreter where the tests give it a
+    # PTX model), reading the bf16 activations as 32-bit (even, odd) pairs: rows must start on
+    # 4-byte boundaries (h is allocated here; a misaligned x view is copied)
+    lut = (cfg.gemv_lut and mxfp4 and x.dtype == torch.bfloat16
+           and (x.is_cuda or triton_interpret()))
     if lut and (x.stride(0) % 2 or x.data_ptr() % 4):
         x = x.clone(memory_format=torch.contiguous_format)
     opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, LUT=lut,
