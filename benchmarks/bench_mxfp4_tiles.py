@@ -21,8 +21,8 @@ scales; the tail's up weight and partials) over the device's measured copy bandw
     python benchmarks/bench_mxfp4_tiles.py --tokens 1 --experts mxfp4,bf16 --quick
     python benchmarks/bench_mxfp4_tiles.py --write-configs kdaserve/kernels/configs
 
-Below GEMV_BELOW tokens the MXFP4 GEMV candidates run with both decodes (gemv_lut); the
-bit decode's best is reported apart (best_gemm_bit_decode, the baseline) and never written.
+The MXFP4 GEMM candidates run with both decodes (lut_decode); the bit decode's best is
+reported apart (best_gemm_bit_decode, the baseline) and never written.
 
 --write-configs DIR merges each point's fastest tiles into DIR's
 mxfp4_moe_gemm_device_name=GPU.json (per expert format) and latent_moe_tail_device_name=GPU.json
@@ -61,13 +61,14 @@ BF16_TOL = 1e-2
 """METHOD.md's bound for bf16 kernels against their fp32 twin (relative to the output's max)."""
 
 GEMM_CANDIDATES = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 256),
-                       num_warps=(4,), num_stages=(3,))
+                       num_warps=(4,), num_stages=(3,), lut_decode=(True, False))
 """The tl.dot tiles at decode sizes: 16-row blocks on 4 warps, 3 stages (at 2 stages ptxas
-spills registers in gemm1); the column and K tiles are what varies."""
+spills registers in gemm1); the column and K tiles are what varies, with both MXFP4 decodes
+(lut_decode: table lookups, or the bit decode they replaced)."""
 GEMM_GEMV_CANDIDATES = dict(block_m=(1,), block_n=(8, 16, 32), block_k=(128, 256, 512),
-                            num_warps=(2, 4, 8), num_stages=(2,), gemv_lut=(True, False))
+                            num_warps=(2, 4, 8), num_stages=(2,), lut_decode=(True, False))
 """The GEMV form of the expert GEMMs (block_m = 1, opt-in), swept next to the tl.dot tiles below
-GEMV_BELOW tokens, with both MXFP4 decodes (gemv_lut: table lookups, or the bit decode they
+GEMV_BELOW tokens, with both MXFP4 decodes (lut_decode: table lookups, or the bit decode they
 replaced; the same kernel for bf16 experts). One stage count: its loads feed no tl.dot, so
 Triton pipelines nothing and the sm_90 build is the same at 1, 2 and 3 stages."""
 GEMV_BELOW = 16
@@ -75,9 +76,10 @@ TAIL_GEMV_CANDIDATES = dict(tail_block_n=(8, 16, 32, 64), tail_block_k=(128, 256
                             tail_num_warps=(2, 4, 8))
 TAIL_DOT_CANDIDATES = dict(tail_block_n=(32, 64, 128), tail_block_k=(64, 128),
                            tail_num_warps=(4, 8))
-QUICK = dict(block_n=(64,), num_stages=(3,), tail_block_n=(16, 32), tail_num_warps=(4,))
+QUICK = dict(block_n=(64,), num_stages=(3,), tail_block_n=(16, 32), tail_num_warps=(4,),
+             lut_decode=(True,))
 """--quick: a few candidates per class (the smoke test, a first look)."""
-QUICK_GEMV = dict(block_n=(16,), block_k=(256,), num_warps=(4,), gemv_lut=(True,))
+QUICK_GEMV = dict(block_n=(16,), block_k=(256,), num_warps=(4,), lut_decode=(True,))
 """--quick for GEMM_GEMV_CANDIDATES: one candidate."""
 
 
@@ -170,9 +172,10 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
     point = {"experts": fmt, "tokens": N, "distinct_experts": used,
              "gemm_floor_us": round(gemm_floor_us, 2), "gemm": [], "tail": []}
     gemv = grid(GEMM_GEMV_CANDIDATES, a.quick, QUICK_GEMV) if N < GEMV_BELOW else []
-    if fmt != "mxfp4":   # one decode-free kernel whatever gemv_lut says
-        gemv = [c for c in gemv if c["gemv_lut"]]
     dot = grid(GEMM_CANDIDATES, a.quick)
+    if fmt != "mxfp4":   # one decode-free kernel whatever lut_decode says
+        gemv = [c for c in gemv if c["lut_decode"]]
+        dot = [c for c in dot if c["lut_decode"]]
     if a.gemv_only and gemv:   # the default tl.dot tile only, as the reference point
         dot = [{f: default[f] for f in GEMM_CANDIDATES}]
     for cand in dot + gemv:
@@ -245,13 +248,13 @@ def main() -> None:
         for N in (int(t) for t in a.tokens.split(",")):
             p = sweep_point(a, fmt, N, bandwidth, device, gen)
             out["points"].append(p)
-            bits = [c for c in p["gemm"] if "us" in c and c.get("gemv_lut") is False]
-            if bits:   # the bit decode's best GEMV: the baseline, never written to the configs
+            bits = [c for c in p["gemm"] if "us" in c and c.get("lut_decode") is False]
+            if bits:   # the bit decode's best tile: the baseline, never written to the configs
                 p["best_gemm_bit_decode"] = min(bits, key=lambda c: c["us"])
-                print(f"{fmt:5s} N={N:3d} gemm: bit decode's best GEMV "
+                print(f"{fmt:5s} N={N:3d} gemm: the bit decode's best "
                       f"{p['best_gemm_bit_decode']}", flush=True)
             for kind in ("gemm", "tail"):
-                ok = [c for c in p[kind] if "us" in c and c.get("gemv_lut") is not False]
+                ok = [c for c in p[kind] if "us" in c and c.get("lut_decode") is not False]
                 best = min(ok, key=lambda c: c["us"]) if ok else None
                 dflt = next((c for c in p[kind] if c["default"]), None)
                 p[f"best_{kind}"] = best

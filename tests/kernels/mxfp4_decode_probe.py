@@ -1,6 +1,7 @@
-"""A probe kernel for the checks: the MXFP4 weight decode of the expert GEMMs
-(kernels/moe/triton_mxfp4_moe.py _weight_tile), stored instead of multiplied, so that every
-decoded value can be compared bit for bit with kernels/mxfp4/format.py dequantize_mxfp4.
+"""Probe kernels for the checks: the MXFP4 weight decode of the expert GEMMs
+(kernels/moe/triton_mxfp4_moe.py _weight_tile, both decodes) and the GEMV's table lookups
+(_e2m1_pair_lut), stored instead of multiplied, so that every decoded value can be compared
+bit for bit with kernels/mxfp4/format.py.
 
 A module of its own (not part of a check script) so that the launches record_launches.py sees
 name an importable module and test_compile_sm90.py compiles the probe for sm_90 as well.
@@ -9,23 +10,27 @@ name an importable module and test_compile_sm90.py compiles the probe for sm_90 
 import triton
 import triton.language as tl
 
-from kdaserve.kernels.moe.triton_mxfp4_moe import _e2m1_pair_lut, _weight_tile
+from kdaserve.kernels.moe.triton_mxfp4_moe import _e2m1_pair_lut, _lut_tables, _weight_tile
 
 
 @triton.jit
-def mxfp4_decode_probe_kernel(w_ptr, s_ptr, out_ptr, expert, n_rows, half_k, stride_we,
-                              stride_wn, stride_se, stride_sn, stride_om,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def mxfp4_decode_probe_kernel(w_ptr, s_ptr, out_ptr, table_ptr, expert, n_rows, half_k,
+                              stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              LUT: tl.constexpr = False):
     """out[n, k] = the decoded weight [n, k] of expert `expert` in out_ptr's dtype: program i
     covers rows [i * BLOCK_N, (i + 1) * BLOCK_N) and walks K in tiles of BLOCK_K, the low
-    nibbles going to the even K columns and the high ones to the odd, as in the GEMMs."""
+    nibbles going to the even K columns and the high ones to the odd, as in the GEMMs. LUT:
+    the table-lookup decode (table_ptr: LUT_TABLE_WORDS), else the bit decode."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n_rows
     BKH: tl.constexpr = BLOCK_K // 2
     dtype = out_ptr.dtype.element_ty
+    table_h, table_l = _lut_tables(table_ptr, LUT)
     for j0 in range(0, half_k, BKH):
         lo, hi = _weight_tile(w_ptr, s_ptr, expert, offs_n, mask_n, j0, half_k, stride_we,
-                              stride_wn, stride_se, stride_sn, BKH, dtype, True)  # [BKH, BN]
+                              stride_wn, stride_se, stride_sn, BKH, dtype, True, LUT, table_h,
+                              table_l)                                           # [BKH, BN]
         j = j0 + tl.arange(0, BKH)
         ptrs = out_ptr + offs_n[None, :].to(tl.int64) * stride_om + 2 * j[:, None]
         mask = (j < half_k)[:, None] & mask_n[None, :]

@@ -3,6 +3,7 @@ CUDA (bf16), or as a script on CPU tensors under TRITON_INTERPRET=1 (fp32; test_
 
 from __future__ import annotations
 
+import itertools
 import sys
 import warnings
 from pathlib import Path
@@ -39,12 +40,14 @@ def _same_bits(out: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def check_decode_exact(device="cpu", dtype=torch.float32):
-    """The GEMMs' weight decode (mxfp4_decode_probe.py) equals format.py dequantize_mxfp4 bit
-    for bit: every E2M1 code under every E8M0 byte, 0 (2^-127) and 255 (NaN) included, in
-    both nibbles; tiles of 32, 64 and 128 along K; row and K tails masked. bf16 on a GPU only:
+    """The GEMMs' weight decode (mxfp4_decode_probe.py; bit decode and table lookups) equals
+    format.py dequantize_mxfp4 bit for bit: every E2M1 code under every E8M0 byte, 0 (2^-127)
+    and 255 (NaN) included, in both nibbles; tiles of 32, 64 and 128 along K; row and K tails
+    masked. bf16 on a GPU only:
     the interpreter's fp32 -> bf16 cast mishandles fp32 subnormals (scale byte 0)."""
     from mxfp4_decode_probe import mxfp4_decode_probe_kernel
 
+    from kdaserve.kernels.moe.mxfp4_moe import _lut_table_words
     from kdaserve.kernels.mxfp4.format import dequantize_mxfp4
 
     gen = torch.Generator().manual_seed(3)
@@ -55,19 +58,22 @@ def check_decode_exact(device="cpu", dtype=torch.float32):
     scale = torch.stack([torch.arange(256)[:, None].expand(256, 16),
                          torch.randint(0, 256, (256, 16), generator=gen)]).to(torch.uint8)
     packed, scale = packed.to(device), scale.to(device)          # [2, 256, 256], [2, 256, 16]
+    table = _lut_table_words(torch.device(device))
     want0 = dequantize_mxfp4(packed[0], scale[0]).double()
     assert (want0 == 0).any() and torch.isinf(want0).any() and torch.isnan(want0).any()
     assert (want0.abs() == 2.0 ** -128).any() and torch.signbit(want0[want0 == 0]).any()
     for n_rows, half_k in ((256, 256), (250, 240)):              # (250, 240): both tails
         w, s = packed[:, :n_rows, :half_k], scale[:, :n_rows, :half_k // 16]
-        for block_n, block_k in ((16, 32), (64, 64), (128, 128)):
+        for (block_n, block_k), lut in itertools.product(((16, 32), (64, 64), (128, 128)),
+                                                         (False, True)):
             for e in range(2):
                 out = torch.full((n_rows, 2 * half_k), 12345.0, device=device, dtype=dtype)
                 with warnings.catch_warnings():     # NumPy under the interpreter: inf products
                     warnings.simplefilter("ignore", RuntimeWarning)
                     mxfp4_decode_probe_kernel[(-(-n_rows // block_n),)](
-                        w, s, out, e, n_rows, half_k, w.stride(0), w.stride(1), s.stride(0),
-                        s.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
+                        w, s, out, table, e, n_rows, half_k, w.stride(0), w.stride(1),
+                        s.stride(0), s.stride(1), out.stride(0), BLOCK_N=block_n,
+                        BLOCK_K=block_k, LUT=lut)
                 want = dequantize_mxfp4(w[e], s[e], dtype)
                 assert _same_bits(out, want), (f"decode {dtype} expert {e} rows {n_rows} "
                                                f"K {2 * half_k} tiles {block_n}x{block_k}")
@@ -195,7 +201,7 @@ def run_suite(device="cpu", dtype=torch.float32) -> None:
     check_layer(device, dtype, N=520, E=4, k=2, L=128, inter=128, H=300, seed=7)
     check_gemv_form(device, dtype)
     if device == "cpu":
-        check_gemv_lut()
+        check_lut_decode()
 
 
 def check_gemv_form(device="cpu", dtype=torch.float32) -> None:
@@ -222,22 +228,29 @@ def check_gemv_form(device="cpu", dtype=torch.float32) -> None:
                    seed=15, **situ, linear_beta=25.0)
 
 
-def check_gemv_lut() -> None:
-    """The GEMV form with bf16 activations on the CPU: the table-lookup decode (its PTX
-    through kernel_checks' model of it) and the bit decode, one token and several, SiTU,
-    -1 entries, K tails (D = 96 at block_k 64), block_n 8, GEMM_GEMV's tiles unshrunk."""
-    from kdaserve.kernels.moe.mxfp4_moe import GEMM_GEMV, Mxfp4MoEConfig
+def check_lut_decode() -> None:
+    """bf16 activations on the CPU, where the expert GEMMs take the table-lookup decode (its
+    PTX through kernel_checks' model of it) or, lut_decode off, the bit decode: the tl.dot
+    form at its decode and 64-row classes (K tails, -1 entries), then the GEMV form at one
+    token and several, SiTU, -1 entries, K tails (D = 96 at block_k 64), block_n 8 and
+    GEMM_GEMV's tiles unshrunk."""
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_CLASSES, GEMM_GEMV, Mxfp4MoEConfig
 
     bf16 = torch.bfloat16
     for lut in (True, False):
+        for rows, seed in ((0, 25), (16, 26)):   # the decode and 64-row tl.dot classes
+            tiles = Mxfp4MoEConfig(**dict(GEMM_CLASSES)[rows], lut_decode=lut)
+            check_partials("cpu", bf16, N=5 if rows == 0 else 48, E=4, k=2, D=96,
+                           inter=128, act="situ", beta=4.0, linear_beta=25.0, bad_id=True,
+                           config=tiles, seed=seed)
         gemv = Mxfp4MoEConfig(block_m=1, block_n=16, block_k=64, num_warps=4, num_stages=2,
-                              gemv_lut=lut)
+                              lut_decode=lut)
         check_partials("cpu", bf16, N=1, config=gemv, seed=20)
         check_partials("cpu", bf16, N=3, config=gemv, act="situ", beta=4.0, linear_beta=25.0,
                        bad_id=True, seed=21)
         check_partials("cpu", bf16, N=2, D=96, inter=32, config=gemv, seed=22)
         check_partials("cpu", bf16, N=2, seed=23,
-                       config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=32, gemv_lut=lut))
+                       config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=32, lut_decode=lut))
     check_partials("cpu", bf16, N=1, D=256, inter=256, seed=24, act="situ", beta=4.0,
                    config=Mxfp4MoEConfig(**GEMM_GEMV))
 

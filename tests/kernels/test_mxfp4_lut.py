@@ -2,7 +2,7 @@
 a GPU: its PTX text run through ptx_model.py (the instructions it uses) over every byte value in
 every byte position, against the OCP E2M1 values bit for bit; and the GEMV built with it for
 sm_90, whose K loop must be shorter than the bit-by-bit decode's. The whole GEMV with the
-decode runs against its twin under the interpreter (mxfp4_moe_checks.py check_gemv_lut, the
+decode runs against its twin under the interpreter (mxfp4_moe_checks.py check_lut_decode, the
 same PTX model standing in for inline asm) and on a GPU (test_mxfp4_moe.py)."""
 
 import struct
@@ -80,3 +80,33 @@ def test_lut_gemv_k_loop_is_shorter_for_sm90():
     assert len(loops[True]) < 0.8 * len(loops[False]), (len(loops[True]), len(loops[False]))
     assert loops[True].count("IMAD") < 60, loops[True].count("IMAD")
     assert loops[True].count("FFMA") == 2 * 32 + 2             # one chain a tile, the scales
+
+
+def test_lut_gemm_k_loop_is_shorter_for_sm90():
+    """gemm2 (the tl.dot form) at each tile class of default_config, bf16 activations: the K
+    loop with the table decode has fewer instructions than with the bit decode (at the
+    prefill tiles the loop issues more than its wgmma take)."""
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("triton's bundled nvdisasm is missing")
+    import gemv_checks as gc
+
+    from kdaserve.kernels.moe.mxfp4_moe import GEMM_CLASSES
+    from kdaserve.kernels.moe.triton_mxfp4_moe import mxfp4_moe_gemm2_kernel
+
+    types = dict(inter_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16",
+                 **dict.fromkeys(("sorted_ids_ptr", "expert_ids_ptr", "expert_start_ptr",
+                                  "counts_ptr", "num_rows_ptr", "table_ptr"), "*i32"),
+                 **dict.fromkeys(("hidden", "inter_size", "max_blocks", "num_experts",
+                                  "stride_im", "stride_we", "stride_wn", "stride_se",
+                                  "stride_sn", "stride_om"), "i32"))
+    for _, t in GEMM_CLASSES:
+        sizes = {}
+        for lut in (False, True):
+            k = gc.sm90_compile(mxfp4_moe_gemm2_kernel, types,
+                                dict(BLOCK_M=t["block_m"], BLOCK_N=t["block_n"],
+                                     BLOCK_K=t["block_k"], GROUP_M=t["group_m"],
+                                     DOT_PRECISION="tf32", LUT=lut),
+                                num_warps=t["num_warps"], launch_pdl=False)
+            sizes[lut] = len(max(gc.sass_loops(k), key=len))
+        assert sizes[True] < 0.85 * sizes[False], (t, sizes)

@@ -32,13 +32,13 @@ def test_mxfp4_decode_sm90_has_no_exp2():
     ints = ("n_rows", "half_k", "expert", "stride_we", "stride_wn", "stride_se", "stride_sn",
             "stride_om")
     probe = gc.sm90_compile(mxfp4_decode_probe_kernel,
-                            dict(w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16", **dict.fromkeys(
-                                ints, "i32")), dict(BLOCK_N=64, BLOCK_K=128), num_warps=4,
-                            launch_pdl=False)
+                            dict(w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16", table_ptr="*i32",
+                                 **dict.fromkeys(ints, "i32")), dict(BLOCK_N=64, BLOCK_K=128),
+                            num_warps=4, launch_pdl=False)
     assert "ex2" not in probe.asm["ptx"]
     ptrs = dict(inter_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", out_ptr="*bf16",
                 **dict.fromkeys(("sorted_ids_ptr", "expert_ids_ptr", "expert_start_ptr",
-                                 "counts_ptr", "num_rows_ptr"), "*i32"))
+                                 "counts_ptr", "num_rows_ptr", "table_ptr"), "*i32"))
     ints = ("hidden", "inter_size", "max_blocks", "num_experts", "stride_im", "stride_we",
             "stride_wn", "stride_se", "stride_sn", "stride_om")
     for _, t in GEMM_CLASSES:
@@ -132,11 +132,11 @@ def test_gemv_expert_gemms_on_gpu(N, dense, lut, act):
 
     kw = dict(beta=4.0, linear_beta=25.0) if act == "situ" else {}
     checks.check_partials("cuda", torch.bfloat16, N=N, act=act, dense=dense, seed=N,
-                          config=Mxfp4MoEConfig(**GEMM_GEMV, gemv_lut=lut), **MINI, **kw)
+                          config=Mxfp4MoEConfig(**GEMM_GEMV, lut_decode=lut), **MINI, **kw)
     checks.check_partials("cuda", torch.bfloat16, N=N, act=act, dense=dense, bad_id=True,
                           seed=N + 1, E=64, k=8, D=512, inter=256, **kw,
                           config=Mxfp4MoEConfig(block_m=1, block_n=8, block_k=512,
-                                                gemv_lut=lut))
+                                                lut_decode=lut))
 
 
 @pytest.mark.gpu

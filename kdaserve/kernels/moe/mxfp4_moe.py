@@ -47,10 +47,11 @@ class Mxfp4MoEConfig:
     tail_block_k: int = 128
     tail_num_warps: int = 4
     tail_num_stages: int = 3
-    gemv_lut: bool = True
-    """The GEMV form decodes MXFP4 by byte-permute table lookups where it can (CUDA, bf16
-    activations); False: the bit decode it replaced, kept as the interpreter's path and as the
-    baseline benchmarks/bench_mxfp4_tiles.py times it against."""
+    lut_decode: bool = True
+    """The GEMMs (both forms) decode MXFP4 by byte-permute table lookups where they can (bf16
+    activations, on CUDA or under the interpreter with the tests' PTX model); False: the bit
+    decode they replaced, kept as the fp32 path and as the baseline
+    benchmarks/bench_mxfp4_tiles.py times them against."""
 
 
 GEMM_CLASSES = (
@@ -247,32 +248,43 @@ def moe_partials(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids:
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     opts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, DOT_PRECISION=precision, MXFP4=mxfp4, DIRECT=direct,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
+                LUT=_use_lut(cfg, mxfp4, x), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **pdl_options(pdl, x))
     s13 = w13_scale if mxfp4 else w13
     s2 = w2_scale if mxfp4 else w2
+    table = _lut_table_words(x.device)
     mxfp4_moe_gemm1_kernel[(blocks * cdiv(inter, cfg.block_n),)](
-        x, w13, s13, h, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        x, w13, s13, h, sorted_ids, expert_ids, expert_start, counts, num_rows, table,
         inter, D, top_k, blocks, E, float(beta or 1.0), float(linear_beta or 1.0),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), h.stride(0),
         ACT=0 if act == "silu" else 1, CLIP_UP=linear_beta is not None, **opts)
     mxfp4_moe_gemm2_kernel[(blocks * cdiv(D, cfg.block_n),)](
-        h, w2, s2, out, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        h, w2, s2, out, sorted_ids, expert_ids, expert_start, counts, num_rows, table,
         D, inter, blocks, E,
         h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
         **opts)
     return out
 
 
+def _use_lut(cfg: Mxfp4MoEConfig, mxfp4: bool, x: torch.Tensor) -> bool:
+    """Whether the expert GEMMs decode by table lookups (Mxfp4MoEConfig.lut_decode): PTX, so
+    on CUDA, or under the interpreter where the tests give it a PTX model; bf16 activations
+    (the fp32 path, the interpreter's checks, keeps the bit decode)."""
+    return (cfg.lut_decode and mxfp4 and x.dtype == torch.bfloat16
+            and (x.is_cuda or triton_interpret()))
+
+
 @functools.cache
 def _lut_table_words(device: torch.device) -> torch.Tensor:
-    """The GEMV decode's two table words (triton_mxfp4_moe.LUT_TABLE_WORDS) as an int32
-    tensor on the device, made once (a CUDA graph captures its address): the first GEMV on a
+    """The table decode's two words (triton_mxfp4_moe.LUT_TABLE_WORDS) as an int32 tensor on
+    the device, made once (a CUDA graph captures its address): the first expert GEMM on a
     device must run eagerly, as every graph's warm-up does."""
     from kdaserve.kernels.moe.triton_mxfp4_moe import LUT_TABLE_WORDS
 
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the MXFP4 GEMV's first launch on a device is being captured in a "
-                           "CUDA graph: run it once eagerly first (its table is copied then)")
+        raise RuntimeError("the MXFP4 expert GEMMs' first launch on a device is being captured "
+                           "in a CUDA graph: run them once eagerly first (their table is copied "
+                           "then)")
 
     words = [w - (1 << 32) if w >= 1 << 31 else w for w in LUT_TABLE_WORDS]
     return torch.tensor(words, dtype=torch.int32, device=device)
@@ -289,11 +301,9 @@ def _gemv_partials(x, w13, w2, topk_ids, w13_scale, w2_scale, act, beta, linear_
     s13 = w13_scale if mxfp4 else w13
     s2 = w2_scale if mxfp4 else w2
     entries, (D, inter) = topk_ids.numel(), (x.shape[1], h.shape[1])
-    # LUT: the byte-permute decode (PTX: the GPU, or the interpreter where the tests give it a
-    # PTX model), reading the bf16 activations as 32-bit (even, odd) pairs: rows must start on
-    # 4-byte boundaries (h is allocated here; a misaligned x view is copied)
-    lut = (cfg.gemv_lut and mxfp4 and x.dtype == torch.bfloat16
-           and (x.is_cuda or triton_interpret()))
+    # LUT: the GEMV also reads the bf16 activations as 32-bit (even, odd) pairs, so rows must
+    # start on 4-byte boundaries (h is allocated here; a misaligned x view is copied)
+    lut = _use_lut(cfg, mxfp4, x)
     if lut and (x.stride(0) % 2 or x.data_ptr() % 4):
         x = x.clone(memory_format=torch.contiguous_format)
     opts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MXFP4=mxfp4, LUT=lut,

@@ -2,10 +2,10 @@
 
 Weights stay 4-bit in memory (kernels/mxfp4/format.py layout): every weight tile is loaded as
 packed bytes [BLOCK_K / 2, BLOCK_N] plus its E8M0 scales (one per 16 packed bytes, loaded once
-per group), decoded to the activation dtype in registers with integer bit operations and one
-fp32 multiply per element (exact: an E2M1 value times a power of two), and multiplied as two
-half-K products, the even K columns (low nibbles) and the odd ones (high nibbles), so no
-interleave is needed.
+per group), decoded in registers and multiplied as two half-K products, the even K columns
+(low nibbles) and the odd ones (high nibbles), so no interleave is needed. The decode (exact:
+an E2M1 value times a power of two) is by byte-permute table lookups (E2M1_LUT_ASM, LUT) with
+bf16 activations, bit by bit otherwise (fp32: the interpreter's checks).
 MXFP4=False reads dense [E, N, K] weights the same way: the bf16 baseline of the same layer.
 Routing entries are the flattened top-k pairs r = n * top_k + j, grouped by expert with
 fused_moe's alignment (or one entry per row block for one token, DIRECT).
@@ -14,9 +14,7 @@ fused_moe's alignment (or one entry per row block for one token, DIRECT).
   2. mxfp4_moe_gemm2_kernel  partial[r] = inter[r] @ W2_e^T                  (unweighted)
      mxfp4_moe_gemv1_kernel / mxfp4_moe_gemv2_kernel: the same two products for one or a few
      tokens without tl.dot (Mxfp4MoEConfig.block_m = 1): one program per (routing entry,
-     column tile), no alignment, the packed weight tile [BLOCK_N, BLOCK_K / 2] reduced along K;
-     on the GPU they decode by byte-permute table lookups (E2M1_LUT_ASM), the interpreter's
-     path by bits.
+     column tile), no alignment, the packed weight tile [BLOCK_N, BLOCK_K / 2] reduced along K.
   3. latent_moe_tail_kernel  out[n] = r_n * ((sum_j w[n, j] partial[n k + j]) * g) @ W_up^T
                                       + residual[n],  r_n = rsqrt(mean(lat_n^2) + eps)
      The top-k weighted sum is computed inside the tail, per K chunk of the latent, and never
@@ -66,7 +64,8 @@ TWO_POW_63 = tl.constexpr(9.223372036854775808e18)
 # pairs are placed side by side (a bf16 pair) and split into two fp32 words by a shift and a
 # mask: 25 ops for 8 values, straight from the loaded word (the bit decode takes each byte
 # out first, builds each value with shifts and masks, and scales the activations by 2^63);
-# tests/kernels/test_mxfp4_lut.py holds the GEMV's K loop under 0.8x the bit decode's.
+# tests/kernels/test_mxfp4_lut.py holds the GEMV's K loop under 0.8x the bit decode's and
+# each tl.dot class's under 0.85x.
 # Tables: H = [00 3F 3F 3F 40 40 40 40], L = [00 00 80 C0 00 40 80 C0] for magnitudes 0..7
 # (0, 0.5, 1, 1.5, 2, 3, 4, 6); prmt's pool {b, a} numbers a's bytes 0-3 and b's 4-7. The
 # tables' low words (a, which must be a register) come in as operands, LUT_TABLE_WORDS read
@@ -117,6 +116,14 @@ def _e2m1_pair_lut(codes, table_h, table_l):
     return tl.inline_asm_elementwise(E2M1_LUT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 9,
                                      [codes, table_h, table_l], dtype=(tl.float32, tl.float32),
                                      is_pure=True, pack=4)
+
+
+@triton.jit
+def _lut_tables(table_ptr, LUT: tl.constexpr):
+    """LUT_TABLE_WORDS from memory (so they sit in registers through the K loop), or zeros."""
+    if LUT:
+        return tl.load(table_ptr), tl.load(table_ptr + 1)
+    return 0, 0
 
 
 @triton.jit
@@ -176,11 +183,13 @@ def _e8m0(s):
 
 @triton.jit
 def _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we, stride_wn,
-                stride_se, stride_sn, BKH: tl.constexpr, DTYPE: tl.constexpr):
+                stride_se, stride_sn, BKH: tl.constexpr, DTYPE: tl.constexpr,
+                LUT: tl.constexpr = False, table_h=0, table_l=0):
     """Decoded weight tile of rows offs_n, packed bytes j0 .. j0 + BKH (j0 a multiple of 16):
     (low [BKH, BN], high [BKH, BN]) in DTYPE, i.e. the K columns 2j and 2j + 1. The tile is
     handled as [G, 16, BN]: one E8M0 byte per 16 packed bytes (32 K values), loaded and decoded
-    once per group of 16 and broadcast over it."""
+    once per group of 16 and broadcast over it. LUT: the byte-permute decode (E2M1_LUT_ASM,
+    with LUT_TABLE_WORDS), else bit by bit."""
     G: tl.constexpr = BKH // 16
     BN: tl.constexpr = offs_n.shape[0]
     offs_g = j0 // 16 + tl.arange(0, G)                                      # [G] scale columns
@@ -188,24 +197,30 @@ def _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we, stride_w
     rows = offs_n[None, :].to(tl.int64)                                      # [1, BN]
     j = offs_g[:, None, None] * 16 + tl.arange(0, 16)[None, :, None]         # [G, 16, 1]
     codes = tl.load(w_ptr + e * stride_we + rows[None, :, :] * stride_wn + j,
-                    mask=mask_g[:, None, :], other=0).to(tl.int32)           # [G, 16, BN]
+                    mask=mask_g[:, None, :], other=0)                        # [G, 16, BN]
     scale = _e8m0(tl.load(s_ptr + e * stride_se + rows * stride_sn + offs_g[:, None],
                           mask=mask_g, other=127).to(tl.int32))[:, None, :]  # [G, 1, BN]
-    lo = tl.reshape(_e2m1(codes & 15) * scale, [BKH, BN])
-    hi = tl.reshape(_e2m1(codes >> 4) * scale, [BKH, BN])
+    if LUT:
+        lo, hi = _e2m1_pair_lut(codes, table_h, table_l)
+    else:
+        codes = codes.to(tl.int32)
+        lo, hi = _e2m1(codes & 15), _e2m1(codes >> 4)
+    lo = tl.reshape(lo * scale, [BKH, BN])
+    hi = tl.reshape(hi * scale, [BKH, BN])
     return lo.to(DTYPE), hi.to(DTYPE)
 
 
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we, stride_wn,
                  stride_se, stride_sn, BKH: tl.constexpr, DTYPE: tl.constexpr,
-                 MXFP4: tl.constexpr):
+                 MXFP4: tl.constexpr, LUT: tl.constexpr = False, table_h=0, table_l=0):
     """(even-K columns, odd-K columns) [BKH, BN] of the weight rows offs_n for the packed
-    positions j0 .. j0 + BKH: decoded from MXFP4, or read from a dense [E, N, K] weight (the
-    bf16 baseline; s_ptr unused)."""
+    positions j0 .. j0 + BKH: decoded from MXFP4 (LUT: by table lookups), or read from a dense
+    [E, N, K] weight (the bf16 baseline; s_ptr unused)."""
     if MXFP4:
         lo, hi = _mxfp4_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we,
-                             stride_wn, stride_se, stride_sn, BKH, DTYPE)
+                             stride_wn, stride_se, stride_sn, BKH, DTYPE, LUT, table_h,
+                             table_l)
     else:
         j = j0 + tl.arange(0, BKH)
         mask = (j < half_k)[:, None] & mask_n[None, :]
@@ -236,19 +251,32 @@ def _glu(g, u, beta, linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr):
     return h
 
 
+@triton.jit
+def _even_odd_rows(a_base, valid, k0, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of the rows a_base [BLOCK_M, 1] (valid ones; the rest 0),
+    read contiguously, as (even columns, odd columns) [BLOCK_M, BLOCK_K / 2]: the products
+    with the low and high nibbles' weight tiles. (Two stride-2 loads cost more instructions.)"""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_base + offs_k[None, :], mask=valid[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    return tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))
+
+
 @triton.jit(do_not_specialize=["max_blocks"])
 def mxfp4_moe_gemm1_kernel(
     x_ptr, w_ptr, s_ptr, inter_ptr,
-    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
+    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr, table_ptr,
     inter_size, hidden, top_k, max_blocks, num_experts, beta, linear_beta,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, ACT: tl.constexpr,
     CLIP_UP: tl.constexpr, MXFP4: tl.constexpr = True, DIRECT: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, LUT: tl.constexpr = False,
 ):
     """ACT 0: silu(g) * u; ACT 1: SiTU, beta * tanh(g / beta) * sigmoid(g) * u', with
-    u' = linear_beta * tanh(u / linear_beta) when CLIP_UP, else u."""
+    u' = linear_beta * tanh(u / linear_beta) when CLIP_UP, else u. The activations are read
+    contiguously, BLOCK_K a row, and split into their even and odd K columns in registers.
+    LUT: the table-lookup weight decode (table_ptr: LUT_TABLE_WORDS)."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
                                 GROUP_M)
@@ -261,20 +289,20 @@ def mxfp4_moe_gemm1_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter_size
     BKH: tl.constexpr = BLOCK_K // 2
-    offs_j = tl.arange(0, BKH)
     half_k = hidden // 2
     dtype = x_ptr.dtype.element_ty
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_base = x_ptr + tok[:, None] * stride_xm
+    table_h, table_l = _lut_tables(table_ptr, LUT)
     for j0 in range(0, half_k, BKH):
-        mask_a = valid[:, None] & (j0 + offs_j < half_k)[None, :]
-        a_even = tl.load(a_base + 2 * (j0 + offs_j)[None, :], mask=mask_a, other=0.0)
-        a_odd = tl.load(a_base + 2 * (j0 + offs_j)[None, :] + 1, mask=mask_a, other=0.0)
+        a_even, a_odd = _even_odd_rows(a_base, valid, 2 * j0, hidden, BLOCK_M, BLOCK_K)
         g_lo, g_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we,
-                                  stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4)
+                                  stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4, LUT,
+                                  table_h, table_l)
         u_lo, u_hi = _weight_tile(w_ptr, s_ptr, e, offs_n + inter_size, mask_n, j0, half_k,
-                                  stride_we, stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4)
+                                  stride_we, stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4,
+                                  LUT, table_h, table_l)
         acc_g = tl.dot(a_even, g_lo, acc_g, input_precision=DOT_PRECISION)
         acc_g = tl.dot(a_odd, g_hi, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(a_even, u_lo, acc_u, input_precision=DOT_PRECISION)
@@ -287,14 +315,15 @@ def mxfp4_moe_gemm1_kernel(
 @triton.jit(do_not_specialize=["max_blocks"])
 def mxfp4_moe_gemm2_kernel(
     inter_ptr, w_ptr, s_ptr, out_ptr,
-    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr,
+    sorted_ids_ptr, expert_ids_ptr, expert_start_ptr, counts_ptr, num_rows_ptr, table_ptr,
     hidden, inter_size, max_blocks, num_experts,
     stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, MXFP4: tl.constexpr = True,
-    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    DIRECT: tl.constexpr = False, USE_PDL: tl.constexpr = False, LUT: tl.constexpr = False,
 ):
-    """partial[r] = inter[r] @ W2_e^T, unweighted (the tail applies the routing weights)."""
+    """partial[r] = inter[r] @ W2_e^T, unweighted (the tail applies the routing weights);
+    activations and LUT as in mxfp4_moe_gemm1_kernel."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if not DIRECT:
@@ -305,17 +334,16 @@ def mxfp4_moe_gemm2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     BKH: tl.constexpr = BLOCK_K // 2
-    offs_j = tl.arange(0, BKH)
     half_k = inter_size // 2
     dtype = inter_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_base = inter_ptr + rows[:, None] * stride_im
+    table_h, table_l = _lut_tables(table_ptr, LUT)
     for j0 in range(0, half_k, BKH):
-        mask_a = valid[:, None] & (j0 + offs_j < half_k)[None, :]
-        a_even = tl.load(a_base + 2 * (j0 + offs_j)[None, :], mask=mask_a, other=0.0)
-        a_odd = tl.load(a_base + 2 * (j0 + offs_j)[None, :] + 1, mask=mask_a, other=0.0)
+        a_even, a_odd = _even_odd_rows(a_base, valid, 2 * j0, inter_size, BLOCK_M, BLOCK_K)
         w_lo, w_hi = _weight_tile(w_ptr, s_ptr, e, offs_n, mask_n, j0, half_k, stride_we,
-                                  stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4)
+                                  stride_wn, stride_se, stride_sn, BKH, dtype, MXFP4, LUT,
+                                  table_h, table_l)
         acc = tl.dot(a_even, w_lo, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(a_odd, w_hi, acc, input_precision=DOT_PRECISION)
     o_ptrs = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
@@ -390,14 +418,6 @@ def _gemv_dot(w_ptr, s_ptr, offs_n, mask_n, k0, K, x_lo, x_hi, stride_wn, stride
         acc = w.to(tl.float32) * x_lo
     return acc
 
-
-
-@triton.jit
-def _lut_tables(table_ptr, LUT: tl.constexpr):
-    """LUT_TABLE_WORDS from memory (so they sit in registers through the K loop), or zeros."""
-    if LUT:
-        return tl.load(table_ptr), tl.load(table_ptr + 1)
-    return 0, 0
 
 
 @triton.jit
