@@ -112,7 +112,8 @@ LUT_TABLE_WORDS = (0x3F3F3F00, 0xC0800000)
 def _e2m1_pair_lut(codes, table_h, table_l):
     """uint8 packed bytes -> (low nibble, high nibble) as exact fp32 values (E2M1_LUT_ASM, with
     its two table words; elementwise, so any grouping of four bytes a call gives the same
-    result). PTX: GPU only, not under the interpreter."""
+    result). PTX: the GPU, or Triton's interpreter given the tests' PTX model
+    (tests/kernels/ptx_model.py)."""
     return tl.inline_asm_elementwise(E2M1_LUT_ASM, "=r,=r,=r,=r,=r,=r,=r,=r" + ",r" * 9,
                                      [codes, table_h, table_l], dtype=(tl.float32, tl.float32),
                                      is_pure=True, pack=4)
