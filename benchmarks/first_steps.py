@@ -61,8 +61,7 @@ def run_wave(engine: LLMEngine, log: CompileLog, tag: str, n: int, prompt_len: i
             so = seen.pop("so", None)
             rows = so.num_scheduled_tokens if so is not None else {}
             drafts = so.scheduled_spec_decode_tokens if so is not None else {}
-            # a verification row computes its token and its drafts; a prefill row more
-            prefill = sum(1 for r, v in rows.items() if v > 1 + len(drafts.get(r, ())))
+            prefill = len(so.prefill_req_ids()) if so is not None else 0
             verify = sum(1 for r in rows if drafts.get(r))
             events = log.take()
             row = {"ms": round(ms, 2), "requests": len(rows), "prefill_rows": prefill,

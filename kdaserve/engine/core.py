@@ -95,13 +95,6 @@ def serve_compile_log(device_type: str):
         return None
 
 
-def _has_prefill(so: SchedulerOutput) -> bool:
-    """Does some request compute more than its next token and its drafts (a prompt chunk, or
-    the recompute of a preempted request)?"""
-    spec = so.scheduled_spec_decode_tokens
-    return any(n > 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items())
-
-
 def config_eos_token_ids(config: EngineConfig) -> list[int]:
     """The model's EOS ids: config.json's and generation_config.json's (the front adds its
     tokenizer's, see output_processor.eos_token_ids)."""
@@ -248,7 +241,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if structured:
             self.structured_output.grammar_bitmask(so, self.scheduler.requests)
-        cur = _StepInFlight(so, self._decode_context(so), _has_prefill(so), time.perf_counter(),
+        cur = _StepInFlight(so, self._decode_context(so), bool(so.prefill_req_ids()), time.perf_counter(),
                             self.worker.launch(so))
         outputs = failed + (self._process(prev, next_scheduled=True) if prev is not None
                             else [])
@@ -365,11 +358,14 @@ class EngineCore:
         # With async scheduling the next step is launched (its kernels built at launch) before
         # this one is collected: a build for step N + 1 may show with step N.
         compiled = self._compiles.take() if self._compiles is not None else []
+        slow = (elapsed > (SLOW_STEP_S if step.prefill else SLOW_DECODE_STEP_S)
+                and logger.isEnabledFor(self._slow_step_level))
+        if not (slow or compiled):
+            return
         names = ", ".join(f"{e['kernel']} {e['s']:.2f} s" for e in compiled)
-        limit = SLOW_STEP_S if step.prefill else SLOW_DECODE_STEP_S
         kind = (" (decode only)" if context else "" if step.prefill
                 else " (no prompt tokens)")
-        if elapsed > limit and logger.isEnabledFor(self._slow_step_level):
+        if slow:
             if compiled:
                 guess = f": Triton built or loaded {names}"
             elif self._slow_step_level >= logging.WARNING:

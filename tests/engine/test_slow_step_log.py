@@ -73,14 +73,14 @@ def test_prefill_steps_have_their_own_limit(tmp_path, monkeypatch, caplog):
         assert not _slow_records(caplog)
 
 
-def test_has_prefill_counts_drafts_as_decode():
+def test_prefill_rows_count_drafts_as_decode():
     from kdaserve.core.sched_output import SchedulerOutput
 
     so = SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 4},
                          scheduled_spec_decode_tokens={"b": [7, 8, 9]})
-    assert not core._has_prefill(so)
+    assert so.prefill_req_ids() == []
     so.num_scheduled_tokens["c"] = 2                  # a 2-token prompt chunk, no drafts
-    assert core._has_prefill(so)
+    assert so.prefill_req_ids() == ["c"]
 
 
 def test_serve_time_compiles_are_named(tmp_path, monkeypatch, caplog):

@@ -13,9 +13,7 @@ import pytest
 from ptx_model import MASK, run_ptx
 from ptx_model import prmt as _prmt
 
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-"""The OCP MX spec's E2M1 values by code (sign bit 3)."""
-
+from kdaserve.kernels.mxfp4.format import E2M1_VALUES as E2M1
 
 def _bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]

@@ -76,7 +76,8 @@ def test_mxfp4_lut_decode_exact_on_gpu(block, warps):
     -0.0 for code 8 included, in every position of its four-byte groups (2 and 32 bytes a
     thread: a partial group and whole ones)."""
     from mxfp4_decode_probe import mxfp4_lut_probe_kernel
-    from test_mxfp4_lut import E2M1
+
+    from kdaserve.kernels.mxfp4.format import E2M1_VALUES
 
     codes = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(4)
     codes = torch.cat([codes, codes.roll(1), codes.roll(2), codes.roll(3)])
@@ -84,7 +85,7 @@ def test_mxfp4_lut_decode_exact_on_gpu(block, warps):
     hi = torch.empty_like(lo)
     mxfp4_lut_probe_kernel[(codes.numel() // block,)](codes, lo, hi, codes.numel(), BLOCK=block,
                                                        num_warps=warps)
-    table = torch.tensor(E2M1, dtype=torch.float32)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     want_lo = table[(codes.cpu() & 15).long()]
     want_hi = table[(codes.cpu() >> 4).long()]
     assert torch.equal(lo.cpu().view(torch.int32), want_lo.view(torch.int32))
