@@ -48,6 +48,7 @@ JSON conventions as benchmarks/results/engine_h200.json (command, commit, gpu, t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -143,9 +144,27 @@ def release(*objs) -> None:
 # ----------------------------------------------------------------------------------------------
 
 DECODE_RUNS = [("mxfp4", True, True), ("bf16", True, True), ("mxfp4", False, True),
-               ("mxfp4", True, False), ("mxfp4", False, False)]
+               ("mxfp4", True, False), ("mxfp4", False, False), ("mxfp4-bits", True, True)]
 """(experts, fused tail, pdl) of the decode stage, named mxfp4-fused, bf16-fused,
-mxfp4-unfused, mxfp4-fused-nopdl, mxfp4-unfused-nopdl in --decode-runs."""
+mxfp4-unfused, mxfp4-fused-nopdl, mxfp4-unfused-nopdl, mxfp4-bits-fused in --decode-runs.
+mxfp4-bits: MXFP4 experts with Mxfp4MoEConfig.lut_decode off (the bit decode the table lookup
+replaced; the baseline of that change, at the same tiles)."""
+
+
+@contextlib.contextmanager
+def bit_decode(on: bool):
+    """While on: every moe_partials call without an explicit config decodes MXFP4 with the
+    bit arithmetic (its default config made with lut_decode=False; the tuned tiles are still
+    applied on top). The kernels are captured into the CUDA graphs inside this block."""
+    from kdaserve.kernels.moe import mxfp4_moe
+
+    orig = mxfp4_moe.default_config
+    if on:
+        mxfp4_moe.default_config = lambda *a: dataclasses.replace(orig(*a), lut_decode=False)
+    try:
+        yield
+    finally:
+        mxfp4_moe.default_config = orig
 
 
 def stage_decode(a: argparse.Namespace, bw: float) -> dict:
@@ -156,12 +175,13 @@ def stage_decode(a: argparse.Namespace, bw: float) -> dict:
     out = {"command": " ".join(sys.argv), "batch": 1, "context": a.context, "steps": a.steps,
            "cuda_graphs": a.device == "cuda", "copy_bandwidth_TBps": bw / 1e12, "runs": []}
     for experts, fused, pdl in runs:
-        worker = make_worker(a, experts, fused, eager=False, pdl=pdl)
-        runner, args = worker.model_runner, worker.args
-        vocab = args.vocab_size
-        run_point(runner, 1, a.context, 3, vocab, 0)                 # warm-up
-        medians = [statistics.median(run_point(runner, 1, a.context, a.steps, vocab, r + 1))
-                   * 1e3 for r in range(2)]
+        with bit_decode(experts == "mxfp4-bits"):
+            worker = make_worker(a, experts.split("-")[0], fused, eager=False, pdl=pdl)
+            runner, args = worker.model_runner, worker.args
+            vocab = args.vocab_size
+            run_point(runner, 1, a.context, 3, vocab, 0)             # warm-up
+            medians = [statistics.median(run_point(runner, 1, a.context, a.steps, vocab, r + 1))
+                       * 1e3 for r in range(2)]
         floor = StepFloor.for_model(runner.model, args, runner.dtype.itemsize,
                                     state_bytes_per_slot(args, runner.dtype), bw)
         floor_ms = floor.seconds(1, a.context) * 1e3
@@ -182,6 +202,10 @@ def stage_decode(a: argparse.Namespace, bw: float) -> dict:
         out["speedup_mxfp4_vs_bf16"] = by[("bf16", True)] / by[("mxfp4", True)]
         out["pass_speedup_ge_1_55"] = out["speedup_mxfp4_vs_bf16"] >= 1.55
         print(f"bf16 / mxfp4 step time: {out['speedup_mxfp4_vs_bf16']:.2f}x (needs >= 1.55)",
+              flush=True)
+    if ("mxfp4-bits", True) in by and ("mxfp4", True) in by:
+        out["speedup_lut_vs_bit_decode"] = by[("mxfp4-bits", True)] / by[("mxfp4", True)]
+        print(f"bit decode / table decode step time: {out['speedup_lut_vs_bit_decode']:.3f}x",
               flush=True)
     if ("mxfp4", False) in by and ("mxfp4", True) in by:
         out["speedup_fused_vs_unfused_tail"] = by[("mxfp4", False)] / by[("mxfp4", True)]

@@ -9,7 +9,8 @@
 #          (prefill and decode steps, K3 kernels on and off)
 #   count  benchmarks/count_ops.py on kimi-k3-mini: aten ops and Triton launches per piece of
 #          one eager batch-1 decode step, the K3 pieces' kernels off then on
-#   bench  benchmarks/bench_k3.py --stages decode,profile on kimi-k3-mini (dummy weights made
+#   tiles  (runs before bench, so bench times the tiles it writes; text below)
+#   bench  benchmarks/bench_k3.py ${BENCH_ARGS:---stages decode,profile} on kimi-k3-mini (dummy weights made
 #          on the GPU): batch-1 decode at 8000 tokens of context with CUDA graphs, MXFP4 vs bf16
 #          experts (ratio, step floor), MXFP4 unfused tail, both MXFP4 tails without PDL; the
 #          profile (top kernels by device time; fused, unfused, bf16)
@@ -63,13 +64,6 @@ if [[ $STAGES == *count* ]]; then
   done
   echo "count: $((SECONDS - t0)) s"
 fi
-if [[ $STAGES == *bench* ]]; then
-  make_mini
-  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_k3.py "$MODEL" --stages decode,profile \
-    --context ${CONTEXT:-8000} --steps ${STEPS:-64} --out "$JSON" 2>&1 | grep -v Warning \
-    | tail -40 | tee "$OUT/k3_bench.log"
-  echo "bench: $((SECONDS - t0)) s"
-fi
 if [[ $STAGES == *tiles* ]]; then
   timeout ${TILES_TIMEOUT:-480} python3 benchmarks/bench_mxfp4_tiles.py --tokens ${TILE_TOKENS:-1,4,16} \
     --experts ${TILE_EXPERTS:-mxfp4,bf16} ${TILE_ARGS:-} --out "$OUT/mxfp4_tiles.json" \
@@ -77,6 +71,13 @@ if [[ $STAGES == *tiles* ]]; then
   cp kdaserve/kernels/configs/mxfp4_moe_gemm_*.json kdaserve/kernels/configs/latent_moe_tail_*.json \
     "$OUT/" 2>/dev/null
   echo "tiles: $((SECONDS - t0)) s"
+fi
+if [[ $STAGES == *bench* ]]; then
+  make_mini
+  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_k3.py "$MODEL" ${BENCH_ARGS:---stages decode,profile} \
+    --context ${CONTEXT:-8000} --steps ${STEPS:-64} --out "$JSON" 2>&1 | grep -v Warning \
+    | tail -40 | tee "$OUT/k3_bench.log"
+  echo "bench: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *kl* ]]; then
   make_mini
