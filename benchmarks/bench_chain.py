@@ -22,7 +22,9 @@ with the default gemm2_sum) and the top 5 configs per case.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
+import json
 import math
 import statistics
 import sys
@@ -155,6 +157,23 @@ class Budget:
 # --- gemv ----------------------------------------------------------------------------------------
 
 
+def parse_gemv_shapes(raw: str) -> dict:
+    """--gemv-shapes "NxK[:fp32],..." -> {"gemv_NxK[_fp32]": (N, K, weight dtype)} (bf16
+    weights unless :fp32): other models' decode projections, swept as the named cases are."""
+    cases = {}
+    for item in filter(None, raw.split(",")):
+        dims, _, dt = item.partition(":")
+        try:
+            n, k = (int(v) for v in dims.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--gemv-shapes: {item!r} is not NxK[:fp32]") from None
+        if dt not in ("", "fp32", "bf16") or n < 1 or k < 1:
+            raise SystemExit(f"--gemv-shapes: {item!r} is not NxK[:fp32]")
+        cases[f"gemv_{n}x{k}" + ("_fp32" if dt == "fp32" else "")] = (
+            n, k, F32 if dt == "fp32" else BF16)
+    return cases
+
+
 def gemv_chain(name, M):
     """C weight copies [N, K], x [M, K] bf16, outs [M, N] (fp32 for the fp32 router weight)."""
     N, K, w_dtype = GEMV_CASES[name]
@@ -166,7 +185,10 @@ def gemv_chain(name, M):
     return ws, xs, outs
 
 
-def bench_gemv_case(name, M, ceil, budget, quick, results) -> None:
+def bench_gemv_case(name, M, ceil, budget, quick, results, best=None) -> None:
+    """best: when given, best[shape key] = (fields, us, baseline us) of the fastest config
+    (the --write-configs entries)."""
+    from kdaserve.kernels.configs import shape_key
     from kdaserve.kernels.linear.gemv import GemvConfig, default_config, gemv, gemv_reference
 
     ws, xs, outs = gemv_chain(name, M)
@@ -193,6 +215,30 @@ def bench_gemv_case(name, M, ceil, budget, quick, results) -> None:
               lambda c, s: measure(GemvConfig(c[0], c[1], c[2], s, prefetch=2)),
               budget.deadline())
     keep_top(rows, results, case)
+    timed = {c: us for c, us in seen.items() if us is not None}
+    if best is not None and base in timed:
+        win = min(timed, key=timed.get)
+        best[shape_key(M=M, N=N, K=K, dtype=ws[0].dtype)] = (
+            dataclasses.asdict(win), timed[win], timed[base])
+
+
+def write_gemv_configs(config_dir: str, best: dict, gain: float = 0.02) -> None:
+    """Merge each case's fastest config into config_dir/gemv_device_name=<this GPU>.json where
+    it beats the one timed first (the config the engine uses today) by more than `gain`; a case
+    where today's wins keeps its entry (or its guess)."""
+    from kdaserve.kernels.configs import config_file_name
+
+    path = Path(config_dir) / config_file_name("gemv", torch.cuda.get_device_name())
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    for key, (fields, us, base_us) in sorted(best.items()):
+        keep = us < base_us * (1 - gain)
+        print(f"{key}: {'write' if keep else 'keep today'} ({us:.2f} us against "
+              f"{base_us:.2f}) {fields}", flush=True)
+        if keep:
+            old[key] = fields
+    path.write_text("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}"
+                                        for k, v in sorted(old.items())) + "\n}\n")
+    print(f"wrote {path}", flush=True)
 
 
 # --- fused MoE at one token ----------------------------------------------------------------------
@@ -482,10 +528,18 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=500.0,
                     help="seconds for the whole run; sweeps stop when it is spent (default 500)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--gemv-shapes", default="",
+                    help='extra GEMV cases "NxK[:fp32],..." (another model\'s projections), '
+                         'run after --cases')
+    ap.add_argument("--write-configs", metavar="DIR",
+                    help="merge each GEMV case's fastest config into DIR's gemv file for this "
+                         "GPU (kdaserve/kernels/configs) where it beats today's by > 2%%")
     args = ap.parse_args(argv)
     from bench_layers import pick_cases, start_gpu_run, write_results
 
-    names = pick_cases(ap, args.cases, ALL_CASES)
+    extra = parse_gemv_shapes(args.gemv_shapes)
+    GEMV_CASES.update(extra)
+    names = pick_cases(ap, args.cases, ALL_CASES) + list(extra)
     run = start_gpu_run("bench_chain")
     if run is None:
         return 2
@@ -496,9 +550,12 @@ def main(argv=None) -> int:
     budget = Budget(t0 + args.time_budget,
                     len(gemv_names) * len(ms) + 2 * ("moe" in names) + ("mla" in names))
     results: list[dict] = []
+    best: dict = {}
     for name in gemv_names:
         for m in ms:
-            bench_gemv_case(name, m, ceil, budget, args.quick, results)
+            bench_gemv_case(name, m, ceil, budget, args.quick, results, best)
+    if args.write_configs:
+        write_gemv_configs(args.write_configs, best)
     if "moe" in names:
         bench_moe(ceil, budget, args.quick, results)
     if "mla" in names:
