@@ -124,9 +124,32 @@ def sweep(combos, stages, s0, measure, deadline) -> None:
             timed[combo] = min(us, timed.get(combo, math.inf))
 
 
-def nearest_first(combos, default) -> list:
-    """Tile tuples sorted by log2 distance to the default's (grid order breaks ties)."""
-    return sorted(combos, key=lambda c: sum(abs(math.log2(a / b)) for a, b in zip(c, default)))
+def nearest_first(combos, *anchors) -> list:
+    """Tile tuples sorted by log2 distance to the nearest anchor (the default's tiles first;
+    grid order breaks ties)."""
+    return sorted(combos, key=lambda c: min(sum(abs(math.log2(a / b)) for a, b in zip(c, anchor))
+                                            for anchor in anchors))
+
+
+def tuned_neighbour(N: int, K: int, dtype, device):
+    """The device's tuned GEMV config (M = 1) of the shape nearest to (N, K) in log2 distance
+    with the same weight dtype, or None (no file, or the shape itself is tuned)."""
+    from kdaserve.kernels.configs import device_name, shape_key
+    from kdaserve.kernels.linear.gemv import tuned_configs
+    from kdaserve.kernels.utils import num_sms
+
+    tuned = tuned_configs(device_name(device), num_sms(device))
+    if shape_key(M=1, N=N, K=K, dtype=dtype) in tuned:
+        return None
+    best, dist = None, math.inf
+    for key, cfg in tuned.items():
+        dims = dict(kv.split("=") for kv in key.split(","))
+        if dims["M"] != "1" or dims["dtype"] != str(dtype).removeprefix("torch."):
+            continue
+        d = abs(math.log2(int(dims["N"]) / N)) + abs(math.log2(int(dims["K"]) / K))
+        if d < dist:
+            best, dist = cfg, d
+    return best
 
 
 def keep_top(rows, results, case) -> None:
@@ -210,7 +233,13 @@ def bench_gemv_case(name, M, ceil, budget, quick, results, best=None) -> None:
         combos = [c for c in itertools.product((1, 2, 4, 8, 16, 32, 64), (128, 256, 512, 1024),
                                                (1, 2, 4, 8))
                   if c[0] * c[1] // (32 * c[2]) <= MAX_ELEMS_PER_THREAD]
-        combos = nearest_first(combos, (base.block_n, base.block_k, base.num_warps))
+        # nearest to the default first, or to the tuned config of the most alike measured
+        # shape (same weight dtype), so that an untuned shape starts where tuned ones ended
+        anchors = [(base.block_n, base.block_k, base.num_warps)]
+        alike = tuned_neighbour(N, K, ws[0].dtype, ws[0].device)
+        if alike is not None:
+            anchors.append((alike.block_n, alike.block_k, alike.num_warps))
+        combos = nearest_first(combos, *anchors)
         sweep(combos, (2, 3, 4, 5), base.num_stages,
               lambda c, s: measure(GemvConfig(c[0], c[1], c[2], s, prefetch=2)),
               budget.deadline())
