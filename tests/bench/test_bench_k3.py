@@ -4,6 +4,7 @@ and writes its figures, and its pieces do what the figure's definition needs (th
 is the bf16 model with exactly its experts quantised; the weights are LeCun normal with the
 depth-scaled output projections). A test of the script, not of the issue's KL bound."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -87,3 +88,18 @@ def test_twin_is_the_quantised_model(bench_k3, k3_tiny):
     b = bench_k3.prefill_logits(twin, args, prompts, torch.float32, "cpu")
     assert a.shape == (10, args.vocab_size) and not torch.equal(a, b)
     assert torch.equal(a, bench_k3.prefill_logits(dense, args, prompts, torch.float32, "cpu"))
+
+
+def test_bit_decode_baseline_turns_the_table_decode_off_and_back(bench_k3):
+    """The mxfp4-bits decode run's switch: inside, moe_partials' default config has
+    lut_decode off (other tiles unchanged); after, the module's function is the original."""
+    from kdaserve.kernels.moe import mxfp4_moe
+
+    orig = mxfp4_moe.default_config
+    with bench_k3.bit_decode(True):
+        inside = mxfp4_moe.default_config(1, 16, 256)
+    assert mxfp4_moe.default_config is orig
+    assert not inside.lut_decode and orig(1, 16, 256).lut_decode
+    assert dataclasses.replace(inside, lut_decode=True) == orig(1, 16, 256)
+    with bench_k3.bit_decode(False):
+        assert mxfp4_moe.default_config is orig
