@@ -236,9 +236,9 @@ def kernels_per_step(runner, vocab: int, a: argparse.Namespace,
         run_point(runner, 1, a.context, steps + 1, vocab, 1)
         sync(runner.device)
     runner.graphs = saved
-    # run_point's first step (new-request setup) is dropped from its times, not from the
-    # profile: steps + 1 steps ran
-    n = steps + 1
+    # run_point(steps + 1) runs steps + 2 forwards: the request's setup step (also a one-token
+    # decode), then steps + 1 timed ones; the profile holds them all
+    n = steps + 2
     counts, us = Counter(), Counter()
     for e in prof.events():
         is_kernel = (e.device_type == torch.autograd.DeviceType.CUDA if cuda
