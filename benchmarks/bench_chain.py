@@ -251,23 +251,28 @@ def bench_gemv_case(name, M, ceil, budget, quick, results, best=None) -> None:
             dataclasses.asdict(win), timed[win], timed[base])
 
 
-def write_gemv_configs(config_dir: str, best: dict, gain: float = 0.02) -> None:
-    """Merge each case's fastest config into config_dir/gemv_device_name=<this GPU>.json where
-    it beats the one timed first (the config the engine uses today) by more than `gain`; a case
-    where today's wins keeps its entry (or its guess)."""
+def write_gemv_configs(config_dir: str, best: dict, device_name: str, sms: int,
+                       gain: float = 0.02) -> Path:
+    """Merge each case's fastest config into config_dir/gemv_device_name=<device_name>.json
+    where it beats the one timed first (the config the engine uses today) by more than `gain`;
+    a case where today's wins keeps its entry (or its guess). A new device file starts from the
+    SM-count file it will shadow (load_configs reads one file: the device's own, else the SM
+    count's), so no tuned shape is lost. Returns the file's path."""
     from kdaserve.kernels.configs import config_file_name
 
-    path = Path(config_dir) / config_file_name("gemv", torch.cuda.get_device_name())
-    old = json.loads(path.read_text()) if path.is_file() else {}
+    path = Path(config_dir) / config_file_name("gemv", device_name)
+    start = path if path.is_file() else Path(config_dir) / f"gemv_sms={sms}.json"
+    merged = json.loads(start.read_text()) if start.is_file() else {}
     for key, (fields, us, base_us) in sorted(best.items()):
         keep = us < base_us * (1 - gain)
         print(f"{key}: {'write' if keep else 'keep today'} ({us:.2f} us against "
               f"{base_us:.2f}) {fields}", flush=True)
         if keep:
-            old[key] = fields
+            merged[key] = fields
     path.write_text("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}"
-                                        for k, v in sorted(old.items())) + "\n}\n")
+                                        for k, v in sorted(merged.items())) + "\n}\n")
     print(f"wrote {path}", flush=True)
+    return path
 
 
 # --- fused MoE at one token ----------------------------------------------------------------------
@@ -584,7 +589,10 @@ def main(argv=None) -> int:
         for m in ms:
             bench_gemv_case(name, m, ceil, budget, args.quick, results, best)
     if args.write_configs:
-        write_gemv_configs(args.write_configs, best)
+        from kdaserve.kernels.utils import num_sms
+
+        write_gemv_configs(args.write_configs, best, torch.cuda.get_device_name(),
+                           num_sms(torch.device("cuda")))
     if "moe" in names:
         bench_moe(ceil, budget, args.quick, results)
     if "mla" in names:

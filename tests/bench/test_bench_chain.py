@@ -50,3 +50,22 @@ def test_tuned_neighbour_is_the_nearest_measured_shape(bench_chain, monkeypatch)
     assert bench_chain.tuned_neighbour(2048, 4096, torch.bfloat16, cpu) == GemvConfig(2, 1024, 1, 5)
     assert bench_chain.tuned_neighbour(256, 2048, torch.float32, cpu) == GemvConfig(2, 1024, 1, 2)
     assert bench_chain.tuned_neighbour(2304, 4096, torch.bfloat16, cpu) is None   # tuned itself
+
+
+def test_write_configs_keeps_the_shadowed_file_and_only_real_wins(bench_chain, tmp_path):
+    """A first device file starts from the SM-count file it shadows; a shape is written only
+    where its best beats today's config by more than 2%; an existing device file is merged."""
+    import json
+
+    sms = tmp_path / "gemv_sms=132.json"
+    sms.write_text(json.dumps({"M=1,N=2304,K=4096,dtype=bfloat16": {"block_n": 2}}))
+    best = {"M=1,N=2048,K=2048,dtype=bfloat16": ({"block_n": 8}, 5.0, 6.0),     # 17% faster
+            "M=1,N=8336,K=2048,dtype=bfloat16": ({"block_n": 4}, 9.9, 10.0)}    # 1%: kept
+    path = bench_chain.write_gemv_configs(str(tmp_path), best, "NVIDIA H100 80GB HBM3", 132)
+    assert path.name == "gemv_device_name=NVIDIA_H100_80GB_HBM3.json"
+    got = json.loads(path.read_text())
+    assert got == {"M=1,N=2304,K=4096,dtype=bfloat16": {"block_n": 2},
+                   "M=1,N=2048,K=2048,dtype=bfloat16": {"block_n": 8}}
+    bench_chain.write_gemv_configs(str(tmp_path), {"M=1,N=256,K=2048,dtype=float32": (
+        {"block_n": 2}, 1.0, 2.0)}, "NVIDIA H100 80GB HBM3", 132)
+    assert len(json.loads(path.read_text())) == 3
