@@ -10,6 +10,10 @@
 #   count  benchmarks/count_ops.py on kimi-k3-mini: aten ops and Triton launches per piece of
 #          one eager batch-1 decode step, the K3 pieces' kernels off then on
 #   tiles  (runs before bench, so bench times the tiles it writes; text below)
+#   gemv   benchmarks/bench_chain.py over kimi-k3-mini's decode projections (K3_GEMV_SHAPES),
+#          graph-chained PDL calls; each shape's fastest config merged into
+#          kdaserve/kernels/configs/gemv_device_name=GPU.json where it beats today's by > 2%
+#          (--write-configs; copies land in $OUT), so bench runs with them; ~GEMV_BUDGET s
 #   bench  benchmarks/bench_k3.py ${BENCH_ARGS:---stages decode,profile} on kimi-k3-mini (dummy weights made
 #          on the GPU): batch-1 decode at 8000 tokens of context with CUDA graphs, MXFP4 vs bf16
 #          experts (ratio, step floor), MXFP4 unfused tail, both MXFP4 tails without PDL; the
@@ -71,6 +75,17 @@ if [[ $STAGES == *tiles* ]]; then
   cp kdaserve/kernels/configs/mxfp4_moe_gemm_*.json kdaserve/kernels/configs/latent_moe_tail_*.json \
     "$OUT/" 2>/dev/null
   echo "tiles: $((SECONDS - t0)) s"
+fi
+if [[ $STAGES == *gemv* ]]; then
+  # kimi-k3-mini's GEMV shapes by bytes a step: KDA in-proj, o_proj / latent down / shared
+  # down, shared gate|up, MLA q_a|kv_a|gate, the fp32 router, the dense MLP, MLA q_b
+  K3_GEMV_SHAPES=${K3_GEMV_SHAPES:-8336x2048,2048x2048,4096x2048,3392x2048,256x2048:fp32,8192x2048,2048x4096,3072x768}
+  timeout $(( ${GEMV_BUDGET:-200} + 40 )) python3 benchmarks/bench_chain.py --cases "" \
+    --gemv-shapes "$K3_GEMV_SHAPES" --m 1 --time-budget ${GEMV_BUDGET:-200} \
+    --write-configs kdaserve/kernels/configs --out "$OUT/chain_k3mini.json" 2>&1 \
+    | grep -E "baseline|^M=.*(write|keep)|wrote|rror" | tee "$OUT/k3_gemv.log"
+  cp kdaserve/kernels/configs/gemv_device_name=*.json "$OUT/" 2>/dev/null
+  echo "gemv: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *bench* ]]; then
   make_mini
