@@ -166,12 +166,19 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    def _prefill_rows(self):
+        spec = self.scheduled_spec_decode_tokens
+        return (rid for rid, n in self.num_scheduled_tokens.items()
+                if n > 1 + len(spec.get(rid, ())))
+
     def prefill_req_ids(self) -> list[str]:
         """Requests that compute more than their next token and its drafts this step: a prompt
         chunk, or the recompute of a preempted request (a verification row is not one)."""
-        spec = self.scheduled_spec_decode_tokens
-        return [rid for rid, n in self.num_scheduled_tokens.items()
-                if n > 1 + len(spec.get(rid, ()))]
+        return list(self._prefill_rows())
+
+    def has_prefill(self) -> bool:
+        """Whether prefill_req_ids() is non-empty, without building it (once a step)."""
+        return any(True for _ in self._prefill_rows())
 
 
 @dataclass

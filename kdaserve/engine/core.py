@@ -241,7 +241,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if structured:
             self.structured_output.grammar_bitmask(so, self.scheduler.requests)
-        cur = _StepInFlight(so, self._decode_context(so), bool(so.prefill_req_ids()), time.perf_counter(),
+        cur = _StepInFlight(so, self._decode_context(so), so.has_prefill(), time.perf_counter(),
                             self.worker.launch(so))
         outputs = failed + (self._process(prev, next_scheduled=True) if prev is not None
                             else [])

@@ -1,22 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""benchmarks/bench_chain.py's CPU-side pieces: the --gemv-shapes parser and the sweep order
-that starts an untuned shape next to the tuned config of the most alike measured shape."""
-
-import importlib.util
-import os
+"""benchmarks/bench_chain.py's CPU-side pieces: the --gemv-shapes parser, the sweep order that
+starts an untuned shape next to the tuned config of the most alike measured shape, and the
+--write-configs merge."""
 
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_chain.py")
-
 
 @pytest.fixture(scope="module")
-def bench_chain():
-    spec = importlib.util.spec_from_file_location("bench_chain", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench_chain(load_benchmark):
+    return load_benchmark("bench_chain")
 
 
 def test_gemv_shapes_parse_and_reject(bench_chain):

@@ -5,7 +5,6 @@ is the bf16 model with exactly its experts quantised; the weights are LeCun norm
 depth-scaled output projections). A test of the script, not of the issue's KL bound."""
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -20,11 +19,8 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "bench_k3.py")
 
 
 @pytest.fixture(scope="module")
-def bench_k3():
-    spec = importlib.util.spec_from_file_location("bench_k3", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench_k3(load_benchmark):
+    return load_benchmark("bench_k3")
 
 
 @pytest.fixture(scope="module")

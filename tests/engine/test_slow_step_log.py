@@ -78,9 +78,9 @@ def test_prefill_rows_count_drafts_as_decode():
 
     so = SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 4},
                          scheduled_spec_decode_tokens={"b": [7, 8, 9]})
-    assert so.prefill_req_ids() == []
+    assert so.prefill_req_ids() == [] and not so.has_prefill()
     so.num_scheduled_tokens["c"] = 2                  # a 2-token prompt chunk, no drafts
-    assert so.prefill_req_ids() == ["c"]
+    assert so.prefill_req_ids() == ["c"] and so.has_prefill()
 
 
 def test_serve_time_compiles_are_named(tmp_path, monkeypatch, caplog):

@@ -15,6 +15,7 @@ from ptx_model import prmt as _prmt
 
 from kdaserve.kernels.mxfp4.format import E2M1_VALUES as E2M1
 
+
 def _bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
 
