@@ -13,7 +13,7 @@
 #   gemv   benchmarks/bench_chain.py over kimi-k3-mini's decode projections (K3_GEMV_SHAPES),
 #          graph-chained PDL calls; each shape's fastest config merged into
 #          kdaserve/kernels/configs/gemv_device_name=GPU.json where it beats today's by > 2%
-#          (--write-configs; copies land in $OUT), so bench runs with them; ~GEMV_BUDGET s
+#          (--write-configs; $OUT/configs.tgz), so bench runs with them; ~GEMV_BUDGET s
 #   bench  benchmarks/bench_k3.py ${BENCH_ARGS:---stages decode,profile} on kimi-k3-mini (dummy weights made
 #          on the GPU): batch-1 decode at 8000 tokens of context with CUDA graphs, MXFP4 vs bf16
 #          experts (ratio, step floor), MXFP4 unfused tail, both MXFP4 tails without PDL; the
@@ -21,7 +21,7 @@
 #   tiles  benchmarks/bench_mxfp4_tiles.py: the latent-MoE kernels' tile candidates at decode
 #          sizes (TILE_TOKENS, default 1,4,16; MXFP4 and bf16) against their floors and the
 #          unfused tail, into $OUT/mxfp4_tiles.json; the winners are merged into the config
-#          files in kdaserve/kernels/configs (--write-configs; copies land in $OUT), so the stages after it
+#          files in kdaserve/kernels/configs (--write-configs; $OUT/configs.tgz), so the stages after it
 #          (kl, serve) run with them. A cold sweep compiles ~140 kernels a format:
 #          give it a call of its own (TILE_TOKENS / TILE_EXPERTS narrow it)
 #   kl     bench_k3.py --stages kl: mean KL(bf16 || MXFP4) on kimi-k3-mini, KL_PROMPTS x
@@ -68,12 +68,15 @@ if [[ $STAGES == *count* ]]; then
   done
   echo "count: $((SECONDS - t0)) s"
 fi
+save_configs() {   # the device tool returns no file whose name holds "=": one archive instead
+  tar -czf "$OUT/configs.tgz" -C kdaserve/kernels/configs \
+    $(cd kdaserve/kernels/configs && ls *_device_name=*.json 2>/dev/null)
+}
 if [[ $STAGES == *tiles* ]]; then
   timeout ${TILES_TIMEOUT:-480} python3 benchmarks/bench_mxfp4_tiles.py --tokens ${TILE_TOKENS:-1,4,16} \
     --experts ${TILE_EXPERTS:-mxfp4,bf16} ${TILE_ARGS:-} --out "$OUT/mxfp4_tiles.json" \
     --write-configs kdaserve/kernels/configs 2>&1 | grep -v Warning | tail -40 | tee "$OUT/k3_tiles.log"
-  cp kdaserve/kernels/configs/mxfp4_moe_gemm_*.json kdaserve/kernels/configs/latent_moe_tail_*.json \
-    "$OUT/" 2>/dev/null
+  save_configs
   echo "tiles: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *gemv* ]]; then
@@ -84,7 +87,7 @@ if [[ $STAGES == *gemv* ]]; then
     --gemv-shapes "$K3_GEMV_SHAPES" --m 1 --time-budget ${GEMV_BUDGET:-200} \
     --write-configs kdaserve/kernels/configs --out "$OUT/chain_k3mini.json" 2>&1 \
     | grep -E "baseline|^M=.*(write|keep)|wrote|rror" | tee "$OUT/k3_gemv.log"
-  cp kdaserve/kernels/configs/gemv_device_name=*.json "$OUT/" 2>/dev/null
+  save_configs
   echo "gemv: $((SECONDS - t0)) s"
 fi
 if [[ $STAGES == *bench* ]]; then

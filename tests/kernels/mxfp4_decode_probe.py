@@ -39,11 +39,13 @@ def mxfp4_decode_probe_kernel(w_ptr, s_ptr, out_ptr, table_ptr, expert, n_rows, 
 
 
 @triton.jit
-def mxfp4_lut_probe_kernel(codes_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr):
+def mxfp4_lut_probe_kernel(codes_ptr, lo_ptr, hi_ptr, table_ptr, n, BLOCK: tl.constexpr):
     """lo[i], hi[i] = the fp32 values of the low and high nibble of byte codes[i], through the
-    GEMV's byte-permute decode (_e2m1_pair_lut: PTX, so GPU only)."""
+    GEMV's byte-permute decode (_e2m1_pair_lut: PTX; under the interpreter, the checks' model
+    of it) with its table words read as the GEMV reads them (table_ptr: LUT_TABLE_WORDS)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    lo, hi = _e2m1_pair_lut(tl.load(codes_ptr + offs, mask=mask, other=0))
+    table_h, table_l = _lut_tables(table_ptr, True)
+    lo, hi = _e2m1_pair_lut(tl.load(codes_ptr + offs, mask=mask, other=0), table_h, table_l)
     tl.store(lo_ptr + offs, lo, mask=mask)
     tl.store(hi_ptr + offs, hi, mask=mask)

@@ -79,6 +79,29 @@ def check_decode_exact(device="cpu", dtype=torch.float32):
                                                f"K {2 * half_k} tiles {block_n}x{block_k}")
 
 
+def check_lut_probe(device="cpu", block=256, warps=4):
+    """The GEMV's byte-permute decode (_e2m1_pair_lut through mxfp4_decode_probe.py, its table
+    words read from memory as the GEMV reads them) gives every byte's low and high E2M1 values
+    bit for bit, -0.0 for code 8 included, with each byte value in each position of its
+    four-byte group. On the CPU the PTX runs through kernel_checks' model of it."""
+    from mxfp4_decode_probe import mxfp4_lut_probe_kernel
+
+    from kdaserve.kernels.moe.mxfp4_moe import _lut_table_words
+    from kdaserve.kernels.mxfp4.format import E2M1_VALUES
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4)
+    codes = torch.cat([codes, codes.roll(1), codes.roll(2), codes.roll(3)]).to(device)
+    lo = torch.full((codes.numel(),), 12345.0, device=device)
+    hi = torch.full_like(lo, 12345.0)
+    mxfp4_lut_probe_kernel[(codes.numel() // block,)](
+        codes, lo, hi, _lut_table_words(torch.device(device)), codes.numel(), BLOCK=block,
+        num_warps=warps)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    want_lo, want_hi = table[(codes.cpu() & 15).long()], table[(codes.cpu() >> 4).long()]
+    assert _same_bits(lo.cpu(), want_lo), f"low nibbles, block {block}"
+    assert _same_bits(hi.cpu(), want_hi), f"high nibbles, block {block}"
+
+
 def check_partials(device="cpu", dtype=torch.float32, N=5, E=8, k=3, D=64, inter=64,
                    act="silu", beta=None, linear_beta=None, bad_id=False, dense=False, seed=0,
                    config=None):
@@ -201,6 +224,7 @@ def run_suite(device="cpu", dtype=torch.float32) -> None:
     check_layer(device, dtype, N=520, E=4, k=2, L=128, inter=128, H=300, seed=7)
     check_gemv_form(device, dtype)
     if device == "cpu":
+        check_lut_probe()
         check_lut_decode()
 
 

@@ -72,24 +72,11 @@ def test_mxfp4_decode_exact_on_gpu(dtype):
 @needs_cuda
 @pytest.mark.parametrize("block,warps", [(256, 4), (1024, 1)])
 def test_mxfp4_lut_decode_exact_on_gpu(block, warps):
-    """The GEMV's byte-permute decode (PTX) gives every byte's two E2M1 values bit for bit,
-    -0.0 for code 8 included, in every position of its four-byte groups (2 and 32 bytes a
-    thread: a partial group and whole ones)."""
-    from mxfp4_decode_probe import mxfp4_lut_probe_kernel
+    """The GEMV's byte-permute decode (PTX) gives every byte's two E2M1 values bit for bit in
+    every position of its four-byte groups (2 and 32 bytes a thread)."""
+    import mxfp4_moe_checks as checks
 
-    from kdaserve.kernels.mxfp4.format import E2M1_VALUES
-
-    codes = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(4)
-    codes = torch.cat([codes, codes.roll(1), codes.roll(2), codes.roll(3)])
-    lo = torch.empty(codes.numel(), dtype=torch.float32, device="cuda")
-    hi = torch.empty_like(lo)
-    mxfp4_lut_probe_kernel[(codes.numel() // block,)](codes, lo, hi, codes.numel(), BLOCK=block,
-                                                       num_warps=warps)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    want_lo = table[(codes.cpu() & 15).long()]
-    want_hi = table[(codes.cpu() >> 4).long()]
-    assert torch.equal(lo.cpu().view(torch.int32), want_lo.view(torch.int32))
-    assert torch.equal(hi.cpu().view(torch.int32), want_hi.view(torch.int32))
+    checks.check_lut_probe("cuda", block, warps)
 
 
 @pytest.mark.gpu
