@@ -94,9 +94,9 @@ def case_router(rows, ceil, T, deadline):
         # kernel, so each way is timed with the top-k launch that consumes its logits
         bias = torch.zeros(EXPERTS, device="cuda")
 
-        def routed(logits_fn):
+        def routed(logits_fn, **topk):
             return lambda: moe_topk_sigmoid(logits_fn(), bias, 8, True, 2.446,
-                                            extra_expert=EXPERTS)
+                                            extra_expert=EXPERTS, **topk)
 
         cands = [("router_partials + top-k", routed(lambda: router_partials(x, w))),
                  ("cuBLAS fp32 + top-k", routed(lambda: F.linear(x.float(), w))),
@@ -106,6 +106,9 @@ def case_router(rows, ceil, T, deadline):
         for plan in router_partials_plans(T)[1:]:
             cands.append((f"router_partials {plan} + top-k",
                           routed(lambda plan=plan: router_partials(x, w, plan))))
+        for warps in (1, 2, 4):   # the one-pass selection (tl.topk) against the argmax rounds
+            cands.append((f"router_partials + one-pass top-k, {warps} warps",
+                          routed(lambda: router_partials(x, w), one_pass=True, num_warps=warps)))
         run_candidates(rows, f"router+topk T={T}", flops / (ceil["bf16_gemm_TFLOPs"] * 1e9),
                        cands, deadline, timer=bench_graph_ms)
         return

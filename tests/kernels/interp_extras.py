@@ -50,6 +50,16 @@ def check_router_extra() -> None:
         for warps in (1, 4):   # the warp count changes the schedule, not the selection
             w2, i2 = moe_topk_sigmoid(lg, b, k, True, 2.446, extra_expert=E, num_warps=warps)
             assert torch.equal(i2, i1) and torch.equal(w2, w1)
+            # one tl.topk sort: the same experts, order and weights (bit for bit)
+            w3, i3 = moe_topk_sigmoid(lg, b, k, True, 2.446, extra_expert=E, num_warps=warps,
+                                      one_pass=True)
+            assert torch.equal(i3, i1) and torch.equal(w3, w1)
+    # ties (equal selection scores) go to the lowest expert index both ways; no bias; k at E
+    lg = torch.randn(9, 16).round()
+    for k in (3, 8, 16):
+        want = moe_topk_sigmoid(lg, None, k, False, 1.0)
+        got = moe_topk_sigmoid(lg, None, k, False, 1.0, one_pass=True)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), k
 
 
 def check_norms() -> None:

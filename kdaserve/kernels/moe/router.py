@@ -34,7 +34,8 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
                      top_k: int, renormalize: bool, scaling: float,
                      ids_dtype: torch.dtype = torch.int32,
                      extra_expert: int | None = None, pdl: bool = False,
-                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_warps: int | None = None,
+                     one_pass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [N, E] (any float dtype), or [S, N, E] partial logits whose sum over S
     (in order, fp32) is the logits (router_partials); correction_bias: [E] or None (selection
     only).
@@ -43,7 +44,10 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     more column follows every row: id extra_expert with weight 1 (a shared expert run by the
     same fused MoE call). pdl: programmatic dependent launch (module docstring); the bias is
     read before the wait, so the previous kernel must not write it. num_warps: per program
-    (a power of two in 1..8; default topk_num_warps), for benchmarks.
+    (a power of two in 1..8; default topk_num_warps), for benchmarks. one_pass: select with
+    one tl.topk sort instead of top_k argmax rounds (the same result; a candidate the
+    benchmarks time, benchmarks/PERF_NOTES.md lead 8; ignored where the padded output width
+    exceeds the padded expert count).
     """
     if num_warps is not None and (num_warps not in (1, 2, 4, 8)):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
@@ -73,6 +77,7 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
         BLOCK_E=block_e, BLOCK_K=next_power_of_2(width),
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
+        ONE_PASS=one_pass and next_power_of_2(width) <= block_e,
         num_warps=num_warps or topk_num_warps(block_e), **pdl_opts,
     )
     return weights, ids
