@@ -120,7 +120,7 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
 def bench_kda_verify(rows, ceil, n, deadline, window=9, calls=4):
     """RecoverSSM's verify kernel (kernels/kda/recover.py kda_spec_verify) over n requests'
     windows of `window` tokens, gates activated in the kernel as in the model: its grid of
-    KDAVerifyConfig (column block, warps, next-token prefetch). Floor: each request's state
+    KDAVerifyConfig (column block, warps). Floor: each request's state
     read once plus the window's inputs and records."""
     from kdaserve.kernels.kda import recover as rc
 
@@ -145,8 +145,7 @@ def bench_kda_verify(rows, ceil, n, deadline, window=9, calls=4):
 
     # state read; q, k, v, the raw gate, beta read; o, u, k_hat, g recorded
     nbytes = n * H * d * d * 4 + T * H * (4 * d * 2 + 2) + T * H * d * (2 + 4 + 4 + 4)
-    grid = [rc.KDAVerifyConfig(bv, nw, pre) for pre, bv, nw in
-            itertools.product((True, False), (32, 16, 64), (4, 2, 8))]
+    grid = [rc.KDAVerifyConfig(bv, nw) for bv, nw in itertools.product((64, 32, 16), (2, 4, 8))]
     sweep(f"kda_spec_verify N={n} x {window}", rows, fns(), grid, fns,
           floor_us(nbytes, ceil), deadline)
 

@@ -428,7 +428,7 @@ def bench_mla_layer(ceil, results, M: int = 1, context: int = 8192) -> None:
 def bench_topk(ceil, results, M: int = 1) -> None:
     """The router's sigmoid top-8 (+ the shared expert column) over 256 fp32 logits per token,
     as the decode graph runs it after the router GEMV: moe_topk_sigmoid with pdl, the default
-    (router.topk_num_warps: one warp at 256 experts, chain_h200_mla_layer.json) against 2 and 4."""
+    (router.TOPK_NUM_WARPS) against 1 and 2 warps."""
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.moe.router import moe_topk_sigmoid
 
@@ -438,7 +438,7 @@ def bench_topk(ceil, results, M: int = 1) -> None:
     want = ref.moe_topk_sigmoid(logits[0], bias, 8, True, 2.446)[0].sort(dim=-1).values  # [M, 8]
     floor = floor_us(nbytes(logits[0]), ceil)
     rows = []
-    for warps in (None, 2, 4):
+    for warps in (None, 1, 2):
         w0 = torch.full((M, 8), float("nan"), device="cuda")      # call 0's weights, sorted
 
         def call(i, warps=warps, w0=w0):

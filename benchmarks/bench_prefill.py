@@ -106,9 +106,9 @@ def case_router(rows, ceil, T, deadline):
         for plan in router_partials_plans(T)[1:]:
             cands.append((f"router_partials {plan} + top-k",
                           routed(lambda plan=plan: router_partials(x, w, plan))))
-        for warps in (1, 2, 4):   # the one-pass selection (tl.topk) against the argmax rounds
-            cands.append((f"router_partials + one-pass top-k, {warps} warps",
-                          routed(lambda: router_partials(x, w), one_pass=True, num_warps=warps)))
+        for warps in (1, 2, 8):   # the top-k kernel's warps (default TOPK_NUM_WARPS)
+            cands.append((f"router_partials + top-k, {warps} warps",
+                          routed(lambda: router_partials(x, w), num_warps=warps)))
         run_candidates(rows, f"router+topk T={T}", flops / (ceil["bf16_gemm_TFLOPs"] * 1e9),
                        cands, deadline, timer=bench_graph_ms)
         return

@@ -94,11 +94,11 @@ def test_state_bytes_written_per_verify_step():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gpu_recover_48b_sizes(dtype, prefetch):
+@pytest.mark.parametrize("tile", [None, (32, 4), (64, 2)])
+def test_gpu_recover_48b_sizes(dtype, tile):
     from tests.spec_decode import recover_checks as chk
 
-    cfg = rc.KDAVerifyConfig(prefetch=prefetch)
+    cfg = rc.KDAVerifyConfig(*tile) if tile else None   # None: default_verify_config
     lens = [9] * 12 + [1, 5, 9, 3]
     chk.check_recover("cuda", H=32, K=128, D=12288, dtype=dtype, lens=lens, tol=1e-4,
                       config=cfg)

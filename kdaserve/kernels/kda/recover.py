@@ -33,6 +33,7 @@ from kdaserve.kernels.utils import (
     cdiv,
     check_kernel_device,
     next_power_of_2,
+    num_sms,
     require_triton,
 )
 
@@ -89,11 +90,22 @@ class KDARecoverRecords:
 
 @dataclass(frozen=True)
 class KDAVerifyConfig:
-    """kda_spec_verify's launch: block_v state columns per program (grid N x H x V / block_v),
-    num_warps, and prefetch (the kernel loads token t + 1's inputs during token t's update)."""
+    """kda_spec_verify's launch: block_v state columns per program (grid N x H x V / block_v)
+    and num_warps."""
     block_v: int = 32
     num_warps: int = 4
-    prefetch: bool = False
+
+
+def default_verify_config(num_requests: int, num_heads: int, V: int,
+                          device: torch.device) -> KDAVerifyConfig:
+    """64 state columns and 2 warps a program once those programs fill the SMs, else 32 columns
+    and 4 warps (more programs for few windows). bench_batch.py --cases kda_verify at 32 heads
+    of 128, 9-token windows (benchmarks/PERF_NOTES.md): at 16 windows (64, 2) was the fastest
+    tile, 1.2x (32, 2) and 1.5x (32, 4); at one window (32, 4) was, 1.2x (64, 2). Shapes only,
+    so a captured graph keeps its launch."""
+    if num_requests * num_heads * cdiv(V, 64) >= num_sms(device):
+        return KDAVerifyConfig(block_v=64, num_warps=2)
+    return KDAVerifyConfig(block_v=32, num_warps=4)
 
 
 def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -113,8 +125,8 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     records) and leaves the pool untouched. per_position (state_indices [N, 1+K]): writes the
     state after token t to column t, returns (o, None).
     out: optional [T, H, V] buffer for o (e.g. the spec slice of the layer's output).
-    config: the Triton launch (KDAVerifyConfig(); benchmarks/bench_batch.py --cases kda_verify
-    sweeps it).
+    config: the Triton launch (default_verify_config; benchmarks/bench_batch.py --cases
+    kda_verify sweeps it).
     """
     T, H, K, V, N = _check_shapes(q, k, v, g, beta, cu_seqlens, state_pool, state_indices,
                                   per_position)
@@ -146,7 +158,7 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     idx = state_indices if per_position else state_indices.view(N, 1)
     a_log = gate.A_log.reshape(-1) if gate is not None else g
     dt_bias = gate.dt_bias if gate is not None else g
-    cfg = config or KDAVerifyConfig()
+    cfg = config or default_verify_config(N, H, V, v.device)
     BV = min(cfg.block_v, next_power_of_2(V))
     if N > 0:
         kda_spec_verify_kernel[(N, H, cdiv(V, BV))](
@@ -163,7 +175,7 @@ def kda_spec_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             HAS_COLS=initial_cols is not None, RECORD=record, PER_POSITION=per_position,
             GATE_IN_KERNEL=gate is not None,
             HAS_LOWER_BOUND=gate is not None and gate.lower_bound is not None,
-            PREFETCH=cfg.prefetch, num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps,
         )
     if not record:
         return o, None

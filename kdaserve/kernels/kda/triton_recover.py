@@ -46,12 +46,12 @@ def kda_spec_verify_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, HAS_COLS: tl.constexpr, RECORD: tl.constexpr,
     PER_POSITION: tl.constexpr, GATE_IN_KERNEL: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """GATE_IN_KERNEL: g holds the gate pre-activation and beta the logits; the kernel applies
     kda_gate (dt_bias, A_log, optional lower bound) and sigmoid, and records the activated g.
-    PREFETCH: token t + 1's inputs are loaded while token t's state update runs (the loop is
-    otherwise a chain of load latencies, a few tokens long)."""
+    Token t + 1's inputs are loaded while token t's state update runs: loading each token's
+    inputs at the top of its trip made the loop a chain of load latencies, a few tokens long
+    (slower at every measured tile, benchmarks/PERF_NOTES.md)."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -72,23 +72,17 @@ def kda_spec_verify_kernel(
     if GATE_IN_KERNEL:
         neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
         dt_b = tl.load(dt_bias_ptr + h * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    if PREFETCH:   # the first token's inputs; each trip then loads the next token's early
-        kn, qn, gn, bn, vn = _token_inputs(
-            k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, bos, bos < eos, h, offs_k, offs_v, mk, mv,
-            stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh, stride_bt,
-            stride_bh, stride_vt, stride_vh)
+    # the first token's inputs; each trip then loads the next token's early
+    kn, qn, gn, bn, vn = _token_inputs(
+        k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, bos, bos < eos, h, offs_k, offs_v, mk, mv,
+        stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh, stride_bt,
+        stride_bh, stride_vt, stride_vh)
     for t in range(bos, eos):
-        if PREFETCH:
-            kt, qt, gt, bt, vt = kn, qn, gn, bn, vn
-            kn, qn, gn, bn, vn = _token_inputs(
-                k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, t + 1, t + 1 < eos, h, offs_k, offs_v,
-                mk, mv, stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh,
-                stride_bt, stride_bh, stride_vt, stride_vh)
-        else:
-            kt, qt, gt, bt, vt = _token_inputs(
-                k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, t, True, h, offs_k, offs_v, mk, mv,
-                stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh, stride_bt,
-                stride_bh, stride_vt, stride_vh)
+        kt, qt, gt, bt, vt = kn, qn, gn, bn, vn
+        kn, qn, gn, bn, vn = _token_inputs(
+            k_ptr, q_ptr, g_ptr, beta_ptr, v_ptr, t + 1, t + 1 < eos, h, offs_k, offs_v,
+            mk, mv, stride_kt, stride_kh, stride_qt, stride_qh, stride_gt, stride_gh,
+            stride_bt, stride_bh, stride_vt, stride_vh)
         kt = kt.to(tl.float32)
         qt = qt.to(tl.float32)
         if L2NORM:

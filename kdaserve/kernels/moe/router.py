@@ -23,19 +23,17 @@ from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, 
                                     pdl_options, require_triton)
 
 
-def topk_num_warps(block_e: int) -> int:
-    """Warps per token of the top-k kernel: one up to 512 experts (one warp measured fastest
-    of 1, 2 and 4 at E=256, one token; benchmarks/PERF_NOTES.md: one warp's argmax rounds need
-    no cross-warp reduction), then one more per 512."""
-    return max(1, min(4, block_e // 512))
+TOPK_NUM_WARPS = 4
+"""Warps per token of the top-k kernel: the fastest of 1, 2 and 4 at 256 experts, top 8 + the
+shared column, 1 / 9 / 16 tokens after router_partials (bench_prefill.py --cases router,
+benchmarks/PERF_NOTES.md)."""
 
 
 def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                      top_k: int, renormalize: bool, scaling: float,
                      ids_dtype: torch.dtype = torch.int32,
                      extra_expert: int | None = None, pdl: bool = False,
-                     num_warps: int | None = None,
-                     one_pass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [N, E] (any float dtype), or [S, N, E] partial logits whose sum over S
     (in order, fp32) is the logits (router_partials); correction_bias: [E] or None (selection
     only).
@@ -44,10 +42,7 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     more column follows every row: id extra_expert with weight 1 (a shared expert run by the
     same fused MoE call). pdl: programmatic dependent launch (module docstring); the bias is
     read before the wait, so the previous kernel must not write it. num_warps: per program
-    (a power of two in 1..8; default topk_num_warps), for benchmarks. one_pass: select with
-    one tl.topk sort instead of top_k argmax rounds (the same result; a candidate the
-    benchmarks time, benchmarks/PERF_NOTES.md lead 8; ignored where the padded output width
-    exceeds the padded expert count).
+    (a power of two in 1..8; default TOPK_NUM_WARPS), for benchmarks.
     """
     if num_warps is not None and (num_warps not in (1, 2, 4, 8)):
         raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {num_warps}")
@@ -69,16 +64,16 @@ def moe_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor 
     ids = torch.empty(N, width, dtype=ids_dtype, device=router_logits.device)
     if N == 0:
         return weights, ids
-    block_e = next_power_of_2(E)
+    block_k = next_power_of_2(width)
+    block_e = max(next_power_of_2(E), block_k)          # the sort's width holds the output's
     pdl_opts = pdl_options(pdl, router_logits)
     topk_sigmoid_kernel[(N,)](
         parts, correction_bias if correction_bias is not None else parts,
         weights, ids, E, parts.stride(1), float(scaling), S, parts.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, HAS_BIAS=correction_bias is not None,
-        BLOCK_E=block_e, BLOCK_K=next_power_of_2(width),
+        BLOCK_E=block_e, BLOCK_K=block_k,
         EXTRA_ID=-1 if extra_expert is None else int(extra_expert),
-        ONE_PASS=one_pass and next_power_of_2(width) <= block_e,
-        num_warps=num_warps or topk_num_warps(block_e), **pdl_opts,
+        num_warps=num_warps or TOPK_NUM_WARPS, **pdl_opts,
     )
     return weights, ids
 

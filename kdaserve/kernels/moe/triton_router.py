@@ -14,21 +14,20 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
                         scaling, num_parts, stride_lp,
                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EXTRA_ID: tl.constexpr = -1, USE_PDL: tl.constexpr = False,
-                        ONE_PASS: tl.constexpr = False):
-    """One token per program: from its logits row [num_experts], sigmoid, selection bias, TOP_K
-    rounds of argmax, renormalise, scale; stores TOP_K (weight, id) pairs. With EXTRA_ID >= 0
+                        EXTRA_ID: tl.constexpr = -1, USE_PDL: tl.constexpr = False):
+    """One token per program: from its logits row [num_experts], sigmoid, selection bias, top-k
+    selection, renormalise, scale; stores TOP_K (weight, id) pairs. With EXTRA_ID >= 0
     one more column (weight 1, id EXTRA_ID) follows: the shared expert folded into the routed
     ones. The row is the sum of num_parts partial rows stride_lp apart (router_partials_kernel's
     K splits, added in split order; 1 for plain logits).
 
-    One row per program keeps every reduction inside one or two warps: a 2-D [tokens, experts]
-    tile per program spent most of the kernel's time on cross-warp argmax rounds.
+    One row per program: a 2-D [tokens, experts] tile per program was slower (it spent most of
+    its time on cross-warp reductions).
 
-    ONE_PASS (BLOCK_K <= BLOCK_E): the selection is one partial bitonic sort (tl.topk) of int64
-    keys, the selection score's order-preserving bits above the inverted expert index, instead
-    of TOP_K dependent argmax rounds: the same experts in the same order (ties go to the lowest
-    index, as argmax's do) and the same weights, in fewer instructions and shuffle rounds.
+    The selection is one partial bitonic sort (tl.topk, BLOCK_K <= BLOCK_E) of int64 keys, the
+    selection score's order-preserving bits above the inverted expert index: descending score,
+    ties to the lowest index (as TOP_K argmax rounds would pick them), in fewer instructions and
+    shuffle rounds than those dependent rounds (which it replaced: benchmarks/PERF_NOTES.md).
 
     USE_PDL (programmatic dependent launch): only the selection bias (immutable) is read before
     griddepcontrol.wait; the logits and every store come after it."""
@@ -53,25 +52,14 @@ def topk_sigmoid_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, num_experts,
         select += bias.to(tl.float32)
     select = tl.where(mask_e, select, float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
-    if ONE_PASS:
-        bits = select.to(tl.int32, bitcast=True)
-        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)        # signed-int order = float order
-        key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e).to(tl.int64)   # [BLOCK_E]
-        top = tl.topk(key, BLOCK_K)                                 # [BLOCK_K], descending
-        ids = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-        keep = offs_k < TOP_K
-        w_row = tl.where(keep, tl.gather(scores, ids, 0), 0.0)
-        id_row = tl.where(keep, ids, 0)
-    else:
-        w_row = tl.zeros([BLOCK_K], dtype=tl.float32)
-        id_row = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):                            # k rounds of argmax
-            best = tl.argmax(select, axis=0)
-            hit = offs_e == best
-            w = tl.sum(tl.where(hit, scores, 0.0), axis=0)
-            w_row = tl.where(offs_k == j, w, w_row)
-            id_row = tl.where(offs_k == j, best.to(tl.int32), id_row)
-            select = tl.where(hit, float("-inf"), select)
+    bits = select.to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)            # signed-int order = float order
+    key = (bits.to(tl.int64) << 32) | (BLOCK_E - 1 - offs_e).to(tl.int64)      # [BLOCK_E]
+    top = tl.topk(key, BLOCK_K)                                     # [BLOCK_K], descending
+    ids = (BLOCK_E - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+    keep = offs_k < TOP_K
+    w_row = tl.where(keep, tl.gather(scores, ids, 0), 0.0)
+    id_row = tl.where(keep, ids, 0)
     if RENORMALIZE:
         w_row = w_row / (tl.sum(w_row, axis=0) + 1e-20)
     w_row = w_row * scaling
