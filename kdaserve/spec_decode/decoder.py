@@ -64,6 +64,7 @@ from kdaserve.spec_decode.ngram import NgramProposer
 from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
 
 if TYPE_CHECKING:
+    from kdaserve.layers.backends import LayerBackends
     from kdaserve.worker.cuda_graphs import CudaGraphManager
     from kdaserve.worker.input_batch import CachedRequestState, StepBatch
 
@@ -86,11 +87,13 @@ class SpecDecoder:
     def __init__(self, config: EngineConfig, target_args, device: torch.device,
                  dtype: torch.dtype, threshold_kernel: bool = False,
                  target_model: torch.nn.Module | None = None,
-                 race_kernel: bool = False) -> None:
+                 race_kernel: bool = False, backends: LayerBackends | None = None) -> None:
         """threshold_kernel: the rejection sampler's top-k / top-p through the sort-free
         threshold search (the sampler backend). target_model: the loaded target (method mtp:
         the drafter shares its embedding and LM head). race_kernel: its synthetic-acceptance
-        draws through the fused race (LayerBackends.race_sampler)."""
+        draws through the fused race (LayerBackends.race_sampler). backends: the target's
+        layer backends, which the drafter's layers (mtp, dspark, draft_model) take too (None:
+        build_model's baseline set)."""
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         self.method = sc.method
@@ -110,10 +113,10 @@ class SpecDecoder:
             self.proposer = NgramProposer(self.k, sc.prompt_lookup_min, sc.prompt_lookup_max)
         elif sc.method == "mtp":
             self.proposer = self._mtp_proposer(config, target_args, target_model, device, dtype,
-                                               race_kernel)
+                                               race_kernel, backends)
         elif sc.method == "dspark":
             self.proposer = self._dspark_proposer(config, target_args, target_model, device,
-                                                  dtype, race_kernel)
+                                                  dtype, race_kernel, backends)
         else:
             from kdaserve.spec_decode.draft_model import DraftModelProposer
 
@@ -122,7 +125,7 @@ class SpecDecoder:
                 max_num_seqs=config.scheduler_config.max_num_seqs,
                 max_model_len=self.max_model_len, block_size=config.cache_config.block_size,
                 device=device, dtype=dtype, draft_sample_method=sc.draft_sample_method,
-                catchup=sc.draft_catchup, race_draws=race_kernel)
+                catchup=sc.draft_catchup, race_draws=race_kernel, backends=backends)
         self.draft_probs: dict[str, torch.Tensor] = {}
         """req_id -> [K_i, V] distributions its pending drafts were sampled from."""
         self.scratch_base: int | None = None
@@ -138,7 +141,7 @@ class SpecDecoder:
 
     @staticmethod
     def _mtp_proposer(config: EngineConfig, target_args, target_model, device, dtype,
-                      race_draws: bool = False):
+                      race_draws: bool = False, backends: LayerBackends | None = None):
         from kdaserve.models.mtp import build_mtp, load_mtp_weights
         from kdaserve.spec_decode.mtp import MTPProposer
 
@@ -146,7 +149,7 @@ class SpecDecoder:
             raise ValueError("speculative method 'mtp' needs the target model (its MTP layers "
                              "share its embedding and LM head)")
         sc = config.speculative_config
-        model = build_mtp(target_model, target_args, dtype, device)
+        model = build_mtp(target_model, target_args, dtype, device, backends)
         load_mtp_weights(model, sc.model, target_args, config.load_config)
         return MTPProposer(model, sc.num_speculative_tokens,
                            config.scheduler_config.max_num_seqs,
@@ -156,7 +159,7 @@ class SpecDecoder:
 
     @staticmethod
     def _dspark_proposer(config: EngineConfig, target_args, target_model, device, dtype,
-                         race_draws: bool = False):
+                         race_draws: bool = False, backends: LayerBackends | None = None):
         from kdaserve.models.dspark import DSparkConfig, build_dspark, load_dspark_weights
         from kdaserve.spec_decode.dspark import DSparkProposer
 
@@ -165,7 +168,7 @@ class SpecDecoder:
                              "shares its embedding and LM head)")
         sc = config.speculative_config
         model = build_dspark(target_model, DSparkConfig.from_folder(sc.model, target_args),
-                             dtype, device)
+                             dtype, device, backends)
         load_dspark_weights(model, sc.model, config.load_config)
         return DSparkProposer(model, sc.num_speculative_tokens,
                               config.scheduler_config.max_num_seqs,

@@ -174,7 +174,8 @@ class DraftModelProposer:
     def from_pretrained(cls, path: str, target_args: KimiLinearArgs, **kwargs
                         ) -> DraftModelProposer:
         """Load the draft from an HF-style folder (speculative_config.model); kwargs as
-        __init__ (without model / args). The vocabularies must match."""
+        __init__ (without model / args), plus backends (the draft's layer backends, None for
+        build_model's baseline set). The vocabularies must match."""
         import json
         import os
 
@@ -191,7 +192,8 @@ class DraftModelProposer:
         if args.vocab_size != target_args.vocab_size:
             raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size "
                              f"{target_args.vocab_size}")
-        model = build_model(args, kwargs["dtype"], kwargs["device"], resolve_architecture(hf))
+        model = build_model(args, kwargs["dtype"], kwargs["device"], resolve_architecture(hf),
+                            kwargs.pop("backends", None))
         load_weights(model, path, LoadConfig())
         return cls(model, args, **kwargs)
 

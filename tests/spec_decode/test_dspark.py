@@ -383,3 +383,20 @@ def test_block_drafts_markov_head_positions():
                     assert want[drafts[i, j]] > 0
             prev = drafts[:, j]
         assert (q is None) == (method == "greedy")
+
+
+def test_drafter_layers_take_the_target_backends(tiny_model_dir, dspark_dir):
+    """The drafter is built with the backends the worker chose for the target (its MLA fold
+    switch here), not build_model's baseline set."""
+    from kdaserve.engine.arg_utils import config_from_kwargs
+    from kdaserve.layers.backends import LayerBackends
+    from kdaserve.spec_decode.decoder import SpecDecoder
+
+    model, args, _ = _target_and_drafter(tiny_model_dir, dspark_dir)
+    config = config_from_kwargs({"model": tiny_model_dir, "device": "cpu",
+                                 "speculative_config": _dspark(dspark_dir)})
+    for fold in (True, False):
+        spec = SpecDecoder(config, args, torch.device("cpu"), torch.float32, target_model=model,
+                           backends=LayerBackends(mla_verify_fold=fold))
+        attns = [layer.self_attn for layer in spec.proposer.model.layers]
+        assert attns and all(a.verify_fold is fold for a in attns)
