@@ -26,6 +26,14 @@ MEASURED = {
     (1, 18432, 2304, BF16): GemvConfig(block_n=8, block_k=256, num_warps=1, num_stages=3),
     (1, 2304, 9216, BF16): GemvConfig(block_n=4, block_k=1024, num_warps=2, num_stages=4),
 }
+# kimi-k3-mini's dense decode shapes, measured on the H200 (bench_chain.py --gemv-shapes ...)
+MEASURED_K3 = {
+    (1, 8336, 2048, BF16): GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3),
+    (1, 2048, 2048, BF16): GemvConfig(block_n=8, block_k=1024, num_warps=8, num_stages=3),
+    (1, 4096, 2048, BF16): GemvConfig(block_n=4, block_k=1024, num_warps=1, num_stages=3),
+    (1, 3392, 2048, BF16): GemvConfig(block_n=8, block_k=1024, num_warps=4, num_stages=2),
+    (1, 256, 2048, F32): GemvConfig(block_n=2, block_k=1024, num_warps=1, num_stages=3),
+}
 
 
 def _keyed(table):
@@ -39,7 +47,7 @@ def test_shape_key_and_file_name():
 
 
 def test_h200_file_holds_the_measured_configs():
-    assert tuned_configs(H200, 132) == _keyed(MEASURED)
+    assert tuned_configs(H200, 132) == _keyed(MEASURED | MEASURED_K3)
     assert all(cfg.prefetch == 2 for cfg in tuned_configs(H200, 132).values())
 
 
