@@ -85,15 +85,16 @@ class _PendingCommit:
 
 class SpecDecoder:
     def __init__(self, config: EngineConfig, target_args, device: torch.device,
-                 dtype: torch.dtype, threshold_kernel: bool = False,
-                 target_model: torch.nn.Module | None = None,
-                 race_kernel: bool = False, backends: LayerBackends | None = None) -> None:
-        """threshold_kernel: the rejection sampler's top-k / top-p through the sort-free
-        threshold search (the sampler backend). target_model: the loaded target (method mtp:
-        the drafter shares its embedding and LM head). race_kernel: its synthetic-acceptance
-        draws through the fused race (LayerBackends.race_sampler). backends: the target's
-        layer backends, which the drafter's layers (mtp, dspark, draft_model) take too (None:
-        build_model's baseline set)."""
+                 dtype: torch.dtype, target_model: torch.nn.Module | None = None,
+                 backends: LayerBackends | None = None) -> None:
+        """target_model: the loaded target (methods mtp, dspark: the drafter shares its
+        embedding and LM head). backends: the target's layer backends. The drafter's layers
+        (mtp, dspark, draft_model) take them too, and the rejection sampler follows their
+        sampler choices: top-k / top-p through the sort-free threshold search, synthetic
+        acceptance draws through the fused race. None: build_model's baseline set for the
+        drafter, the plain sampler paths."""
+        threshold_kernel = backends is not None and backends.sampler == "threshold"
+        race_kernel = backends is not None and backends.race_sampler
         sc = config.speculative_config
         self.k = sc.num_speculative_tokens
         self.method = sc.method

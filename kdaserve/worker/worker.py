@@ -149,10 +149,7 @@ class Worker:
         spec = None
         if config.speculative_config.enabled:   # before profiling: a draft model's memory counts
             spec = SpecDecoder(config, self.args, self.device, self.dtype,
-                               threshold_kernel=self.backends.sampler == "threshold",
-                               target_model=self.model,
-                               race_kernel=self.backends.race_sampler,
-                               backends=self.backends)
+                               target_model=self.model, backends=self.backends)
         self.dcp_size = self.parallel.dcp_size
         dcp = (DCPGroup.of(self.parallel.dcp, config.parallel_config.dcp_kv_cache_interleave_size)
                if self.dcp_size > 1 else None)
