@@ -282,10 +282,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         EVEN_N=D % c2.block_n == 0, num_warps=c2.num_warps,
         num_stages=c2.num_stages, **pdl_opts,
     )
-    block_j = next_power_of_2(top_k)
-    block_d = min(next_power_of_2(D), max(64, 4096 // block_j))      # <= 4K values a program
-    moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, buf.stride(0), out.stride(0),
-                                          TOP_K=top_k, BLOCK_J=block_j, BLOCK_D=block_d,
+    block_d = min(1024, next_power_of_2(D))
+    moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,
+                                          buf.stride(0), out.stride(0), BLOCK_D=block_d,
                                           num_warps=4, **pdl_opts)
     return out
 

@@ -269,24 +269,18 @@ def moe_gemm2_kernel(
 
 
 @triton.jit
-def moe_sum_kernel(buf_ptr, topk_ids_ptr, out_ptr, hidden, num_experts,
-                   stride_bm, stride_om, TOP_K: tl.constexpr, BLOCK_J: tl.constexpr,
-                   BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
-    """out[n, cols] = sum of buf[n * TOP_K + j, cols] over the token's entries j with an expert
-    id in [0, E). All TOP_K expert ids and rows are loaded as one [BLOCK_J, BLOCK_D] tile, so
-    their loads are in flight together: a loop over j was a chain of dependent id-then-row
-    loads, TOP_K latencies long."""
+def moe_sum_kernel(buf_ptr, topk_ids_ptr, out_ptr, hidden, num_experts, top_k,
+                   stride_bm, stride_om, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_wait(USE_PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < hidden
-    offs_j = tl.arange(0, BLOCK_J)
-    r = n * TOP_K + offs_j                                               # [BLOCK_J]
-    e = tl.load(topk_ids_ptr + r, mask=offs_j < TOP_K, other=-1)
-    ok = (offs_j < TOP_K) & (e >= 0) & (e < num_experts)
-    rows = tl.load(buf_ptr + r[:, None] * stride_bm + offs_d[None, :],
-                   mask=ok[:, None] & mask_d[None, :], other=0.0)       # [BLOCK_J, BLOCK_D]
-    acc = tl.sum(rows.to(tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in range(0, top_k):
+        r = n * top_k + j
+        e = tl.load(topk_ids_ptr + r)
+        ok = (e >= 0) & (e < num_experts)
+        acc += tl.load(buf_ptr + r * stride_bm + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * stride_om + offs_d, acc.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
