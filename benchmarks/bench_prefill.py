@@ -232,20 +232,28 @@ def case_sdpa(rows, ceil, T, deadline):
     ke = torch.cat([kv[..., :128], pe.expand(T, MLA_HEADS, QK_DIM - 128)], -1)
     ve = kv[..., 128:]
 
-    def engine(vv, prio):
-        qi, kt, vt = (t.transpose(0, 1)[None] for t in (qe, ke, vv))
-        if not prio:
-            return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def engine(vv, backends):
         from torch.nn.attention import sdpa_kernel
 
-        with sdpa_kernel(mla_backend.SDPA_PRIORITY, set_priority=True):
+        qi, kt, vt = (t.transpose(0, 1)[None] for t in (qe, ke, vv))
+        if backends is None:
+            return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+        with sdpa_kernel(backends, set_priority=True):
             return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
 
-    cands = [("engine layout, v padded (before)",
-              lambda: engine(F.pad(ve, (0, QK_DIM - V_DIM)), False)),
-             ("engine layout, strided v, cuDNN first", lambda: engine(ve, True)),
-             ("engine layout, v.contiguous(), cuDNN first", lambda: engine(ve.contiguous(), True)),
-             ("engine layout, strided v, default order", lambda: engine(ve, False))]
+    def v_pad():
+        return F.pad(ve, (0, QK_DIM - V_DIM))
+
+    cands = [("engine layout, v padded, the engine's PREFILL_BACKENDS (flash)",
+              lambda: engine(v_pad(), mla_backend.PREFILL_BACKENDS)),
+             ("engine layout, v padded, default order", lambda: engine(v_pad(), None)),
+             ("engine layout, strided v, cuDNN first", lambda: engine(ve, cudnn_first)),
+             ("engine layout, v.contiguous(), cuDNN first",
+              lambda: engine(ve.contiguous(), cudnn_first)),
+             ("engine layout, strided v, default order", lambda: engine(ve, None))]
     run_candidates(rows, f"mla_prefill_sdpa engine layout T={T}",
                    flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline + 30)
     # a chunk after a cached prefix: bottom-right aligned causal mask (the last 3/8 of T)
@@ -279,6 +287,43 @@ def case_sdpa(rows, ceil, T, deadline):
     chunk_flops = 2 * MLA_HEADS * q_len * (T - q_len / 2) * (QK_DIM + V_DIM)
     run_candidates(rows, f"mla_prefill_sdpa chunk {q_len}/{T}",
                    chunk_flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline + 30)
+    rows.append(first_calls(scale, cudnn_first, T // 8))
+
+
+def first_calls(scale: float, cudnn_first, base: int) -> dict:
+    """The first call at each of 8 sequence lengths not run before in the process (cuDNN builds
+    an execution graph per new shape on the host), against the third call, per backend order."""
+    from torch.nn.attention import sdpa_kernel
+
+    from kdaserve.attention import mla_backend
+
+    def call(T, backends, pad):
+        q = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
+        k = torch.randn_like(q)
+        v = torch.randn(1, MLA_HEADS, T, V_DIM, device="cuda").bfloat16()
+        v = F.pad(v, (0, QK_DIM - V_DIM)) if pad else v
+        ms = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            with sdpa_kernel(backends, set_priority=True):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            torch.cuda.synchronize()
+            ms.append((time.perf_counter() - t) * 1e3)
+        return ms
+
+    row = {"case": f"mla_prefill_sdpa first call at a new length, from {base} (ms)"}
+    for i, (label, backends, pad) in enumerate((
+            ("strided v, cuDNN first", cudnn_first, False),
+            ("v padded, PREFILL_BACKENDS", mla_backend.PREFILL_BACKENDS, True))):
+        lengths = [base + 112 * (8 * i + j) for j in range(8)]
+        runs = [call(T, backends, pad) for T in lengths]
+        row[label] = {"lengths": lengths, "first_ms": [r[0] for r in runs],
+                      "third_ms": [r[2] for r in runs]}
+        print(f"  first call at a new length, {label}: "
+              f"{[round(r[0], 2) for r in runs]} ms (third call {[round(r[2], 2) for r in runs]})",
+              flush=True)
+    return row
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,6 @@ chunks all-gather their context's latents first (attention/dcp.py).
 
 from __future__ import annotations
 
-import functools
 from contextlib import nullcontext
 
 import torch
@@ -69,21 +68,14 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 
 
-SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""Prefill attention's backend order where _cudnn_first holds: PyTorch's default order would
-take the memory-efficient kernel for the bottom-right mask with v_head_dim != qk_head_dim."""
-
-
-@functools.cache
-def _cudnn_first(device: torch.device) -> bool:
-    """Whether prefill attention runs cuDNN's fused attention with v at its own head dim on
-    `device` (sm_90+ with cuDNN): faster there than padding v to the qk head dim for flash
-    attention, plain causal and bottom-right masked alike (benchmarks/bench_prefill.py sdpa,
-    PERF_NOTES.md). Elsewhere v is padded for flash attention."""
-    if not torch.backends.cudnn.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
+"""Prefill attention's SDPA backends on CUDA, v padded to the qk head dim so that flash takes
+both the plain causal and the bottom-right aligned mask. Not cuDNN: it builds an execution
+graph on the host, syncing the device, for every new (q_len, kv_len), which serving would pay
+at nearly every new prompt length and chunk split (its kernel alone is a little faster at a
+shape it has built). Not the memory-efficient kernel, where torch sends the bottom-right mask
+when v keeps its own head dim: slower than flash there (benchmarks/PERF_NOTES.md, Decisions)."""
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
@@ -112,17 +104,16 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]
         q_len, kv_len = e - s, k.shape[0]
         v_dim = v.shape[-1]
-        cudnn = q.is_cuda and _cudnn_first(q.device)
-        if q.is_cuda and v_dim != k.shape[-1] and not cudnn:
+        if q.is_cuda and v_dim != k.shape[-1]:
             # flash attention wants one head dim for q, k and v: pad v with zeros, slice after
             v = F.pad(v, (0, k.shape[-1] - v_dim))
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]           # [1, H, L, d]
-        with sdpa_kernel(SDPA_PRIORITY, set_priority=True) if cudnn else nullcontext():
+        with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else nullcontext():
             if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)
                 o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
             else:
                 # bottom-right aligned causal: query j sees keys <= kv_len - q_len + j. The
-                # bias object dispatches to the fused kernels without materialising a mask.
+                # bias object dispatches to flash without materialising a mask.
                 o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
                                                    attn_mask=causal_lower_right(q_len, kv_len))
         out[s:e] = o[0].transpose(0, 1)[..., :v_dim]                         # [q_len, H, v]
