@@ -15,7 +15,8 @@
 # plain at ABNEW_BATCHES and DSpark at 1,16, 8000-token prompts, with the defaults and with
 # ABNEW_OFF: router_partials and sampling_race_kernel off by default), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
-# firststeps (first_steps.py: compiles and autotuning per engine step), chain (bench_chain.py,
+# firststeps (first_steps.py: compiles and autotuning per engine step), mixed (bench_mixed.py:
+# a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
 # 4096), sampling (bench_sampler.py's three samplers at SAMPLER_BATCHES rows), topp
@@ -132,6 +133,12 @@ if [[ $STAGES == *firststeps* ]]; then   # which steps JIT-compile or autotune o
   timeout ${FIRSTSTEPS_TIMEOUT:-300} python3 benchmarks/first_steps.py /tmp/k48 \
     --out "$OUT/first_steps.json" ${FIRSTSTEPS_ARGS:-} 2>&1 | grep -v Warning | tail -150 \
     | tee "$OUT/first_steps.log"
+fi
+if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  timeout ${MIXED_TIMEOUT:-400} python3 benchmarks/bench_mixed.py /tmp/k48 \
+    ${MIXED_ARGS:---decodes 16,63 --bursts 16,16 --profile} --out "$OUT/mixed.json" 2>&1 \
+    | grep -v Warning | grep -v "^USDT" | tail -60 | tee "$OUT/mixed.log"
 fi
 if [[ $STAGES == *chain* ]]; then   # decode kernels as chains of pdl calls (bench_chain.py)
   timeout ${CHAIN_TIMEOUT:-500} python3 benchmarks/bench_chain.py --out "$OUT/chain.json" \
