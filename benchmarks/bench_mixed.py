@@ -145,13 +145,13 @@ def main() -> None:
     bursts = [int(x) for x in args.bursts.split(",") if x]
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(
-        model=args.model, load_format=args.load_format, max_model_len=args.max_model_len, max_num_seqs=64,
-        max_num_batched_tokens=BUDGET, gpu_memory_utilization=0.9, enable_prefix_caching=False,
-        enforce_eager=args.enforce_eager,
-        **args.optimization_config)
+        model=args.model, load_format=args.load_format, max_model_len=args.max_model_len,
+        max_num_seqs=64, max_num_batched_tokens=BUDGET, gpu_memory_utilization=0.9,
+        enable_prefix_caching=False, enforce_eager=args.enforce_eager, **args.optimization_config)
     engine.engine_config.scheduler_config.async_scheduling = False   # one step() = one step
     result = {"command": " ".join(sys.argv), "commit": git_commit(),
-              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__,
               "engine_start_s": time.perf_counter() - t0, "prompt_len": args.prompt_len}
     vocab, reqs, n = engine.vocab_size, engine.scheduler.requests, args.prompt_len
     long_run = SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
