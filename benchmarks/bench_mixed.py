@@ -159,6 +159,12 @@ def main() -> None:
     def prefilled(ids) -> bool:
         return all(reqs[i].num_computed_tokens >= reqs[i].num_prompt_tokens for i in ids)
 
+    def add_prompts(prefix: str, count: int) -> list[str]:
+        ids = [f"{prefix}-{i}" for i in range(count)]
+        for rid in ids:
+            engine.add_request(rid, prompt(rng, n, vocab), long_run)
+        return ids
+
     # prefill alone (the first request also builds whatever the warm-up left)
     alone = []
     for i in range(args.repeats + 1):
@@ -174,9 +180,7 @@ def main() -> None:
 
     result["mixed"] = []
     for b in decodes:
-        ids = [f"d{b}-{i}" for i in range(b)]
-        for rid in ids:
-            engine.add_request(rid, prompt(rng, n, vocab), long_run)
+        ids = add_prompts(f"d{b}", b)
         step_until(engine, lambda: prefilled(ids))
         for _ in range(3):
             timed_step(engine)
@@ -201,9 +205,7 @@ def main() -> None:
 
     result["bursts"] = []
     for c in bursts:
-        ids = [f"b{c}-{i}" for i in range(c)]
-        for rid in ids:
-            engine.add_request(rid, prompt(rng, n, vocab), long_run)
+        ids = add_prompts(f"b{c}", c)
         steps, ttft, t_start = [], {}, time.perf_counter()
         while not prefilled(ids):
             s = timed_step(engine)
