@@ -12,6 +12,14 @@ cache during it (Triton's JIT hooks) plus every autotuning run (Triton's autotun
 stdout). Each wave runs twice: the second pass
 shows the steady time of the same compositions, so a slow first step with no compile event
 points elsewhere (fla's own caches, cuBLAS, the allocator).
+
+Cold start-up (an empty Triton cache) with and without fla's stored configs, and the configs
+fla's autotuning chose written where kdaserve ships them:
+
+    TRITON_CACHE_DIR=$(mktemp -d) FLA_CACHE_MODE=disabled python benchmarks/first_steps.py \
+        MODEL_DIR --waves '' --dump-fla-configs kdaserve/kernels/configs/fla --out cold.json
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/first_steps.py MODEL_DIR --waves '' \
+        --out cold_stored.json
 """
 
 from __future__ import annotations
@@ -77,10 +85,25 @@ def run_wave(engine: LLMEngine, log: CompileLog, tag: str, n: int, prompt_len: i
     return steps
 
 
+def compile_summary(events: list[dict]) -> dict:
+    """Compile (or disk-cache load) events: how many, their seconds, and per kernel (count,
+    seconds), most seconds first. On an empty Triton cache an autotuned kernel shows one event
+    per candidate config; the benchmarking between them is not in the seconds."""
+    by: dict[str, list] = {}
+    for e in events:
+        n_s = by.setdefault(e["kernel"], [0, 0.0])
+        n_s[0] += 1
+        n_s[1] += e["s"]
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
+    return {"events": len(events), "seconds": round(sum(e["s"] for e in events), 2),
+            "by_kernel": [(k, n, round(sec, 2)) for k, (n, sec) in ranked]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--waves", default="4,16", help="requests per wave, comma list")
+    ap.add_argument("--waves", default="4,16",
+                    help="requests per wave, comma list ('': start-up only)")
     ap.add_argument("--prompt-len", type=int, default=8000)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--sampling", choices=("greedy", "top_p"), default="greedy",
@@ -91,6 +114,9 @@ def main() -> None:
                     help="as kdaserve serve's (JSON), e.g. a DSpark drafter: "
                          '\'{"method":"dspark","model":DIR,"num_speculative_tokens":8,'
                          '"draft_sample_method":"probabilistic"}\'')
+    ap.add_argument("--dump-fla-configs", default=None, metavar="ROOT",
+                    help="after start-up, write the configs fla's autotuners chose into "
+                         "ROOT/{GPU}/ (kdaserve/kernels/configs/fla is the shipped root)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     log = CompileLog()
@@ -100,13 +126,27 @@ def main() -> None:
         max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
         async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
     start_s = time.perf_counter() - t0
+    compiles = log.take()
     result = {"command": " ".join(sys.argv), "commit": git_commit(),
               "gpu": torch.cuda.get_device_name(), "engine_start_s": start_s,
-              "start_compiles": log.take(), "waves": []}
-    print(f"engine start {start_s:.1f} s, {len(result['start_compiles'])} kernels compiled or "
-          "loaded", flush=True)
+              "env": {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "FLA_CACHE_MODE",
+                                                     "FLA_CONFIG_DIR")},
+              "start_summary": compile_summary(compiles), "start_compiles": compiles,
+              "waves": []}
+    summary = result["start_summary"]
+    print(f"engine start {start_s:.1f} s, {summary['events']} kernels compiled or loaded in "
+          f"{summary['seconds']:.1f} s; by kernel (count, s): {summary['by_kernel'][:12]}",
+          flush=True)
+    if args.dump_fla_configs:
+        from pathlib import Path
+
+        from kdaserve.kernels.fla_configs import dump_configs
+
+        result["fla_configs_written"] = dump_configs(torch.cuda.get_device_name(),
+                                                     Path(args.dump_fla_configs))
+        print(f"fla configs written: {result['fla_configs_written']}", flush=True)
     rng = random.Random(0)
-    for n in [int(x) for x in args.waves.split(",")]:
+    for n in [int(x) for x in args.waves.split(",") if x]:
         for rep in (1, 2):
             steps = run_wave(engine, log, f"w{n}.{rep}", n, args.prompt_len, args.output_len, rng,
                              args.sampling == "top_p")

@@ -15,7 +15,8 @@
 # plain at ABNEW_BATCHES and DSpark at 1,16, 8000-token prompts, with the defaults and with
 # ABNEW_OFF: router_partials and sampling_race_kernel off by default), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
-# firststeps (first_steps.py: compiles and autotuning per engine step), mixed (bench_mixed.py:
+# firststeps (first_steps.py: compiles and autotuning per engine step), coldstart (engine
+# start on an empty Triton cache, fla autotuning then the configs it chose, COLD_MODEL), mixed (bench_mixed.py:
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
@@ -133,6 +134,20 @@ if [[ $STAGES == *firststeps* ]]; then   # which steps JIT-compile or autotune o
   timeout ${FIRSTSTEPS_TIMEOUT:-300} python3 benchmarks/first_steps.py /tmp/k48 \
     --out "$OUT/first_steps.json" ${FIRSTSTEPS_ARGS:-} 2>&1 | grep -v Warning | tail -150 \
     | tee "$OUT/first_steps.log"
+fi
+if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache: fla autotuning, then stored fla configs
+  python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  # the baseline: fla autotunes every kernel (a user's FLA_CACHE_MODE wins over the stored
+  # configs); its choices are written where kdaserve ships them, so the second run reads them
+  TRITON_CACHE_DIR=$(mktemp -d) FLA_CACHE_MODE=disabled timeout ${COLDSTART_TIMEOUT:-280} \
+    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
+    --dump-fla-configs kdaserve/kernels/configs/fla --out "$OUT/coldstart_autotune.json" 2>&1 \
+    | grep -E "engine start|fla configs" | tee "$OUT/coldstart.log"
+  cp -r kdaserve/kernels/configs/fla "$OUT/fla_configs"
+  TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
+    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
+    --out "$OUT/coldstart_stored.json" 2>&1 | grep -E "engine start|fla configs" \
+    | tee -a "$OUT/coldstart.log"
 fi
 if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null

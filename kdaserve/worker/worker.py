@@ -30,6 +30,7 @@ from kdaserve.distributed.parallel_state import ParallelState
 from kdaserve.disagg.base import ConnectorWorker
 from kdaserve.disagg.factory import make_connector_worker
 from kdaserve.disagg.ranks import RankAgreement
+from kdaserve.kernels.fla_configs import use_stored_configs
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
@@ -139,6 +140,8 @@ class Worker:
             self._used_at_start = total - free - torch.cuda.memory_reserved(self.device)
         self.kernel_config = supported_kernels(config.kernel_config, self.device)
         self.backends = select_backends(self.kernel_config, self.device)
+        if self.backends.kda.startswith("fla"):
+            use_stored_configs(torch.cuda.get_device_name(self.device))
         t0 = time.perf_counter()
         self.model = build_model(self.args, self.dtype, self.device,
                                  resolve_architecture(mc.hf_config), self.backends,
