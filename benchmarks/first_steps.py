@@ -20,6 +20,8 @@ fla's autotuning chose written where kdaserve ships them:
         MODEL_DIR --waves '' --dump-fla-configs kdaserve/kernels/configs/fla --out cold.json
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/first_steps.py MODEL_DIR --waves '' \
         --out cold_stored.json
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/first_steps.py MODEL_DIR --waves '' \
+        --compile-workers 15 --out cold_pool.json
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def main() -> None:
                     help="as kdaserve serve's (JSON), e.g. a DSpark drafter: "
                          '\'{"method":"dspark","model":DIR,"num_speculative_tokens":8,'
                          '"draft_sample_method":"probabilistic"}\'')
+    ap.add_argument("--compile-workers", type=int, default=0,
+                    help="the engine's compile_workers (start-up compiles in N processes)")
     ap.add_argument("--dump-fla-configs", default=None, metavar="ROOT",
                     help="after start-up, write the configs fla's autotuners chose into "
                          "ROOT/{GPU}/ (kdaserve/kernels/configs/fla is the shipped root)")
@@ -124,7 +128,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         model=args.model, load_format="dummy", max_model_len=12288, max_num_seqs=32,
         max_num_batched_tokens=8192, gpu_memory_utilization=0.9,
-        async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
+        async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+        compile_workers=args.compile_workers)
     start_s = time.perf_counter() - t0
     compiles = log.take()
     result = {"command": " ".join(sys.argv), "commit": git_commit(),

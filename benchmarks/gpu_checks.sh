@@ -16,7 +16,8 @@
 # ABNEW_OFF: router_partials and sampling_race_kernel off by default), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), coldstart (engine
-# start on an empty Triton cache, fla autotuning then the configs it chose, COLD_MODEL), mixed (bench_mixed.py:
+# start on an empty Triton cache: fla autotuning, then the configs it chose, then those and
+# COLD_WORKERS compile processes; COLD_MODEL), mixed (bench_mixed.py:
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
@@ -148,6 +149,11 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
     python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
     --out "$OUT/coldstart_stored.json" 2>&1 | grep -E "engine start|fla configs" \
     | tee -a "$OUT/coldstart.log"
+  # and kdaserve's kernel variants compiled by a pool of processes (compile_workers)
+  TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
+    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
+    --compile-workers ${COLD_WORKERS:-15} --out "$OUT/coldstart_pool.json" 2>&1 \
+    | grep -E "engine start|fla configs|compile ahead" | tee -a "$OUT/coldstart.log"
 fi
 if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null

@@ -140,18 +140,28 @@ class DecodeGraphs(StepBuffers):
             md.dcp = DCPMetadata(self.dcp, self.local_seq_lens[:bs])
         return md
 
+    def _work(self, bs: int) -> tuple[BatchDescriptor, Callable[[], Any]]:
+        """The graph of capture size bs: its descriptor and its forward."""
+        desc = self.descriptor(bs)
+        ctx = ForwardContext(self.decode_metadata(bs), self.caches, self.graphs.plan(desc))
+        ids = self.input_ids[:bs]
+        return desc, lambda: self.model(ids, ctx, **self.hidden_outputs)
+
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         for bs in reversed(self.sizes):
-            desc = self.descriptor(bs)
-            ctx = ForwardContext(self.decode_metadata(bs), self.caches, self.graphs.plan(desc))
-            ids = self.input_ids[:bs]
-            self.graphs.capture(desc, lambda ids=ids, ctx=ctx: self.model(ids, ctx,
-                                                                          **self.hidden_outputs))
+            self.graphs.capture(*self._work(bs))
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (sizes %s) in %.1f s", len(self.sizes),
                     self.sizes, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run_uncaptured(self) -> None:
+        """Every capture size's forward once, eagerly, with the plan its graph is captured
+        with (the kernel variants a capture launches, compiled ahead: worker.py)."""
+        for bs in reversed(self.sizes):
+            self._work(bs)[1]()
 
     def can_run(self, batch: "StepBatch") -> bool:
         n = len(batch.req_ids)

@@ -30,6 +30,7 @@ from kdaserve.distributed.parallel_state import ParallelState
 from kdaserve.disagg.base import ConnectorWorker
 from kdaserve.disagg.factory import make_connector_worker
 from kdaserve.disagg.ranks import RankAgreement
+from kdaserve.kernels.compile_ahead import CompileAhead
 from kdaserve.kernels.fla_configs import use_stored_configs
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
@@ -142,6 +143,13 @@ class Worker:
         self.backends = select_backends(self.kernel_config, self.device)
         if self.backends.kda.startswith("fla"):
             use_stored_configs(torch.cuda.get_device_name(self.device))
+        self._ahead: CompileAhead | None = None
+        """Start-up only: the pool compiling kdaserve's kernel variants (compile_workers)."""
+        if self.device.type == "cuda" and config.compile_workers > 0:
+            from triton.runtime import driver
+
+            t = driver.active.get_current_target()
+            self._ahead = CompileAhead(config.compile_workers, (t.backend, t.arch, t.warp_size))
         t0 = time.perf_counter()
         self.model = build_model(self.args, self.dtype, self.device,
                                  resolve_architecture(mc.hf_config), self.backends,
@@ -243,7 +251,7 @@ class Worker:
                                              self.device, self.tp_size)
         md = build_metadata([n], [0], [list(range(nb))], [0], self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._deferring():   # launches skipped: same memory peak
             h = self.model(ids, ForwardContext(md, caches))
             self.model.compute_logits(h[-min(n, sc.max_num_seqs):])
         torch.cuda.synchronize()
@@ -285,6 +293,8 @@ class Worker:
         if self.spec is not None:
             logger.info("%s", self.spec.memory_line())
         if self.device.type == "cuda":
+            if self._ahead is not None:
+                self._compile_ahead()
             warmup_steps(runner, self.config.scheduler_config)
             warmup_sampler(runner.sampler, self.args.vocab_size, self.device)
             if self.spec is not None:
@@ -329,6 +339,30 @@ class Worker:
                     slots["kv"], slots["state"],
                     sum(slots[k] * self.offload.nbytes[k] for k in slots) / 2**30,
                     f", disk level in {folder}" if folder is not None else "")
+
+    def _deferring(self):
+        """The compile pool's deferral while it exists (start-up), else nothing."""
+        return self._ahead.deferring() if self._ahead is not None else contextlib.nullcontext()
+
+    def _compile_ahead(self) -> None:
+        """The warm-up steps and the decode graphs' forwards (eager, with the plan each graph
+        is captured with) once with kdaserve's kernel variants compiled by the pool instead of
+        launched, then the pool's wait: the warm-up and the captures that follow load every
+        variant from Triton's disk cache. Garbage lands only where the warm-up's own writes
+        do (the caches' rows no request holds yet, the scratch KDA row)."""
+        sc = self.config.scheduler_config
+        with self._ahead.deferring():
+            warmup_steps(self.model_runner, sc)
+            if not self.config.enforce_eager:
+                runner = self.model_runner
+                DecodeGraphs(CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl),
+                             self.model, runner.caches, runner.num_slots, self.block_size,
+                             sc.max_model_len, self.device, dcp=runner.dcp,
+                             hidden_outputs=self.spec.hidden_outputs if self.spec else None
+                             ).run_uncaptured()
+            torch.cuda.synchronize()
+        self._ahead.wait()
+        self._ahead = None
 
     def _capture_graphs(self) -> None:
         """Decode graphs, then the spec decoder's (verification, draft model), all in one

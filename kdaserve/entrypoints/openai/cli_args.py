@@ -164,6 +164,7 @@ ADDITIONAL_CONFIG_KEYS: dict[str, KeyType] = {
     "dcp_kv_cache_interleave_size": POSITIVE_INT,
     "kv_offload_disk_path": STRING,
     "kv_offload_disk_size": POSITIVE_FLOAT,
+    "compile_workers": NON_NEGATIVE_INT,
     "mirror_reasoning_content": BOOL,
     "max_request_body_bytes": POSITIVE_INT,
     "engine_startup_timeout": POSITIVE_FLOAT,
@@ -180,7 +181,7 @@ by the server from args.additional_config, which holds every key (ADDITIONAL_CON
 for those not given)."""
 
 ENGINE_ADDITIONAL_KEYS = ("num_state_slots", "dist_timeout", "dcp_kv_cache_interleave_size",
-                          "kv_offload_disk_path", "kv_offload_disk_size")
+                          "kv_offload_disk_path", "kv_offload_disk_size", "compile_workers")
 
 ADDITIONAL_CONFIG_DEFAULTS: dict[str, Any] = {
     "mirror_reasoning_content": True,

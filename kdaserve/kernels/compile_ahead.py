@@ -1,0 +1,135 @@
+"""Start-up compiles of kdaserve's Triton kernels in a pool of processes.
+
+Triton compiles a kernel variant (one specialisation of its arguments and constexprs) when it is
+first launched, in the launching thread, and the start-up forwards launch a hundred-odd variants
+one after another: on an empty Triton cache that is minutes of one core. CompileAhead runs those
+forwards once with the compiles handed to worker processes instead:
+
+    ahead = CompileAhead(workers, target)
+    with ahead.deferring():
+        run the start-up forwards      # kdaserve kernels not compiled yet: not launched
+    ahead.wait()                        # the workers have filled Triton's on-disk cache
+    run the start-up forwards again     # every variant now loads from the disk cache
+
+Inside `deferring()` a launch of a kdaserve kernel whose variant has no compiled binary in this
+process is skipped (Triton's jit_cache_hook returns True: no compile, no launch) and the variant's
+specialisation data goes to a worker, which compiles it for the same target into the on-disk
+cache (the same cache key: JITFunction.preload's reconstruction, with the target given instead
+of read from a driver, so the workers never touch the GPU). Everything else runs as usual: torch
+ops, cuBLAS and other packages' Triton kernels (fla's, whose autotuning must time real launches).
+The deferred forwards therefore compute garbage from uninitialised outputs: only forwards whose
+host side reads no device value and whose torch ops index with no kernel output may run there
+(the target model's forward: indices come from the step's metadata).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+
+logger = logging.getLogger(__name__)
+
+PACKAGE = "kdaserve."
+"""The modules whose kernels are deferred."""
+
+
+def compile_variant(module: str, qualname: str, specialization_data: str,
+                    target: tuple[str, int | str, int]) -> str:
+    """Compile one variant into Triton's on-disk cache (a worker process: no driver needed).
+    specialization_data: the JSON of Triton's jit hooks; target: GPUTarget's fields (backend,
+    arch, warp size). Returns the kernel's name."""
+    import importlib
+    import json
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction
+
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    while not isinstance(fn, JITFunction):   # under triton.heuristics / autotune wrappers
+        fn = fn.fn
+    d = json.loads(specialization_data)
+    constexprs = {tuple(k): (tl.dtype(v) if tl.dtype.is_dtype(v) else
+                             tl.constexpr(v["constexpr"]) if isinstance(v, dict)
+                             and "constexpr" in v else v)
+                  for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(d["attrs_keys"], d["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in d["signature"].items()}
+    gpu = GPUTarget(*target)
+    options = make_backend(gpu).parse_options(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=gpu,
+                   options=options.__dict__)
+    return fn.__name__
+
+
+def _tuples(v):
+    """JSON lists back to the tuples Triton's signatures hold."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+class CompileAhead:
+    """A pool of compile workers and the hook that defers kdaserve's kernels to it."""
+
+    def __init__(self, workers: int, target: tuple[str, int | str, int]) -> None:
+        """workers: processes (spawned: the parent holds a CUDA context); target: the GPU's
+        (backend, arch, warp size), e.g. from triton.runtime.driver.active.get_current_target()."""
+        self.target = tuple(target)
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self.workers = workers
+        self._futures: dict[str, Future] = {}
+        self._t0 = time.perf_counter()
+
+    def submit(self, module: str, qualname: str, specialization_data: str) -> None:
+        """Compile one variant in a worker (once per specialisation)."""
+        if specialization_data not in self._futures:
+            self._futures[specialization_data] = self.pool.submit(
+                compile_variant, module, qualname, specialization_data, self.target)
+
+    def _hook(self, outer):
+        def hook(*, fn, compile, **kw) -> bool:
+            if fn.module.startswith(PACKAGE):
+                self.submit(fn.module, fn.name, compile["specialization_data"])
+                return True                  # no compile, no launch
+            return bool(outer(fn=fn, compile=compile, **kw)) if outer is not None else False
+        return hook
+
+    @contextlib.contextmanager
+    def deferring(self):
+        """While inside, kdaserve kernels not yet compiled in this process are not launched:
+        their compiles go to the workers."""
+        from triton import knobs
+
+        outer = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook(outer)
+        try:
+            yield self
+        finally:
+            knobs.runtime.jit_cache_hook = outer
+
+    def wait(self) -> dict:
+        """Wait for every compile and stop the workers. A variant that failed to compile there
+        compiles again (and raises) where it is launched; it is logged here. Returns
+        {variants, failed, seconds} (seconds since the pool started)."""
+        failed = []
+        for spec, fut in self._futures.items():
+            try:
+                fut.result()
+            except Exception as exc:   # noqa: BLE001 - reported, and retried at its launch
+                failed.append(spec)
+                logger.warning("compile ahead: a variant failed in its worker (%s: %s); it "
+                               "compiles at its launch", type(exc).__name__, exc)
+        self.pool.shutdown()
+        stats = {"variants": len(self._futures), "failed": len(failed),
+                 "seconds": round(time.perf_counter() - self._t0, 2)}
+        logger.info("compile ahead: %d kernel variants compiled in %d worker processes in "
+                    "%.1f s (%d failed)", stats["variants"], self.workers, stats["seconds"],
+                    stats["failed"])
+        return stats
