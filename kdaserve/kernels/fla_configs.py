@@ -39,6 +39,9 @@ def use_stored_configs(device_name: str, root: Path = CONFIG_ROOT) -> Path | Non
     for this GPU, or the user's settings apply). Call it before the first fla kernel runs; it
     also takes effect if fla was imported earlier (fla reads its mode at import)."""
     folder = device_dir(device_name, root)
+    if (os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE")) == (str(folder),
+                                                                                  "strict"):
+        return folder                 # set by an earlier call in this process
     if "FLA_CACHE_MODE" in os.environ or "FLA_CONFIG_DIR" in os.environ:
         logger.info("fla configs: FLA_CACHE_MODE=%s FLA_CONFIG_DIR=%s as set by the user",
                     os.environ.get("FLA_CACHE_MODE"), os.environ.get("FLA_CONFIG_DIR"))

@@ -63,6 +63,7 @@ def test_dump_then_fla_loads_the_same_config(tmp_path, fla_env, tuner):
     assert sorted(e["autotune_key"][0] for e in data["autotune_entries"].values()) == [16, 32]
 
     assert fla_configs.use_stored_configs(GPU, tmp_path) == path.parent
+    assert fla_configs.use_stored_configs(GPU, tmp_path) == path.parent    # a second engine
     assert fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.STRICT
     assert os.environ["FLA_CONFIG_DIR"] == str(path.parent)
     for key, chosen in ((KEY_A, chosen_a), (KEY_B, chosen_b)):
