@@ -221,14 +221,29 @@ class SpecDecoder:
         """Capture, into `graphs`, the target's verification steps (recover + contiguous only:
         the graph reads the state pool and keeps records for the captured commit) and the
         draft model's steps. pad_slot: the KDA scratch row of padding requests."""
-        if not self.per_position and self.layout == "contiguous":
-            self.verify_graphs = SpecVerifyGraphs(graphs, model, caches, self.k, pad_slot,
-                                                  block_size, self.max_model_len, self.device,
-                                                  self.hidden_outputs)
+        self.verify_graphs = self._verify_graphs(graphs, model, caches, pad_slot, block_size)
+        if self.verify_graphs is not None:
             self.verify_graphs.capture()
         capture = getattr(self.proposer, "capture_graphs", None)
         if capture is not None:
             capture(graphs)
+
+    def run_verify_uncaptured(self, graphs: "CudaGraphManager", model: torch.nn.Module,
+                              caches: ModelCaches, pad_slot: int, block_size: int) -> None:
+        """The forwards of the verification graphs capture_graphs would capture, eagerly,
+        without captures or commits (start-up compiles ahead of them: worker.py)."""
+        vg = self._verify_graphs(graphs, model, caches, pad_slot, block_size)
+        if vg is not None:
+            vg.run_uncaptured()
+
+    def _verify_graphs(self, graphs: "CudaGraphManager", model: torch.nn.Module,
+                       caches: ModelCaches, pad_slot: int, block_size: int
+                       ) -> SpecVerifyGraphs | None:
+        """Verification graphs exist for recover + contiguous only."""
+        if self.per_position or self.layout != "contiguous":
+            return None
+        return SpecVerifyGraphs(graphs, model, caches, self.k, pad_slot, block_size,
+                                self.max_model_len, self.device, self.hidden_outputs)
 
     def can_replay_verify(self, batch: "StepBatch") -> bool:
         """A captured verification graph covers this step (every row verifies K drafts)."""

@@ -128,8 +128,7 @@ class SpecVerifyGraphs(WindowBuffers):
         # them first (the captures below then leave each size's records as their graphs
         # hold them). The window kernels' other keys do not follow the batch; the largest
         # size covers the split rule's other end.
-        for bs in sorted({self.sizes[0], self.sizes[-1]}):
-            self._forward(bs, self._metadata(bs), eager=True)
+        self._eager_forwards()
         for bs in reversed(self.sizes):
             md = self._metadata(bs)
             self.graphs.capture(self.descriptor(bs), lambda bs=bs, md=md: self._forward(bs, md))
@@ -140,6 +139,18 @@ class SpecVerifyGraphs(WindowBuffers):
         torch.cuda.synchronize()
         logger.info("captured %d spec-verify CUDA graphs (sizes %s, %d tokens per request) in "
                     "%.1f s", len(self.sizes), self.sizes, self.k1, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run_uncaptured(self) -> None:
+        """capture()'s forwards, eagerly, without capturing them or their commits (the kernel
+        variants they launch, compiled ahead: worker.py)."""
+        self._eager_forwards()
+        for bs in reversed(self.sizes):
+            self._forward(bs, self._metadata(bs))
+
+    def _eager_forwards(self) -> None:
+        for bs in sorted({self.sizes[0], self.sizes[-1]}):
+            self._forward(bs, self._metadata(bs), eager=True)
 
     # ---- replay ----
     def can_run(self, batch: "StepBatch") -> bool:

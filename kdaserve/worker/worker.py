@@ -345,37 +345,40 @@ class Worker:
         return self._ahead.deferring() if self._ahead is not None else contextlib.nullcontext()
 
     def _compile_ahead(self) -> None:
-        """The warm-up steps and the decode graphs' forwards (eager, with the plan each graph
-        is captured with) once with kdaserve's kernel variants compiled by the pool instead of
-        launched, then the pool's wait: the warm-up and the captures that follow load every
-        variant from Triton's disk cache. Garbage lands only where the warm-up's own writes
+        """The warm-up steps and the decode and verification graphs' forwards (eager, with the
+        plan each graph is captured with) once with kdaserve's kernel variants compiled by the
+        pool instead of launched, then the pool's wait: the warm-up and the captures that
+        follow load every variant from Triton's disk cache. Not the drafters' passes nor the
+        samplers: their token ids index embeddings, and the skipped kernels leave garbage. Garbage lands only where the warm-up's own writes
         do (the caches' rows no request holds yet, the scratch KDA row)."""
-        sc = self.config.scheduler_config
+        runner, sc = self.model_runner, self.config.scheduler_config
         with self._ahead.deferring():
-            warmup_steps(self.model_runner, sc)
+            warmup_steps(runner, sc)
             if not self.config.enforce_eager:
-                runner = self.model_runner
-                DecodeGraphs(CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl),
-                             self.model, runner.caches, runner.num_slots, self.block_size,
-                             sc.max_model_len, self.device, dcp=runner.dcp,
-                             hidden_outputs=self.spec.hidden_outputs if self.spec else None
-                             ).run_uncaptured()
+                graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
+                self._decode_graphs(graphs).run_uncaptured()
+                if self.spec is not None:   # the verification forwards (not the drafters')
+                    self.spec.run_verify_uncaptured(graphs, self.model, runner.caches,
+                                                    runner.num_slots, self.block_size)
             torch.cuda.synchronize()
         self._ahead.wait()
         self._ahead = None
+
+    def _decode_graphs(self, graphs: CudaGraphManager) -> DecodeGraphs:
+        runner, sc = self.model_runner, self.config.scheduler_config
+        return DecodeGraphs(graphs, self.model, runner.caches, runner.num_slots, self.block_size,
+                            sc.max_model_len, self.device, dcp=runner.dcp,
+                            hidden_outputs=self.spec.hidden_outputs if self.spec else None)
 
     def _capture_graphs(self) -> None:
         """Decode graphs, then the spec decoder's (verification, draft model), all in one
         manager; the graphs launch with PDL when the kernel config has it, eager steps never."""
         runner, sc = self.model_runner, self.config.scheduler_config
         graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
-        pad_slot = runner.num_slots
-        decode = DecodeGraphs(graphs, self.model, runner.caches, pad_slot, self.block_size,
-                              sc.max_model_len, self.device, dcp=runner.dcp,
-                              hidden_outputs=self.spec.hidden_outputs if self.spec else None)
+        decode = self._decode_graphs(graphs)
         decode.capture()
         if self.spec is not None:
-            self.spec.capture_graphs(graphs, self.model, runner.caches, pad_slot,
+            self.spec.capture_graphs(graphs, self.model, runner.caches, runner.num_slots,
                                      self.block_size)
         runner.bind_graphs(graphs, decode)
 

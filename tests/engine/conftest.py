@@ -23,6 +23,23 @@ def _write_tokenizer(path: str) -> None:
                             pad_token="<pad>").save_pretrained(path)
 
 
+def target_and_spec(tmp_path, spec: str | None, **spec_config) -> tuple[str, dict]:
+    """A tiny target folder and the engine kwargs of its drafter: spec None = the HF-saved
+    model with a tokenizer and no drafter; "dspark" = the tiny preset with a random DSpark
+    drafter (num_speculative_tokens 4 and spec_config)."""
+    from kdaserve.models.make_model import make_dspark_model, make_model
+
+    if spec is None:
+        target = str(tmp_path / "model")
+        make_hf_model(seed=0).save_pretrained(target)
+        _write_tokenizer(target)
+        return target, {}
+    target = make_model(str(tmp_path / "target"), "tiny")
+    return target, {"speculative_config": {
+        "method": "dspark", "model": make_dspark_model(target, str(tmp_path / "dspark")),
+        "num_speculative_tokens": 4, **spec_config}}
+
+
 @pytest.fixture(scope="session")
 def hf_model():
     return make_hf_model(seed=0)

@@ -12,19 +12,18 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_warmup_after_the_pool_compiles_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spec", [None, "dspark"])
+def test_warmup_after_the_pool_compiles_nothing(tmp_path, monkeypatch, spec):
+    """spec: a DSpark drafter too (the verification forwards are in the deferred pass)."""
     pytest.importorskip("triton")
     from triton import knobs
 
-    from tests.engine.conftest import _write_tokenizer
-    from tests.models.hf_tiny import make_hf_model
+    from tests.engine.conftest import target_and_spec
 
     import kdaserve.worker.worker as worker_mod
     from kdaserve import LLM, SamplingParams
 
-    model = str(tmp_path / "model")
-    make_hf_model(seed=0).save_pretrained(model)
-    _write_tokenizer(model)
+    model, spec_kw = target_and_spec(tmp_path, spec)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     calls, events = [], []
     real_warmup = worker_mod.warmup_steps
@@ -51,7 +50,7 @@ def test_warmup_after_the_pool_compiles_nothing(tmp_path, monkeypatch):
               max_num_batched_tokens=256, dtype="bfloat16")
     prompts = [{"prompt_token_ids": [5 + i, 17, 99, 3 + 2 * i] * (3 + i)} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    llm = LLM(model, compile_workers=2, **kw)
+    llm = LLM(model, compile_workers=2, **kw, **spec_kw)
     assert len(calls) == 2
     assert events, "the warm-up met no kdaserve kernel variant"
     missed = sorted({name for name, hit in events if not hit})
@@ -60,4 +59,4 @@ def test_warmup_after_the_pool_compiles_nothing(tmp_path, monkeypatch):
     del llm
     monkeypatch.setattr(worker_mod, "warmup_steps", real_warmup)
     plain = [o.outputs[0].token_ids for o in LLM(model, **kw).generate(prompts, params)]
-    assert ahead == plain
+    assert ahead == plain          # greedy: with a drafter too, the target's own tokens

@@ -41,23 +41,11 @@ def _params(rng: random.Random):
 @pytest.mark.parametrize("spec", [None, "dspark"])
 def test_warm_engine_compiles_nothing(tmp_path, spec):
     pytest.importorskip("triton")
-    from tests.engine.conftest import _write_tokenizer
-    from tests.models.hf_tiny import make_hf_model
-
+    from tests.engine.conftest import target_and_spec
     from kdaserve import LLM
     from kdaserve.kernels.jit_log import CompileLog
-    from kdaserve.models.make_model import make_dspark_model, make_model
 
-    kw = {}
-    if spec is None:
-        target = str(tmp_path)
-        make_hf_model(seed=0).save_pretrained(target)
-        _write_tokenizer(target)
-    else:
-        target = make_model(str(tmp_path / "target"), "tiny")
-        kw["speculative_config"] = {
-            "method": "dspark", "model": make_dspark_model(target, str(tmp_path / "dspark")),
-            "num_speculative_tokens": 4, "draft_sample_method": "probabilistic"}
+    target, kw = target_and_spec(tmp_path, spec, draft_sample_method="probabilistic")
     llm = LLM(target, max_model_len=1024, max_num_seqs=16, num_gpu_blocks=1024,
               max_num_batched_tokens=256, dtype="bfloat16", async_scheduling=True, **kw)
     engine = llm.llm_engine
