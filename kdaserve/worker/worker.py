@@ -349,8 +349,9 @@ class Worker:
         plan each graph is captured with) once with kdaserve's kernel variants compiled by the
         pool instead of launched, then the pool's wait: the warm-up and the captures that
         follow load every variant from Triton's disk cache. Not the drafters' passes nor the
-        samplers: their token ids index embeddings, and the skipped kernels leave garbage. Garbage lands only where the warm-up's own writes
-        do (the caches' rows no request holds yet, the scratch KDA row)."""
+        samplers: their token ids index embeddings, and the skipped kernels leave garbage.
+        The pass writes where the warm-up does (cache rows no request holds yet), and the
+        caches are zeroed after it."""
         runner, sc = self.model_runner, self.config.scheduler_config
         with self._ahead.deferring():
             warmup_steps(runner, sc)
@@ -360,7 +361,12 @@ class Worker:
                 if self.spec is not None:   # the verification forwards (not the drafters')
                     self.spec.run_verify_uncaptured(graphs, self.model, runner.caches,
                                                     runner.num_slots, self.block_size)
-            torch.cuda.synchronize()
+        # fla's kernels ran on the skipped kernels' uninitialised outputs and wrote states
+        # that may be NaN; a fresh request's state is its slot times has_initial_state = 0,
+        # which is 0 only for finite values
+        for t in (*runner.caches.mla_kv, *runner.caches.kda_recurrent, *runner.caches.kda_conv):
+            t.zero_()
+        torch.cuda.synchronize()
         self._ahead.wait()
         self._ahead = None
 
