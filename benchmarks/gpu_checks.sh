@@ -138,12 +138,14 @@ if [[ $STAGES == *firststeps* ]]; then   # which steps JIT-compile or autotune o
 fi
 if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache: fla autotuning, then stored fla configs
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  python3 benchmarks/bench_compile_pool.py --workers ${COLD_WORKERS:-15} \
+    --out "$OUT/compile_pool.json" 2>&1 | tail -1 | tee "$OUT/coldstart.log"
   # the baseline: fla autotunes every kernel (a user's FLA_CACHE_MODE wins over the stored
   # configs); its choices are written where kdaserve ships them, so the second run reads them
   TRITON_CACHE_DIR=$(mktemp -d) FLA_CACHE_MODE=disabled timeout ${COLDSTART_TIMEOUT:-280} \
     python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
     --dump-fla-configs kdaserve/kernels/configs/fla --out "$OUT/coldstart_autotune.json" 2>&1 \
-    | grep -E "engine start|fla configs" | tee "$OUT/coldstart.log"
+    | grep -E "engine start|fla configs" | tee -a "$OUT/coldstart.log"
   cp -r kdaserve/kernels/configs/fla "$OUT/fla_configs"
   TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
     python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
