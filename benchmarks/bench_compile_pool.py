@@ -82,7 +82,8 @@ def main() -> None:
                                                    options, key=None))
     stats = ahead.wait()
     pool = round(time.perf_counter() - t, 2)
-    result = {"command": " ".join(sys.argv), "commit": git_commit(), "cpus": os.cpu_count(),
+    result = {"command": " ".join(sys.argv), "commit": git_commit(),
+              "gpu": "none needed: builds for the target on the CPU", "cpus": os.cpu_count(),
               "workers": args.workers, "variants": len(vs), "target": list(TARGET),
               "serial_s": serial, "pool_s": pool, "pool_failed": stats["failed"],
               "in_process_after_pool_s": compile_serially(vs)}
