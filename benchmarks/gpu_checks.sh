@@ -17,7 +17,7 @@
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), coldstart (engine
 # start on an empty Triton cache: fla autotuning, then the configs it chose, then those and
-# COLD_WORKERS compile processes; COLD_MODEL), mixed (bench_mixed.py:
+# COLD_WORKERS compile processes; COLD_MODEL, COLD_ARGS e.g. a --speculative-config), mixed (bench_mixed.py:
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
@@ -143,17 +143,17 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   # the baseline: fla autotunes every kernel (a user's FLA_CACHE_MODE wins over the stored
   # configs); its choices are written where kdaserve ships them, so the second run reads them
   TRITON_CACHE_DIR=$(mktemp -d) FLA_CACHE_MODE=disabled timeout ${COLDSTART_TIMEOUT:-280} \
-    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
+    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} \
     --dump-fla-configs kdaserve/kernels/configs/fla --out "$OUT/coldstart_autotune.json" 2>&1 \
     | grep -E "engine start|fla configs" | tee -a "$OUT/coldstart.log"
   cp -r kdaserve/kernels/configs/fla "$OUT/fla_configs"
   TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
-    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
+    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} \
     --out "$OUT/coldstart_stored.json" 2>&1 | grep -E "engine start|fla configs" \
     | tee -a "$OUT/coldstart.log"
   # and kdaserve's kernel variants compiled by a pool of processes (compile_workers)
   TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
-    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" \
+    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} \
     --compile-workers ${COLD_WORKERS:-15} --out "$OUT/coldstart_pool.json" 2>&1 \
     | grep -E "engine start|fla configs|compile ahead" | tee -a "$OUT/coldstart.log"
 fi
