@@ -228,13 +228,17 @@ class SpecDecoder:
         if capture is not None:
             capture(graphs)
 
-    def run_verify_uncaptured(self, graphs: "CudaGraphManager", model: torch.nn.Module,
-                              caches: ModelCaches, pad_slot: int, block_size: int) -> None:
-        """The forwards of the verification graphs capture_graphs would capture, eagerly,
-        without captures or commits (start-up compiles ahead of them: worker.py)."""
+    def run_uncaptured(self, graphs: "CudaGraphManager", model: torch.nn.Module,
+                       caches: ModelCaches, pad_slot: int, block_size: int) -> None:
+        """The forwards of the verification graphs capture_graphs would capture, and the
+        drafter's passes that sample nothing (DSpark's block pass), eagerly, without captures,
+        commits or draws (start-up compiles ahead of them: worker.py)."""
         vg = self._verify_graphs(graphs, model, caches, pad_slot, block_size)
         if vg is not None:
             vg.run_uncaptured()
+        block = getattr(self.proposer, "run_block_uncaptured", None)
+        if block is not None:
+            block()
 
     def _verify_graphs(self, graphs: "CudaGraphManager", model: torch.nn.Module,
                        caches: ModelCaches, pad_slot: int, block_size: int

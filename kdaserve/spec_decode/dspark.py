@@ -67,6 +67,11 @@ class DSparkProposer(HiddenConditionedProposer):
         self.graphs = DSparkBlockGraphs(self, self.max_num_seqs)
         self.graphs.capture(graphs)
 
+    def run_block_uncaptured(self) -> None:
+        """capture_graphs' block passes without their Markov heads, eagerly (worker.py's
+        compiles ahead of the captures)."""
+        DSparkBlockGraphs(self, self.max_num_seqs).run_block_uncaptured()
+
     @torch.inference_mode()
     def propose(self, req_ids: list[str], token_ids: list[list[int]],
                 temperatures: list[float] | None = None,

@@ -118,6 +118,18 @@ class DSparkBlockGraphs:
         logger.info("captured %d DSpark block CUDA graphs (sizes %s) in %.1f s",
                     len(self.sizes), self.sizes, time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def run_block_uncaptured(self) -> None:
+        """Every capture size's block pass and base logits, eagerly, without the Markov head
+        (its draws index the Markov embedding: garbage while kernels are deferred): the
+        kernel variants a capture launches there, compiled ahead (worker.py)."""
+        p = self.proposer
+        for size in reversed(self.sizes):
+            r = size * p.k
+            p.model.base_logits(p.model.forward_block(
+                self.ids[:r], list(p.caches.mla_kv), self.slots[:r], self.table[:r],
+                self.seq_lens[:r], p.k))
+
     def _work(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a replay runs: block_drafts over the first size * K rows of the buffers."""
         p = self.proposer

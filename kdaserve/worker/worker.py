@@ -345,22 +345,23 @@ class Worker:
         return self._ahead.deferring() if self._ahead is not None else contextlib.nullcontext()
 
     def _compile_ahead(self) -> None:
-        """The warm-up steps and the decode and verification graphs' forwards (eager, with the
-        plan each graph is captured with) once with kdaserve's kernel variants compiled by the
-        pool instead of launched, then the pool's wait: the warm-up and the captures that
-        follow load every variant from Triton's disk cache. Not the drafters' passes nor the
-        samplers: their token ids index embeddings, and the skipped kernels leave garbage.
-        The pass writes where the warm-up does (cache rows no request holds yet), and the
-        caches are zeroed after it."""
+        """The warm-up steps, the decode and verification graphs' forwards (eager, with the
+        plan each graph is captured with) and DSpark's block passes once with kdaserve's
+        kernel variants compiled by the pool instead of launched, then the pool's wait: the
+        warm-up and the captures that follow load every variant from Triton's disk cache. Not
+        the samplers nor what follows a draw (a draft model's next pass, DSpark's Markov
+        head): sampled ids index embeddings, and the skipped kernels leave garbage. The pass
+        writes where the warm-up does (cache rows no request holds yet), and the caches are
+        zeroed after it."""
         runner, sc = self.model_runner, self.config.scheduler_config
         with self._ahead.deferring():
             warmup_steps(runner, sc)
             if not self.config.enforce_eager:
                 graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
                 self._decode_graphs(graphs).run_uncaptured()
-                if self.spec is not None:   # the verification forwards (not the drafters')
-                    self.spec.run_verify_uncaptured(graphs, self.model, runner.caches,
-                                                    runner.num_slots, self.block_size)
+                if self.spec is not None:   # verification forwards, DSpark's block pass
+                    self.spec.run_uncaptured(graphs, self.model, runner.caches,
+                                             runner.num_slots, self.block_size)
         # fla's kernels ran on the skipped kernels' uninitialised outputs and wrote states
         # that may be NaN; a fresh request's state is its slot times has_initial_state = 0,
         # which is 0 only for finite values
