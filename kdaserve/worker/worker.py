@@ -354,14 +354,18 @@ class Worker:
         writes where the warm-up does (cache rows no request holds yet), and the caches are
         zeroed after it."""
         runner, sc = self.model_runner, self.config.scheduler_config
-        with self._ahead.deferring():
-            warmup_steps(runner, sc)
-            if not self.config.enforce_eager:
-                graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
-                self._decode_graphs(graphs).run_uncaptured()
-                if self.spec is not None:   # verification forwards, DSpark's block pass
-                    self.spec.run_uncaptured(graphs, self.model, runner.caches,
-                                             runner.num_slots, self.block_size)
+        try:
+            with self._ahead.deferring():
+                warmup_steps(runner, sc)
+                if not self.config.enforce_eager:
+                    graphs = CudaGraphManager(sc.max_num_seqs, self.kernel_config.pdl)
+                    self._decode_graphs(graphs).run_uncaptured()
+                    if self.spec is not None:   # verification forwards, DSpark's block pass
+                        self.spec.run_uncaptured(graphs, self.model, runner.caches,
+                                                 runner.num_slots, self.block_size)
+        except Exception:   # noqa: BLE001 - a speed-up only: the start-up below still compiles
+            logger.exception("compile ahead: the deferred pass failed; the variants it did not "
+                             "reach compile at their first launch")
         # fla's kernels ran on the skipped kernels' uninitialised outputs and wrote states
         # that may be NaN; a fresh request's state is its slot times has_initial_state = 0,
         # which is 0 only for finite values
