@@ -20,13 +20,22 @@ ops, cuBLAS and other packages' Triton kernels (fla's, whose autotuning must tim
 The deferred forwards therefore compute garbage from uninitialised outputs: only forwards whose
 host side reads no device value and whose torch ops index with no kernel output may run there
 (the target model's forward: indices come from the step's metadata).
+
+An autotuner (fla's, where no stored config serves the key) compiles its candidates one by one
+as it benchmarks them. When the first candidate's compile is asked for, the hook hands every
+candidate of that launch to the workers and waits for them: the benchmark then loads each from
+the disk cache, and the candidates compile side by side instead of in turn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import logging
 import multiprocessing
+import os
+import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -75,6 +84,38 @@ def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
+def candidate_variants(specialization_data: str, arg_names: list[str], configs) -> list[str]:
+    """The specialisation data of one launch under each autotune config (triton.Config): its
+    tuned constexprs (config.kwargs, by parameter position) and its warps, stages, CTAs and
+    register cap replaced."""
+    d = json.loads(specialization_data)
+    keys = [tuple(k) for k in d["constant_keys"]]
+    out = []
+    for c in configs:
+        e = copy.deepcopy(d)
+        for name, v in c.kwargs.items():
+            e["constant_vals"][keys.index((arg_names.index(name),))] = v
+        e["options"].update(num_warps=c.num_warps, num_stages=c.num_stages, num_ctas=c.num_ctas)
+        if c.maxnreg is not None:
+            e["options"]["maxnreg"] = c.maxnreg
+        out.append(json.dumps(e))
+    return out
+
+
+def benchmarking_autotuner(frame=None):
+    """(the Autotuner, its launch's keyword arguments) whose benchmark is compiling, found in
+    the callers' frames (Autotuner._bench -> do_bench -> the launch -> JIT compile), else
+    None."""
+    from triton.runtime.autotuner import Autotuner
+
+    f = frame or sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_bench" and isinstance(f.f_locals.get("self"), Autotuner):
+            return f.f_locals["self"], f.f_locals.get("meta", {})
+        f = f.f_back
+    return None
+
+
 class CompileAhead:
     """A pool of compile workers and the hook that defers kdaserve's kernels to it."""
 
@@ -85,21 +126,72 @@ class CompileAhead:
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         self.workers = workers
         self._futures: dict[str, Future] = {}
+        self._candidates: set[str] = set()
+        """Autotune candidates handed to the workers (their benchmark then loads them)."""
         self._t0 = time.perf_counter()
+        self._spawn_without_gpu()
+
+    def _spawn_without_gpu(self) -> None:
+        """Start every worker now, with no GPU visible: they build for the given target, and a
+        library that queries the device when imported (fla does) must not open a CUDA context
+        in them (its memory would count against this process's cache budget). The pool spawns
+        a worker per submit while none is idle, and a worker keeps the environment it was
+        spawned with."""
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            for _ in range(self.workers):
+                self.pool.submit(int)
+        finally:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
     def submit(self, module: str, qualname: str, specialization_data: str) -> None:
-        """Compile one variant in a worker (once per specialisation)."""
-        if specialization_data not in self._futures:
-            self._futures[specialization_data] = self.pool.submit(
-                compile_variant, module, qualname, specialization_data, self.target)
+        """Compile one variant in a worker (once per specialisation). A pool that cannot take
+        it (its workers could not start) records the failure for wait() to report."""
+        if specialization_data in self._futures:
+            return
+        try:
+            fut = self.pool.submit(compile_variant, module, qualname, specialization_data,
+                                   self.target)
+        except Exception as exc:   # noqa: BLE001 - BrokenProcessPool, shut down: reported
+            fut = Future()
+            fut.set_exception(exc)
+        self._futures[specialization_data] = fut
 
     def _hook(self, outer):
         def hook(*, fn, compile, **kw) -> bool:
+            spec = compile["specialization_data"]
             if fn.module.startswith(PACKAGE):
-                self.submit(fn.module, fn.name, compile["specialization_data"])
+                self.submit(fn.module, fn.name, spec)
                 return True                  # no compile, no launch
+            if spec not in self._candidates:
+                self._compile_candidates(fn, spec)
             return bool(outer(fn=fn, compile=compile, **kw)) if outer is not None else False
         return hook
+
+    def _compile_candidates(self, fn, spec: str) -> None:
+        """Inside an autotuner's benchmark: every candidate of this launch compiled by the
+        workers, waited for (a failed one compiles in-process as before)."""
+        found = benchmarking_autotuner()
+        if found is None:
+            return
+        tuner, meta = found
+        try:
+            configs = tuner.prune_configs(meta)
+        except Exception:   # noqa: BLE001 - a pruning that needs more: every candidate
+            configs = tuner.configs
+        specs = candidate_variants(spec, fn.jit_function.arg_names, configs)
+        self._candidates.update(specs + [spec])
+        for s in specs:
+            self.submit(fn.module, fn.name, s)
+        for s in specs:
+            try:
+                self._futures[s].result()
+            except Exception:   # noqa: BLE001 - reported by wait(); compiles at its launch
+                pass
 
     @contextlib.contextmanager
     def deferring(self):
@@ -118,14 +210,16 @@ class CompileAhead:
         """Wait for every compile and stop the workers. A variant that failed to compile there
         compiles again (and raises) where it is launched; it is logged here. Returns
         {variants, failed, seconds} (seconds since the pool started)."""
-        failed = []
-        for spec, fut in self._futures.items():
+        failed: list[Exception] = []
+        for fut in self._futures.values():
             try:
                 fut.result()
             except Exception as exc:   # noqa: BLE001 - reported, and retried at its launch
-                failed.append(spec)
-                logger.warning("compile ahead: a variant failed in its worker (%s: %s); it "
-                               "compiles at its launch", type(exc).__name__, exc)
+                failed.append(exc)
+        if failed:
+            logger.warning("compile ahead: %d of %d variants failed in the workers (the first: "
+                           "%s: %s); they compile at their launch", len(failed),
+                           len(self._futures), type(failed[0]).__name__, failed[0])
         self.pool.shutdown()
         stats = {"variants": len(self._futures), "failed": len(failed),
                  "seconds": round(time.perf_counter() - self._t0, 2)}

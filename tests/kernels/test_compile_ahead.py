@@ -19,6 +19,17 @@ from kdaserve.kernels.moe.triton_moe import moe_sum_kernel  # noqa: E402
 TARGET = ("cuda", 90, 32)
 
 
+@triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b in (64, 128)
+                          for w in (1, 2)], key=["n"])
+@triton.jit
+def _triple_kernel(x_ptr, y_ptr, n, BLOCK: triton.language.constexpr):
+    """An autotuned kernel outside kdaserve (as fla's are): launched, not deferred."""
+    offs = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+    mask = offs < n
+    x = triton.language.load(x_ptr + offs, mask=mask)
+    triton.language.store(y_ptr + offs, x * 3.0, mask=mask)
+
+
 def _variant(block_d: int):
     """moe_sum_kernel's signature, constexprs, attrs and options as Triton's launcher builds
     them (pointers 16-byte aligned, the strides divisible by 16)."""
@@ -62,6 +73,49 @@ def test_worker_compile_is_the_in_process_cache_entry(tmp_path, monkeypatch):
     triton.compile(ASTSource(moe_sum_kernel, signature, constexprs, attrs),
                    target=GPUTarget(*TARGET), options=options.__dict__)
     assert _entries(cache) - before
+
+
+def test_autotune_candidates_are_the_in_process_entries(tmp_path, monkeypatch):
+    """candidate_variants turns one launch's specialisation into each config's, which the
+    workers build into exactly the entries an in-process compile of that config finds; and
+    benchmarking_autotuner finds the tuner from inside its _bench."""
+    from triton import Config
+    from triton.runtime.autotuner import Autotuner
+
+    from kdaserve.kernels.compile_ahead import benchmarking_autotuner, candidate_variants
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    configs = [Config({"BLOCK_D": 64}, num_warps=2, num_stages=2),
+               Config({"BLOCK_D": 128}, num_warps=8, num_stages=3)]
+    signature, constexprs, attrs, options = _variant(256)        # the launch that asked
+    spec = serialize_specialization_data("x", signature, constexprs, attrs, options, key=None)
+    specs = candidate_variants(spec, moe_sum_kernel.arg_names, configs)
+    ahead = CompileAhead(2, TARGET)
+    for s in specs:
+        ahead.submit(moe_sum_kernel.fn.__module__, moe_sum_kernel.fn.__qualname__, s)
+    assert ahead.wait()["failed"] == 0
+    before = _entries(cache)
+    assert len(before) >= 2
+    names = [p.name for p in moe_sum_kernel.params]
+    backend = make_backend(GPUTarget(*TARGET))
+    for c in configs:
+        consts = dict(constexprs)
+        consts[(names.index("BLOCK_D"),)] = c.kwargs["BLOCK_D"]
+        opts = backend.parse_options(c.all_kwargs())       # what a tuned launch passes
+        kernel = triton.compile(ASTSource(moe_sum_kernel, signature, consts, attrs),
+                                target=GPUTarget(*TARGET), options=opts.__dict__)
+        assert kernel.metadata.num_warps == c.num_warps
+    assert _entries(cache) == before, "a candidate's in-process compile missed the workers'"
+
+    tuner = Autotuner(moe_sum_kernel, moe_sum_kernel.arg_names, configs, key=[],
+                      reset_to_zero=None, restore_value=None)
+
+    def _bench(self, *args, config, **meta):      # Autotuner._bench's signature
+        return benchmarking_autotuner()
+
+    assert _bench(tuner, config=configs[0], x=1) == (tuner, {"x": 1})
+    assert benchmarking_autotuner() is None
 
 
 def test_a_failing_variant_is_reported_not_raised(tmp_path, monkeypatch):
@@ -114,3 +168,38 @@ def test_deferred_launch_then_disk_load(tmp_path, monkeypatch):
     events = [e for e in log.events if e["kernel"] == "moe_sum_kernel"]
     assert len(events) == 1, events
     assert _entries(tmp_path / "triton") == built, "the launch compiled instead of loading"
+
+
+@pytest.mark.gpu
+def test_autotune_under_deferral_loads_its_candidates(tmp_path, monkeypatch):
+    """An autotuner benchmarking under deferring(): its kernel is not kdaserve's, so it runs
+    (the result is right), and its four candidates were built by the workers first (each
+    in-process compile of the benchmark is a disk-cache hit)."""
+    import torch
+    from triton import knobs
+    from triton.runtime import driver
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    t = driver.active.get_current_target()
+    ahead = CompileAhead(2, (t.backend, t.arch, t.warp_size))
+    n = 1000 + 7                          # a key no other test tunes
+    x = torch.randn(n, device="cuda")
+    y = torch.zeros_like(x)
+    hits = []
+
+    def listener(*, src, cache_hit, **_):
+        if getattr(getattr(src, "fn", None), "__name__", "") == "_triple_kernel":
+            hits.append(cache_hit)
+
+    knobs.compilation.listener = listener
+    try:
+        with ahead.deferring():
+            _triple_kernel[lambda m: (triton.cdiv(n, m["BLOCK"]),)](x, y, n)
+        torch.cuda.synchronize()
+    finally:
+        knobs.compilation.listener = None
+    assert ahead.wait()["variants"] == 4
+    torch.testing.assert_close(y, 3 * x)
+    assert hits == [True] * 4, hits
