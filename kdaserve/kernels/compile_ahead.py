@@ -51,7 +51,6 @@ def compile_variant(module: str, qualname: str, specialization_data: str,
     specialization_data: the JSON of Triton's jit hooks; target: GPUTarget's fields (backend,
     arch, warp size). Returns the kernel's name."""
     import importlib
-    import json
 
     import triton
     import triton.language as tl
@@ -183,7 +182,12 @@ class CompileAhead:
             configs = tuner.prune_configs(meta)
         except Exception:   # noqa: BLE001 - a pruning that needs more: every candidate
             configs = tuner.configs
-        specs = candidate_variants(spec, fn.jit_function.arg_names, configs)
+        try:
+            specs = candidate_variants(spec, fn.jit_function.arg_names, configs)
+        except (ValueError, KeyError) as exc:   # a config that sets no constexpr of the kernel
+            logger.debug("compile ahead: %s's candidates not derived (%s)", fn.name, exc)
+            self._candidates.add(spec)
+            return
         self._candidates.update(specs + [spec])
         for s in specs:
             self.submit(fn.module, fn.name, s)
