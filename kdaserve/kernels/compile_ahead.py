@@ -1,9 +1,9 @@
 """Start-up compiles of kdaserve's Triton kernels in a pool of processes.
 
 Triton compiles a kernel variant (one specialisation of its arguments and constexprs) when it is
-first launched, in the launching thread, and the start-up forwards launch a hundred-odd variants
-one after another: on an empty Triton cache that is minutes of one core. CompileAhead runs those
-forwards once with the compiles handed to worker processes instead:
+first launched, in the launching thread, and the start-up forwards launch their variants one
+after another: on an empty Triton cache one core compiles them all in turn. CompileAhead runs
+those forwards once with the compiles handed to worker processes instead:
 
     ahead = CompileAhead(workers, target)
     with ahead.deferring():

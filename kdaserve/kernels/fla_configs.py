@@ -4,7 +4,7 @@ fla decorates its Triton kernels with its own autotuner (fla.ops.utils.cache.Cac
 with fla's config cache on (its FLA_CACHE_MODE), a kernel first looks up the config stored for
 its autotune key in `{FLA_CONFIG_DIR}/{kernel}.json` and autotunes only where none is stored.
 Each candidate config is a separate Triton compile plus a benchmark, and fla's KDA kernels list
-6 to 36 candidates each: on a machine without a warm Triton cache that is most of the start-up.
+several candidates each: without a warm Triton cache, start-up compiles every one of them.
 
 kdaserve stores the winners its own start-up picked, per GPU, in
 `kernels/configs/fla/{device name}/` (fla's file format), and points fla there with the exact-key
