@@ -101,13 +101,13 @@ def candidate_variants(specialization_data: str, arg_names: list[str], configs) 
     return out
 
 
-def benchmarking_autotuner(frame=None):
+def benchmarking_autotuner():
     """(the Autotuner, its launch's keyword arguments) whose benchmark is compiling, found in
     the callers' frames (Autotuner._bench -> do_bench -> the launch -> JIT compile), else
     None."""
     from triton.runtime.autotuner import Autotuner
 
-    f = frame or sys._getframe(1)
+    f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "_bench" and isinstance(f.f_locals.get("self"), Autotuner):
             return f.f_locals["self"], f.f_locals.get("meta", {})

@@ -20,7 +20,6 @@ import gc
 import json
 import logging
 import os
-import re
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -29,8 +28,10 @@ CONFIG_ROOT = Path(__file__).resolve().parent / "configs" / "fla"
 
 
 def device_dir(device_name: str, root: Path = CONFIG_ROOT) -> Path:
-    """The folder of one GPU's files: its name as fla writes it (non-alphanumerics as _)."""
-    return root / (re.sub(r"[^0-9A-Za-z]+", "_", device_name).strip("_") or "unknown_gpu")
+    """The folder of one GPU's files, named as fla names its own (sanitize_gpu_name)."""
+    from fla.ops.utils.cache import sanitize_gpu_name
+
+    return root / sanitize_gpu_name(device_name)
 
 
 def use_stored_configs(device_name: str, root: Path = CONFIG_ROOT) -> Path | None:
