@@ -153,22 +153,19 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   [[ ${COLD_MODEL:-} == /tmp/k12 ]] && make_k12
   python3 benchmarks/bench_compile_pool.py --workers ${COLD_WORKERS:-15} \
     --out "$OUT/compile_pool.json" 2>&1 | tail -1 | tee "$OUT/coldstart.log"
+  cold_start() {   # $1: the JSON's tag; the rest: more first_steps.py arguments
+    local tag=$1; shift
+    TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} python3 benchmarks/first_steps.py \
+      ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} --out "$OUT/coldstart_$tag.json" "$@" 2>&1 \
+      | grep -E "engine start|fla configs|compile ahead" | tee -a "$OUT/coldstart.log"
+  }
   # the baseline: fla autotunes every kernel (a user's FLA_CACHE_MODE wins over the stored
-  # configs); its choices are written where kdaserve ships them, so the second run reads them
-  TRITON_CACHE_DIR=$(mktemp -d) FLA_CACHE_MODE=disabled timeout ${COLDSTART_TIMEOUT:-280} \
-    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} \
-    --dump-fla-configs kdaserve/kernels/configs/fla --out "$OUT/coldstart_autotune.json" 2>&1 \
-    | grep -E "engine start|fla configs" | tee -a "$OUT/coldstart.log"
+  # configs); its choices are written where kdaserve ships them, so the next runs read them
+  FLA_CACHE_MODE=disabled cold_start autotune --dump-fla-configs kdaserve/kernels/configs/fla
   cp -r kdaserve/kernels/configs/fla "$OUT/fla_configs"
-  TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
-    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} \
-    --out "$OUT/coldstart_stored.json" 2>&1 | grep -E "engine start|fla configs" \
-    | tee -a "$OUT/coldstart.log"
+  cold_start stored
   # and kdaserve's kernel variants compiled by a pool of processes (compile_workers)
-  TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} \
-    python3 benchmarks/first_steps.py ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} \
-    --compile-workers ${COLD_WORKERS:-15} --out "$OUT/coldstart_pool.json" 2>&1 \
-    | grep -E "engine start|fla configs|compile ahead" | tee -a "$OUT/coldstart.log"
+  cold_start pool --compile-workers ${COLD_WORKERS:-15}
 fi
 if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
