@@ -153,9 +153,9 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   [[ ${COLD_MODEL:-} == /tmp/k12 ]] && make_k12
   python3 benchmarks/bench_compile_pool.py --workers ${COLD_WORKERS:-15} \
     --out "$OUT/compile_pool.json" 2>&1 | tail -1 | tee "$OUT/coldstart.log"
-  cold_start() {   # $1: the JSON's tag; the rest: more first_steps.py arguments
-    local tag=$1; shift
-    TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLDSTART_TIMEOUT:-280} python3 benchmarks/first_steps.py \
+  cold_start() {   # $1: the JSON's tag; the rest: more first_steps.py arguments; COLD_CACHE:
+    local tag=$1; shift   # the run's Triton cache (default a fresh one)
+    TRITON_CACHE_DIR=${COLD_CACHE:-$(mktemp -d)} timeout ${COLDSTART_TIMEOUT:-280} python3 benchmarks/first_steps.py \
       ${COLD_MODEL:-/tmp/k48} --waves "" ${COLD_ARGS:-} --out "$OUT/coldstart_$tag.json" "$@" 2>&1 \
       | grep -E "engine start|fla configs|compile ahead" | tee -a "$OUT/coldstart.log"
   }
@@ -163,9 +163,11 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   # configs); its choices are written where kdaserve ships them, so the next runs read them
   FLA_CACHE_MODE=disabled cold_start autotune --dump-fla-configs kdaserve/kernels/configs/fla
   cp -r kdaserve/kernels/configs/fla "$OUT/fla_configs"
-  cold_start stored
-  # and kdaserve's kernel variants compiled by a pool of processes (compile_workers)
-  cold_start pool --compile-workers ${COLD_WORKERS:-15}
+  [[ ${COLD_SKIP_STORED:-0} == 1 ]] || cold_start stored
+  # and kdaserve's kernel variants compiled by a pool of processes (compile_workers), into the
+  # default cache (emptied first), which SAVE_TCACHE then returns for later calls
+  rm -rf ~/.triton/cache && mkdir -p ~/.triton/cache
+  COLD_CACHE=$HOME/.triton/cache cold_start pool --compile-workers ${COLD_WORKERS:-15}
 fi
 if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
