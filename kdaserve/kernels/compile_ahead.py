@@ -95,10 +95,19 @@ def candidate_variants(specialization_data: str, arg_names: list[str], configs) 
         for name, v in c.kwargs.items():
             e["constant_vals"][keys.index((arg_names.index(name),))] = v
         e["options"].update(num_warps=c.num_warps, num_stages=c.num_stages, num_ctas=c.num_ctas)
-        if c.maxnreg is not None:
-            e["options"]["maxnreg"] = c.maxnreg
+        for name in ("maxnreg", "ir_override"):   # a config's None is the option's default
+            if name in e["options"]:
+                e["options"][name] = getattr(c, name, None)
         out.append(json.dumps(e))
     return out
+
+
+def variant_identity(specialization_data: str) -> str:
+    """What names a build: the specialisation less its "key" (Triton's in-process cache key,
+    which a derived candidate keeps from the launch it came from), keys sorted."""
+    d = json.loads(specialization_data)
+    d.pop("key", None)
+    return json.dumps(d, sort_keys=True)
 
 
 def benchmarking_autotuner():
@@ -125,8 +134,10 @@ class CompileAhead:
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         self.workers = workers
         self._futures: dict[str, Future] = {}
+        """By variant_identity: one compile per build."""
         self._candidates: set[str] = set()
-        """Autotune candidates handed to the workers (their benchmark then loads them)."""
+        """Autotune candidates handed to the workers (their benchmark then loads them), by
+        variant_identity."""
         self._t0 = time.perf_counter()
         self._spawn_without_gpu()
 
@@ -150,7 +161,8 @@ class CompileAhead:
     def submit(self, module: str, qualname: str, specialization_data: str) -> None:
         """Compile one variant in a worker (once per specialisation). A pool that cannot take
         it (its workers could not start) records the failure for wait() to report."""
-        if specialization_data in self._futures:
+        ident = variant_identity(specialization_data)
+        if ident in self._futures:
             return
         try:
             fut = self.pool.submit(compile_variant, module, qualname, specialization_data,
@@ -158,7 +170,7 @@ class CompileAhead:
         except Exception as exc:   # noqa: BLE001 - BrokenProcessPool, shut down: reported
             fut = Future()
             fut.set_exception(exc)
-        self._futures[specialization_data] = fut
+        self._futures[ident] = fut
 
     def _hook(self, outer):
         def hook(*, fn, compile, **kw) -> bool:
@@ -166,7 +178,7 @@ class CompileAhead:
             if fn.module.startswith(PACKAGE):
                 self.submit(fn.module, fn.name, spec)
                 return True                  # no compile, no launch
-            if spec not in self._candidates:
+            if variant_identity(spec) not in self._candidates:
                 self._compile_candidates(fn, spec)
             return bool(outer(fn=fn, compile=compile, **kw)) if outer is not None else False
         return hook
@@ -186,14 +198,15 @@ class CompileAhead:
             specs = candidate_variants(spec, fn.jit_function.arg_names, configs)
         except (ValueError, KeyError) as exc:   # a config that sets no constexpr of the kernel
             logger.debug("compile ahead: %s's candidates not derived (%s)", fn.name, exc)
-            self._candidates.add(spec)
+            self._candidates.add(variant_identity(spec))
             return
-        self._candidates.update(specs + [spec])
+        idents = [variant_identity(s) for s in specs]
+        self._candidates.update(idents + [variant_identity(spec)])
         for s in specs:
             self.submit(fn.module, fn.name, s)
-        for s in specs:
+        for ident in idents:
             try:
-                self._futures[s].result()
+                self._futures[ident].result()
             except Exception:   # noqa: BLE001 - reported by wait(); compiles at its launch
                 pass
 
