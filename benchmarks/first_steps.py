@@ -17,11 +17,12 @@ Cold start-up (an empty Triton cache) with and without fla's stored configs, and
 fla's autotuning chose written where kdaserve ships them:
 
     TRITON_CACHE_DIR=$(mktemp -d) FLA_CACHE_MODE=disabled python benchmarks/first_steps.py \
-        MODEL_DIR --waves '' --dump-fla-configs kdaserve/kernels/configs/fla --out cold.json
+        MODEL_DIR --waves '' --compile-workers 0 --dump-fla-configs kdaserve/kernels/configs/fla \
+        --out cold.json
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/first_steps.py MODEL_DIR --waves '' \
-        --out cold_stored.json
+        --compile-workers 0 --out cold_stored.json
     TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/first_steps.py MODEL_DIR --waves '' \
-        --compile-workers 15 --out cold_pool.json
+        --out cold_pool.json                    # the default pool
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ def main() -> None:
                     help="as kdaserve serve's (JSON), e.g. a DSpark drafter: "
                          '\'{"method":"dspark","model":DIR,"num_speculative_tokens":8,'
                          '"draft_sample_method":"probabilistic"}\'')
-    ap.add_argument("--compile-workers", type=int, default=0,
-                    help="the engine's compile_workers (start-up compiles in N processes)")
+    ap.add_argument("--compile-workers", type=int, default=None,
+                    help="the engine's compile_workers (start-up compiles in N processes; "
+                         "0: none; default: the engine's, as many as the CPUs allow)")
     ap.add_argument("--dump-fla-configs", default=None, metavar="ROOT",
                     help="after start-up, write the configs fla's autotuners chose into "
                          "ROOT/{GPU}/ (kdaserve/kernels/configs/fla is the shipped root)")

@@ -161,9 +161,10 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   }
   # the baseline: fla autotunes every kernel (a user's FLA_CACHE_MODE wins over the stored
   # configs); its choices are written where kdaserve ships them, so the next runs read them
-  FLA_CACHE_MODE=disabled cold_start autotune --dump-fla-configs kdaserve/kernels/configs/fla
+  FLA_CACHE_MODE=disabled cold_start autotune --compile-workers 0 \
+    --dump-fla-configs kdaserve/kernels/configs/fla
   cp -r kdaserve/kernels/configs/fla "$OUT/fla_configs"
-  [[ ${COLD_SKIP_STORED:-0} == 1 ]] || cold_start stored
+  [[ ${COLD_SKIP_STORED:-0} == 1 ]] || cold_start stored --compile-workers 0
   # and kdaserve's kernel variants compiled by a pool of processes (compile_workers), into the
   # default cache (emptied first), which SAVE_TCACHE then returns for later calls
   rm -rf ~/.triton/cache && mkdir -p ~/.triton/cache

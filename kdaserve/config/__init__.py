@@ -498,17 +498,20 @@ class EngineConfig:
     """auto | cuda | cpu."""
     enforce_eager: bool = False
     max_logprobs: int = 20
-    compile_workers: int = 0
+    compile_workers: int | None = None
     """CUDA start-up: processes (per rank) that compile kdaserve's Triton kernel variants while
     the start-up forwards run once without them (kernels/compile_ahead.py); 0: each variant
-    compiles in the rank's own thread at its first launch."""
+    compiles in the rank's own thread at its first launch; None: the host's CPUs shared by its
+    ranks (kernels.compile_ahead.default_compile_workers)."""
     kv_transfer_config: KVTransferConfig | None = None
     """Prefill/decode disaggregation (None: this instance serves alone)."""
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool)
+        if self.compile_workers is not None and (
+                not isinstance(self.compile_workers, int) or isinstance(self.compile_workers, bool)
                 or self.compile_workers < 0):
-            raise ValueError(f"compile_workers must be an int >= 0, got {self.compile_workers!r}")
+            raise ValueError(f"compile_workers must be an int >= 0 or None (as many as the "
+                             f"host's CPUs allow), got {self.compile_workers!r}")
         if self.device == "auto":
             import torch
 

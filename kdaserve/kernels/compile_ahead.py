@@ -44,6 +44,18 @@ logger = logging.getLogger(__name__)
 PACKAGE = "kdaserve."
 """The modules whose kernels are deferred."""
 
+MAX_DEFAULT_WORKERS = 16
+"""The default pool's cap: a start-up has about a hundred variants, compiled in a few waves."""
+
+
+def default_compile_workers(ranks_on_host: int = 1) -> int:
+    """The pool size when none is configured: this process's CPUs shared by the host's ranks,
+    one left to each rank's own thread, at most MAX_DEFAULT_WORKERS; 0 (no pool) where that
+    leaves fewer than two, as a pool of one compiles in turn like the rank's own thread."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = min(MAX_DEFAULT_WORKERS, (cpus or 1) // max(1, ranks_on_host) - 1)
+    return n if n >= 2 else 0
+
 
 def compile_variant(module: str, qualname: str, specialization_data: str,
                     target: tuple[str, int | str, int]) -> str:

@@ -30,7 +30,7 @@ from kdaserve.distributed.parallel_state import ParallelState
 from kdaserve.disagg.base import ConnectorWorker
 from kdaserve.disagg.factory import make_connector_worker
 from kdaserve.disagg.ranks import RankAgreement
-from kdaserve.kernels.compile_ahead import CompileAhead
+from kdaserve.kernels.compile_ahead import CompileAhead, default_compile_workers
 from kdaserve.kernels.fla_configs import use_stored_configs
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
@@ -145,11 +145,14 @@ class Worker:
             use_stored_configs(torch.cuda.get_device_name(self.device))
         self._ahead: CompileAhead | None = None
         """Start-up only: the pool compiling kdaserve's kernel variants (compile_workers)."""
-        if self.device.type == "cuda" and config.compile_workers > 0:
+        workers = config.compile_workers
+        if workers is None:
+            workers = default_compile_workers(config.parallel_config.ranks_per_node)
+        if self.device.type == "cuda" and workers > 0:
             from triton.runtime import driver
 
             t = driver.active.get_current_target()
-            self._ahead = CompileAhead(config.compile_workers, (t.backend, t.arch, t.warp_size))
+            self._ahead = CompileAhead(workers, (t.backend, t.arch, t.warp_size))
         t0 = time.perf_counter()
         self.model = build_model(self.args, self.dtype, self.device,
                                  resolve_architecture(mc.hf_config), self.backends,

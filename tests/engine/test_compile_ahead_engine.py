@@ -55,15 +55,20 @@ print(json.dumps({"calls": len(calls), "events": events,
 """
 
 
-@pytest.mark.parametrize("spec", [None, "dspark"])
+@pytest.mark.parametrize("spec", [None, "dspark", "kimi-k3-tiny"])
 def test_warmup_after_the_pool_compiles_nothing(tmp_path, spec):
-    """spec: a DSpark drafter too (the verification forwards are in the deferred pass)."""
+    """spec: a DSpark drafter too (the verification forwards are in the deferred pass), or
+    the K3 model (MXFP4 experts, AttnRes) without one."""
     pytest.importorskip("triton")
     from tests.engine.conftest import target_and_spec
 
     from kdaserve import LLM, SamplingParams
+    from kdaserve.models.make_model import make_model
 
-    model, spec_kw = target_and_spec(tmp_path, spec)
+    if spec == "kimi-k3-tiny":
+        model, spec_kw = make_model(str(tmp_path / "k3"), spec), {}
+    else:
+        model, spec_kw = target_and_spec(tmp_path, spec)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
     run = subprocess.run([sys.executable, "-c", POOLED, model, json.dumps(KW | spec_kw),
                           json.dumps(PROMPTS)], env=env, capture_output=True, text=True,

@@ -135,6 +135,31 @@ def test_a_failing_variant_is_reported_not_raised(tmp_path, monkeypatch):
     assert ahead.wait()["failed"] == 1
 
 
+@pytest.mark.parametrize("cpus, ranks, want", [(16, 1, 15), (128, 8, 15), (64, 1, 16),
+                                               (3, 1, 2), (2, 1, 0), (16, 8, 0)])
+def test_default_pool_shares_the_cpus(monkeypatch, cpus, ranks, want):
+    import os
+
+    from kdaserve.kernels.compile_ahead import default_compile_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert default_compile_workers(ranks) == want
+
+
+def test_compile_workers_is_checked(tmp_path):
+    from kdaserve.engine.arg_utils import config_from_kwargs
+    from kdaserve.models.make_model import make_model
+
+    model = make_model(str(tmp_path / "m"), "tiny")
+    assert config_from_kwargs(dict(model=model, device="cpu")).compile_workers is None
+    off = config_from_kwargs(dict(model=model, device="cpu", compile_workers=0))
+    assert off.compile_workers == 0
+    for bad in (-1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=f"compile_workers must be an int >= 0 or None "
+                                             f".*got {bad!r}"):
+            config_from_kwargs(dict(model=model, device="cpu", compile_workers=bad))
+
+
 @pytest.mark.gpu
 def test_deferred_launch_then_disk_load(tmp_path, monkeypatch):
     """Under deferring() a kdaserve kernel's first launch does nothing (its output keeps its
