@@ -11,7 +11,8 @@
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), verify (the DSpark
 # verify step's parts: step_breakdown.py at 8000-token prompts with PDL off, so kernel times do
 # not overlap, and bench_batch.py's MoE / MLA at verify shapes, VERIFY_ARGS), fold (the DSpark step at
-# 8000-token prompts with mla_verify_fold off, then on, same lease), abnew (step_breakdown.py
+# 8000-token prompts once per FOLD_CONFIGS entry: one row a program, the fold, the two-pass fold;
+# FOLD_MODEL=/tmp/k12 on an H100), abnew (step_breakdown.py
 # plain at ABNEW_BATCHES and DSpark at 1,16, 8000-token prompts, with the defaults and with
 # ABNEW_OFF: router_partials and sampling_race_kernel off by default), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
@@ -113,13 +114,17 @@ if [[ $STAGES == *verify* ]]; then   # issue 20: where a verify step's time goes
     --batches ${VERIFY_BATCHES:-9,72,144,288} --mla-rows-per-seq 9 --time-budget 300 --out "$OUT/batch_verify.json" \
     ${VERIFY_ARGS:-} 2>&1 | grep -v Warn | tail -20 | tee -a "$OUT/verify.log"
 fi
-if [[ $STAGES == *fold* ]]; then   # A/B of KernelConfig.mla_verify_fold on the DSpark step
+if [[ $STAGES == *fold* ]]; then   # the verify windows' MLA kernels on the DSpark step, same lease:
+  # one row a program, the one-launch fold, the two-pass fold (FOLD_CONFIGS: JSON without spaces)
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
-  for fold in false true; do
-    timeout ${FOLD_TIMEOUT:-200} python3 benchmarks/step_breakdown.py /tmp/k48 \
-      --draft-model /tmp/k48-dspark --draft-method dspark --spec-batches ${FOLD_BATCHES:-1,4,16} \
-      --prompt-len 8000 --steps 20 --optimization-config "{\"mla_verify_fold\":$fold}" \
-      --out "$OUT/breakdown_fold_$fold.json" 2>&1 | grep -v Warn \
+  [[ ${FOLD_MODEL:-} == /tmp/k12 ]] && make_k12
+  i=0; for cfg in ${FOLD_CONFIGS:-'{"mla_verify_fold":false}' '{"mla_verify_fold":true}' \
+                   '{"mla_verify_fold":true,"mla_verify_two_pass":true}'}; do
+    i=$((i+1)); echo "fold run $i: $cfg" | tee -a "$OUT/fold.log"
+    timeout ${FOLD_TIMEOUT:-200} python3 benchmarks/step_breakdown.py ${FOLD_MODEL:-/tmp/k48} \
+      --draft-model ${FOLD_MODEL:-/tmp/k48}-dspark --draft-method dspark \
+      --spec-batches ${FOLD_BATCHES:-1,4,16} --prompt-len 8000 --steps 20 \
+      --optimization-config "$cfg" --out "$OUT/breakdown_fold_$i.json" 2>&1 | grep -v Warn \
       | grep -E "ms/step synced|device:|a replay" | tee -a "$OUT/fold.log"
   done
 fi

@@ -478,6 +478,12 @@ class KernelConfig:
     (kernels/mla/triton_decode.py mla_decode_partial_fold_kernel), so a window's context is
     read once per 2 rows instead of once per row (benchmarks/PERF_NOTES.md: a small gain on the
     verify forward at batch 1 and 16). Off: one program per row."""
+    mla_verify_two_pass: bool = False
+    """With mla_verify_fold: those windows' MLA in two launches over the fold kernel's
+    programs, the scores and their exponentials first, the weighted sum of the latents second
+    (kernels/mla/decode.py window_config), so no program holds the query columns and the
+    [kv_lora_rank, columns] accumulator at once (the fold kernel spills). Off until timed
+    against the fold kernel (benchmarks/PERF_NOTES.md)."""
 
     @classmethod
     def baseline(cls) -> "KernelConfig":

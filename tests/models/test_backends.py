@@ -55,7 +55,9 @@ def test_layers_take_the_backends_they_are_built_with():
     cfg = make_model.base_config()
     cfg.update(copy.deepcopy(make_model._PRESET_ARCH["tiny"]), vocab_size=64)
     args = KimiLinearArgs.from_hf_config(cfg)
-    for kc in (KernelConfig(), KernelConfig.baseline(), KernelConfig(mla_verify_fold=True)):
+    for kc in (KernelConfig(), KernelConfig.baseline(), KernelConfig(mla_verify_fold=True),
+               KernelConfig(mla_verify_two_pass=True),
+               KernelConfig(mla_verify_fold=False, mla_verify_two_pass=True)):
         backends = select_backends(kc, "cuda")
         with torch.device("meta"):
             model = KimiLinearForCausalLM(args, backends)
@@ -68,6 +70,9 @@ def test_layers_take_the_backends_they_are_built_with():
                    for m in kda)
         assert all(m.absorb_gemv == kc.mla_absorb_gemv for m in mla)
         assert all(m.verify_fold == kc.mla_verify_fold for m in mla)
+        # two-pass windows only where windows fold
+        assert all(m.verify_two_pass == (kc.mla_verify_fold and kc.mla_verify_two_pass)
+                   for m in mla)
         assert all(m.act_gemv == (kc.decode_gemv and kc.dense_mlp_gemv) for m in mlps)
 
 

@@ -424,3 +424,178 @@ def store_latent_kernel(kv_ptr, slot_ptr, src_ptr, w_ptr, stride_src, dim, rank,
         w = tl.load(w_ptr + offs, mask=is_c, other=1.0)
     out = tl.where(is_c, (w * normed).to(row.dtype), row)
     tl.store(kv_ptr + slot * dim + offs, out.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+# The two passes of a verify window's attention (mla_decode with config.two_pass): the fold
+# kernel's program grid and column layout, with the scores and the weighted sum of the latents
+# in separate launches. One program of the fold kernel holds the query columns, a key tile and
+# the [kv_lora_rank, columns] accumulator at once, and spills; here the first pass holds no
+# accumulator and the second no query.
+@triton.jit(do_not_specialize=_SPLIT_ARGS + _ROW_STRIDES + ["stride_bt", "rows_per_seq",
+                                                            "num_rows", "stride_pb", "stride_ph",
+                                                            "stride_tb", "stride_th"],
+            do_not_specialize_on_alignment=_WINDOW_ROWS)
+def mla_window_scores_kernel(
+    q_ptr, qr_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, p_ptr, tile_ptr,
+    sm_scale_log2,
+    stride_qb, stride_qh, stride_qrb, stride_qrh,
+    stride_kv_block, stride_kv_tok,
+    stride_bt,
+    stride_pb, stride_ph,
+    stride_tb, stride_th,
+    num_heads, num_splits, rows_per_seq, num_rows,
+    KV_RANK: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Pass 1, program (group, split, head group) as in mla_decode_partial_fold_kernel: for
+    each context tile t of its partition, the base-2 scores s of its (row, head) columns, their
+    tile max m_t and p = exp2(s - m_t) (0 past a column's length), stored as p [rows, heads,
+    keys] in p_ptr's dtype and (m_t, sum of p in fp32) at tile_ptr[row, head, t, 0:2]."""
+    pdl_wait(USE_PDL)
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_h = tl.program_id(2)
+
+    groups = tl.cdiv(rows_per_seq, ROWS)
+    seq = pid_g // groups
+    first = seq * rows_per_seq + (pid_g % groups) * ROWS
+    cols = tl.arange(0, ROWS * BLOCK_H)
+    j = (pid_g % groups) * ROWS + cols // BLOCK_H
+    row = seq * rows_per_seq + j                                             # [COLS]
+    head = pid_h * BLOCK_H + cols % BLOCK_H                                  # [COLS]
+    valid = (j < rows_per_seq) & (row < num_rows) & (head < num_heads)
+    len_col = tl.load(seq_lens_ptr + row, mask=valid, other=0)              # [COLS]
+    seq_len = tl.max(len_col, axis=0)
+    split_len = tl.cdiv(seq_len, num_splits)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < KV_RANK
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < ROPE
+
+    row64 = row.to(tl.int64)
+    q_base = q_ptr + row64[None, :] * stride_qb + head[None, :] * stride_qh
+    qt_c = tl.load(q_base + offs_c[:, None], mask=mask_c[:, None] & valid[None, :],
+                   other=0.0)                                                # [BLOCK_C, COLS]
+    if ROPE > 0:
+        qr_base = qr_ptr + row64[None, :] * stride_qrb + head[None, :] * stride_qrh
+        qt_r = tl.load(qr_base + offs_r[:, None],
+                       mask=mask_r[:, None] & valid[None, :], other=0.0)    # [BLOCK_R, COLS]
+    else:
+        qt_r = qt_c                                                           # unread
+
+    p_col = p_ptr + row64 * stride_pb + head * stride_ph                     # [COLS]
+    t_col = tile_ptr + row64 * stride_tb + head * stride_th                  # [COLS]
+    bt_row = block_table_ptr + first.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        kv_c, st = _tile_scores_t(kv_ptr, bt_row, offs_n, mask_n, offs_c, mask_c, offs_r, mask_r,
+                                  qt_c, qt_r, stride_kv_block, stride_kv_tok, KV_RANK, ROPE,
+                                  PAGE_SIZE, DOT_PRECISION)               # st [BLOCK_N, COLS]
+        st = tl.where(offs_n[:, None] < len_col[None, :], st * sm_scale_log2, float("-inf"))
+        m_t = tl.max(st, axis=0)                                             # [COLS]
+        pt = tl.exp2(st - tl.where(m_t == float("-inf"), 0.0, m_t)[None, :])  # 0 where masked
+        tl.store(p_col[None, :] + offs_n[:, None], pt.to(p_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & valid[None, :])
+        t = n0 // BLOCK_N
+        tl.store(t_col + t * 2, m_t, mask=valid)
+        tl.store(t_col + t * 2 + 1, tl.sum(pt, axis=0), mask=valid)
+
+
+@triton.jit(do_not_specialize=_SPLIT_ARGS + ["stride_bt", "rows_per_seq", "num_rows",
+                                             "stride_pb", "stride_ph", "stride_tb", "stride_th"],
+            do_not_specialize_on_alignment=_WINDOW_ROWS)
+def mla_window_pv_kernel(
+    kv_ptr, block_table_ptr, seq_lens_ptr, p_ptr, tile_ptr, part_out_ptr, part_lse_ptr,
+    stride_kv_block, stride_kv_tok,
+    stride_bt,
+    stride_pb, stride_ph,
+    stride_tb, stride_th,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    num_heads, num_splits, rows_per_seq, num_rows,
+    KV_RANK: tl.constexpr, BLOCK_V: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUB_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+):
+    """Pass 2, program (group, split, head group x value block): the scores kernel's columns
+    and partition, BLOCK_V of the latent channels. The partition's max over its tiles' m_t,
+    then its latents weighted by each tile's p scaled to that max: the partial output and
+    base-2 lse of every column, as the one-pass kernels write them (the reduce is shared; the
+    first value block writes the lse). Columns as MMA rows, so p is the A operand as loaded
+    and a latent tile the B operand untransposed. SUB_N = min(BLOCK_N, PAGE_SIZE): a context
+    tile's keys in runs that each lie in one page (split starts are multiples of BLOCK_N)."""
+    pdl_wait(USE_PDL)
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    value_blocks = tl.cdiv(KV_RANK, BLOCK_V)
+    pid_h = tl.program_id(2) // value_blocks
+    pid_v = tl.program_id(2) % value_blocks
+
+    groups = tl.cdiv(rows_per_seq, ROWS)
+    seq = pid_g // groups
+    first = seq * rows_per_seq + (pid_g % groups) * ROWS
+    cols = tl.arange(0, ROWS * BLOCK_H)
+    j = (pid_g % groups) * ROWS + cols // BLOCK_H
+    row = seq * rows_per_seq + j                                             # [COLS]
+    head = pid_h * BLOCK_H + cols % BLOCK_H                                  # [COLS]
+    valid = (j < rows_per_seq) & (row < num_rows) & (head < num_heads)
+    len_col = tl.load(seq_lens_ptr + row, mask=valid, other=0)              # [COLS]
+    seq_len = tl.max(len_col, axis=0)
+    split_len = tl.cdiv(seq_len, num_splits)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    row64 = row.to(tl.int64)
+    p_col = p_ptr + row64 * stride_pb + head * stride_ph                     # [COLS]
+    t_col = tile_ptr + row64 * stride_tb + head * stride_th                  # [COLS]
+    m_i = tl.full([ROWS * BLOCK_H], float("-inf"), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        m_i = tl.maximum(m_i, tl.load(t_col + (n0 // BLOCK_N) * 2, mask=valid,
+                                      other=float("-inf")))
+    m_ref = tl.where(m_i == float("-inf"), 0.0, m_i)                       # [COLS]
+
+    l_i = tl.zeros([ROWS * BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([ROWS * BLOCK_H, BLOCK_V], dtype=tl.float32)
+    bt_row = block_table_ptr + first.to(tl.int64) * stride_bt
+    offs_sub = tl.arange(0, SUB_N)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 // BLOCK_N
+        m_t = tl.load(t_col + t * 2, mask=valid, other=float("-inf"))
+        w_t = tl.exp2(m_t - m_ref)                             # [COLS]; 0 for a masked tile
+        l_i += tl.load(t_col + t * 2 + 1, mask=valid, other=0.0) * w_t
+        # the tile in runs of SUB_N keys inside one cache page each: a block pointer per run
+        # (no [keys, channels] tensor of addresses held in registers)
+        for sub in tl.static_range(BLOCK_N // SUB_N):
+            s0 = n0 + sub * SUB_N
+            block_id = tl.load(bt_row + s0 // PAGE_SIZE, mask=s0 < end, other=0).to(tl.int64)
+            kv_blk = tl.make_block_ptr(kv_ptr + block_id * stride_kv_block
+                                       + (s0 % PAGE_SIZE) * stride_kv_tok,
+                                       shape=(end - s0, KV_RANK), strides=(stride_kv_tok, 1),
+                                       offsets=(0, pid_v * BLOCK_V), block_shape=(SUB_N, BLOCK_V),
+                                       order=(1, 0))
+            kv_v = tl.load(kv_blk, boundary_check=(0, 1), padding_option="zero")  # [SUB_N, BLOCK_V]
+            p = tl.load(p_col[:, None] + (s0 + offs_sub)[None, :],
+                        mask=valid[:, None] & (s0 + offs_sub < end)[None, :],
+                        other=0.0)                                           # [COLS, SUB_N]
+            p = (p.to(tl.float32) * w_t[:, None]).to(kv_v.dtype)
+            acc = tl.dot(p, kv_v, acc, input_precision=DOT_PRECISION)
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]                    # no key seen: zeros
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_v = offs_v < KV_RANK
+    po = (part_out_ptr + row64[:, None] * stride_po_b + head[:, None] * stride_po_h
+          + pid_s * stride_po_s + offs_v[None, :])
+    tl.store(po, out, mask=valid[:, None] & mask_v[None, :])
+    if pid_v == 0:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row64 * stride_pl_b + head * stride_pl_h + pid_s, lse,
+                 mask=valid)
