@@ -234,6 +234,9 @@ def bench_moe(rows, ceil, w13, w2, n, same, deadline):
     for bn, bk, nw, ns in ((32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 8, 3), (32, 256, 4, 4),
                            (16, 256, 2, 4), (128, 64, 4, 6), (256, 64, 8, 4)):
         grid.append(dict(config=moe.FusedMoEConfig(d.gemm1, C(bm, bn, bk, 1, nw, ns))))
+    if bm >= 64:   # the default tiles with the weights by TMA (KernelConfig.moe_tma_weights)
+        grid.append(dict(config=moe.default_config(n, TOP_K + 1, EXPERTS + 1, torch.bfloat16,
+                                                   tma_weights=True)))
     if n > 64:   # both GEMMs at a larger block_m (fewer row blocks per shared expert)
         for m, bn1, bn2, nw, ns in ((64, 64, 128, 4, 4), (64, 128, 128, 8, 3),
                                     (128, 64, 128, 8, 3), (128, 128, 256, 8, 3)):
@@ -248,10 +251,14 @@ def bench_moe_prefill(rows, ceil, w13, w2, n, same):
     w, ids = moe_inputs(n, same)
     flops = 2 * n * (TOP_K + 1) * 3 * HIDDEN * MOE_INTER
     triton_ms = bench_ms(lambda: moe.fused_moe(x, w13, w2, w, ids))
+    # the same tiles with the expert weights by TMA (KernelConfig.moe_tma_weights)
+    tma_ms = bench_ms(lambda: moe.fused_moe(x, w13, w2, w, ids, tma_weights=True))
     floor_ms = flops / (ceil["bf16_gemm_TFLOPs"] * 1e9)
     row = {"case": f"moe_prefill N={n} {'same8' if same else 'spread'}", "floor_ms": floor_ms,
-           "triton_ms": triton_ms, "triton_TFLOPs": flops / triton_ms / 1e9}
-    print(f"{row['case']:<28} floor {floor_ms:.3f}  triton {triton_ms:.3f} ms", flush=True)
+           "triton_ms": triton_ms, "triton_TFLOPs": flops / triton_ms / 1e9,
+           "tma_ms": tma_ms, "tma_TFLOPs": flops / tma_ms / 1e9}
+    print(f"{row['case']:<28} floor {floor_ms:.3f}  triton {triton_ms:.3f}  tma {tma_ms:.3f} ms",
+          flush=True)
     rows.append(row)
 
 

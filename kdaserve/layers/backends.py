@@ -86,6 +86,8 @@ class LayerBackends:
     mla_verify_two_pass: bool = False
     """Those fold windows in two launches, scores then the weighted sum (window_config)."""
     moe: str = "reference"
+    moe_tma_weights: bool = False
+    """The fused MoE's wgmma tiles read the expert weights by TMA (KernelConfig)."""
     latent_moe: str = "reference"
     attn_res: str = "reference"
     gated_act: str = "reference"
@@ -132,6 +134,7 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
         mla_verify_fold=kc.mla_verify_fold,
         mla_verify_two_pass=kc.mla_verify_fold and kc.mla_verify_two_pass,
         moe="triton",
+        moe_tma_weights=kc.moe_tma_weights,
         latent_moe="fused_tail" if kc.latent_moe_fused_tail else "unfused",
         attn_res="triton" if kc.k3_fused_ops else "reference",
         gated_act="triton" if kc.k3_fused_ops else "reference",

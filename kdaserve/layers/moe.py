@@ -79,8 +79,11 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, in_size: int, inter_size: int,
                  quant: str | None = None, act: GatedAct = SILU,
-                 tp: GroupComm = GroupComm.single()) -> None:
+                 tp: GroupComm = GroupComm.single(), tma_weights: bool = False) -> None:
+        """tma_weights: the fused MoE's wgmma tiles read the weights by TMA (KernelConfig
+        moe_tma_weights)."""
         super().__init__()
+        self.tma_weights = tma_weights
         e, d = num_experts, in_size
         i = divide(inter_size, tp.size, "moe_intermediate_size (expert columns)")
         if quant == "mxfp4" and tp.size > 1 and i % MXFP4_BLOCK:
@@ -129,7 +132,8 @@ class Experts(nn.Module):
         if x.is_cuda and self.act.is_silu:
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                             tma_weights=self.tma_weights)
         return ref.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                self.act)
 
@@ -152,7 +156,8 @@ class SparseMoE(nn.Module):
         """Fold the shared expert into the fused MoE as expert E (when its width matches)."""
         self.gate = TopkRouter(args, backends)
         self.experts = Experts(args.num_experts, args.hidden_size, args.moe_intermediate_size,
-                               args.expert_quantization, act, tp)
+                               args.expert_quantization, act, tp,
+                               tma_weights=backends.moe_tma_weights)
         self.shared_experts = MLP(args.hidden_size,
                                   args.moe_intermediate_size * args.num_shared_experts, backends,
                                   act, tp)
@@ -193,7 +198,8 @@ class SparseMoE(nn.Module):
             from kdaserve.kernels.moe.fused_moe import fused_moe
 
             w, ids = self.gate(x, extra_expert=self.num_experts, x32=x32, pdl=pdl)  # [N, k + 1]
-            return self.tp.all_reduce(fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=pdl))
+            return self.tp.all_reduce(fused_moe(x, self.w13_all, self.w2_all, w, ids, pdl=pdl,
+                                                tma_weights=self.experts.tma_weights))
         topk_weights, topk_ids = self.gate(x, pdl=pdl)
         return self.tp.all_reduce(self.experts(x, topk_weights, topk_ids)
                                   + self.shared_experts.partial(x, pdl))

@@ -3,7 +3,8 @@ own toolchain (LLVM + the bundled ptxas), no GPU needed.
 
     python compile_sm90.py LAUNCHES.jsonl
 
-Non-constexpr ints become i32 (i64 past its range), floats fp32, tensors pointers of their dtype;
+Non-constexpr ints become i32 (i64 past its range), floats fp32, tensors pointers of their dtype,
+TMA tensor descriptors descriptors of their dtype and block;
 constexpr parameters keep their recorded value, or their default when not passed. Each launch
 gets the specialisation the JIT would give it on a GPU: a 16-divisibility hint on ints that
 are multiples of 16 and on 16-byte aligned tensors, except where the kernel says
@@ -47,6 +48,8 @@ def plan(rec: dict):
             consts[(i,)] = val
         elif arg is None:
             raise TypeError(f"{rec['name']}: argument {p.name} was not recorded")
+        elif "desc" in arg:     # a TMA tensor descriptor: its dtype and block shape
+            sig[p.name] = f"tensordesc<{PTR[arg['desc']]}[{', '.join(map(str, arg['block']))}]>"
         elif "tensor" in arg:
             sig[p.name] = "*" + PTR[arg["tensor"]]
             if arg.get("aligned") and not p.do_not_specialize_on_alignment:
@@ -84,7 +87,8 @@ def bf16_variant(item):
     """The launch with bf16 activations, as on the GPU; a kernel with a LUT constexpr (a PTX
     path the interpreter cannot run, taken for bf16 on CUDA) gets LUT=True as well."""
     key, module, name, sig, consts, options, divisible = item
-    sig = {k: "*bf16" if v == "*fp32" else v for k, v in sig.items()}
+    sig = {k: "*bf16" if v == "*fp32" else v.replace("tensordesc<fp32[", "tensordesc<bf16[")
+           for k, v in sig.items()}
     fn = getattr(importlib.import_module(module), name)
     names = [p.name for p in fn.params]
     if "LUT" in names and consts.get((names.index("LUT"),)) is not None:
@@ -99,7 +103,7 @@ def main(path: str, workers: int = 2) -> int:
     for line in open(path):
         item = plan(json.loads(line))
         items.setdefault(item[0], item)
-        if "*fp32" in item[3].values():
+        if any(v == "*fp32" or v.startswith("tensordesc<fp32") for v in item[3].values()):
             variant = bf16_variant(item)
             items.setdefault(variant[0], variant)
     with ProcessPoolExecutor(workers) as pool:

@@ -359,7 +359,8 @@ def make_routing(device, num_tokens, num_experts, top_k, same_experts=False, see
 
 
 def check_fused_moe(device, dtype, num_tokens, hidden=256, inter=128, num_experts=16, top_k=4,
-                    same_experts=False, drop_some=False, seed=0):
+                    same_experts=False, drop_some=False, seed=0, config=None):
+    """config: the FusedMoEConfig to run (default_config's when None)."""
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.moe.fused_moe import fused_moe
 
@@ -373,11 +374,12 @@ def check_fused_moe(device, dtype, num_tokens, hidden=256, inter=128, num_expert
     if drop_some:                       # ids outside [0, E) contribute nothing
         ids[::3, 0] = -1
     out = torch.full((num_tokens, hidden), float("nan"), dtype=dtype, device=device)
-    fused_moe(x, w13, w2, weights, ids, out=out)
+    fused_moe(x, w13, w2, weights, ids, out=out, config=config)
     keep = ids >= 0
     want = ref.moe_experts(x.double(), w13.double(), w2.double(),
                            torch.where(keep, weights, 0.0), ids.clamp(min=0).long())
-    assert_close(f"fused_moe N={num_tokens} same={same_experts}", out, want, dtype)
+    tma = " tma" if config is not None and config.gemm1.tma_weights else ""
+    assert_close(f"fused_moe N={num_tokens} same={same_experts}{tma}", out, want, dtype)
 
 
 def check_fused_moe_gemm2_sum(device, dtype, hidden=64, inter=48, num_experts=8, top_k=3,
@@ -600,6 +602,14 @@ def run_interpreter_suite() -> None:
                                config=FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 16, 1, 4, 2)))
     check_gemm2_sum_rejects_bad_tiles("cpu")
     check_fused_moe("cpu", f32, 19, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
+    # expert weights by TMA descriptors: K tails (56 % 16, 40 % 32) and N tiles that cross the
+    # gate / up halves (40 % 32) and the last expert's end
+    tma = MoEGemmConfig(16, 16, 16, 1, 4, 1, tma_weights=True)
+    check_fused_moe("cpu", f32, 30, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True,
+                    config=FusedMoEConfig(tma, tma))
+    check_fused_moe("cpu", f32, 19, hidden=56, inter=40, num_experts=8, top_k=3,
+                    config=FusedMoEConfig(MoEGemmConfig(16, 32, 16, 1, 4, 2, tma_weights=True),
+                                          MoEGemmConfig(16, 32, 32, 1, 4, 2, tma_weights=True)))
     check_fused_moe("cpu", f32, 30, hidden=64, inter=48, num_experts=8, top_k=3, drop_some=True)
     # one-program align path: 9, 64, 144, 300, 576 entries (sorts of 16 .. 1024 keys); then
     # experts of several blocks (same_experts) and the atomic path (> SMALL_ALIGN_ENTRIES)

@@ -26,6 +26,9 @@ def describe(value):
                 "aligned": value.data_ptr() % 16 == 0}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
+    if type(value).__name__ == "TensorDescriptor":   # triton.tools.tensor_descriptor
+        return {"desc": str(value.base.dtype).removeprefix("torch."),
+                "block": list(value.block_shape)}
     return {"repr": repr(value)}
 
 

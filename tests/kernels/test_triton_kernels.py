@@ -173,6 +173,27 @@ def test_fused_moe_model_shapes_gpu():
 
 @pytest.mark.gpu
 @gpu
+def test_fused_moe_tma_weights_gpu():
+    """The expert weights by TMA descriptors (default_config's wgmma classes with tma_weights)
+    at the Kimi-Linear-48B expert shapes, same-expert and spread routing, and at a shape whose
+    K and N tails cross the gate / up halves."""
+    from kdaserve.kernels.moe.fused_moe import default_config
+
+    for n, same in ((64, True), (1024, False), (8000, True)):
+        cfg = default_config(n, 8, 64, BF16, tma_weights=True)
+        assert cfg.gemm1.tma_weights and cfg.gemm2.tma_weights
+        kc.check_fused_moe("cuda", BF16, n, hidden=2304, inter=1024, num_experts=64, top_k=8,
+                           same_experts=same, seed=n, config=cfg)
+    from kdaserve.kernels.moe.fused_moe import FusedMoEConfig, MoEGemmConfig
+
+    c = MoEGemmConfig(64, 64, 64, 4, 4, 3, tma_weights=True)
+    for dtype in (BF16, F32):
+        kc.check_fused_moe("cuda", dtype, 300, hidden=328, inter=96, num_experts=10, top_k=3,
+                           drop_some=True, config=FusedMoEConfig(c, c))
+
+
+@pytest.mark.gpu
+@gpu
 def test_fused_moe_gemm2_sum_model_shapes_gpu():
     """N == 1 at the Kimi-Linear-48B shapes (256 routed + the shared expert as id 256, k = 8 + 1):
     GEMM 2 + top-k sum in one kernel vs the reference and vs gemm2 + moe_sum."""

@@ -14,6 +14,7 @@ from kdaserve.config import KernelConfig
 from kdaserve.layers.backends import LayerBackends, select_backends
 from kdaserve.layers.kda import KimiDeltaAttention
 from kdaserve.layers.mla import MLAttention
+from kdaserve.layers.moe import Experts
 from kdaserve.layers.mlp import MLP
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
@@ -57,7 +58,8 @@ def test_layers_take_the_backends_they_are_built_with():
     args = KimiLinearArgs.from_hf_config(cfg)
     for kc in (KernelConfig(), KernelConfig.baseline(), KernelConfig(mla_verify_fold=True),
                KernelConfig(mla_verify_two_pass=True),
-               KernelConfig(mla_verify_fold=False, mla_verify_two_pass=True)):
+               KernelConfig(mla_verify_fold=False, mla_verify_two_pass=True),
+               KernelConfig(moe_tma_weights=True)):
         backends = select_backends(kc, "cuda")
         with torch.device("meta"):
             model = KimiLinearForCausalLM(args, backends)
@@ -70,6 +72,8 @@ def test_layers_take_the_backends_they_are_built_with():
                    for m in kda)
         assert all(m.absorb_gemv == kc.mla_absorb_gemv for m in mla)
         assert all(m.verify_fold == kc.mla_verify_fold for m in mla)
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        assert experts and all(m.tma_weights == kc.moe_tma_weights for m in experts)
         # two-pass windows only where windows fold
         assert all(m.verify_two_pass == (kc.mla_verify_fold and kc.mla_verify_two_pass)
                    for m in mla)

@@ -143,6 +143,7 @@ OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "k3_fused_ops": BOOL,
     "mla_verify_fold": BOOL,
     "mla_verify_two_pass": BOOL,
+    "moe_tma_weights": BOOL,
     "sampling_race_kernel": BOOL,
     "router_partials": BOOL,
     "kda_checkpoint_mode": one_of("internal", "split"),

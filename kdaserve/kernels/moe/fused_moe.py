@@ -29,6 +29,10 @@ class MoEGemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    tma_weights: bool = False
+    """The expert weight tiles by TMA through a tensor descriptor (sm_90+; the GEMM kernels'
+    W_DESC) instead of pointer loads. Needs block_k * 2 bytes >= 16 and expert weights whose
+    rows are contiguous."""
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,19 @@ class FusedMoEConfig:
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int,
-                   dtype: torch.dtype) -> FusedMoEConfig:
-    """Size classes by rows per expert: decode (weight-bandwidth bound), small, large batches."""
+                   dtype: torch.dtype, tma_weights: bool = False) -> FusedMoEConfig:
+    """Size classes by rows per expert: decode (weight-bandwidth bound), small, large batches.
+    tma_weights: the classes whose row blocks take warpgroup MMA (>= 64 rows) read the weights
+    by TMA (MoEGemmConfig.tma_weights)."""
+    cfg = _size_class(num_tokens, top_k, num_experts, dtype)
+    if tma_weights and cfg.gemm1.block_m >= 64:
+        cfg = replace(cfg, gemm1=replace(cfg.gemm1, tma_weights=True),
+                      gemm2=replace(cfg.gemm2, tma_weights=True))
+    return cfg
+
+
+def _size_class(num_tokens: int, top_k: int, num_experts: int,
+                dtype: torch.dtype) -> FusedMoEConfig:
     if dtype == torch.float32:
         c = MoEGemmConfig(16, 32, 32, 1, 4, 1)
         return FusedMoEConfig(c, c, MoEGemmConfig(1, 16, 32, 1, 4, 1))
@@ -210,7 +225,8 @@ def _check_moe_inputs(x, w13, w2, topk_weights, topk_ids):
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, out: torch.Tensor | None = None,
-              config: FusedMoEConfig | None = None, pdl: bool = False) -> torch.Tensor:
+              config: FusedMoEConfig | None = None, pdl: bool = False,
+              tma_weights: bool = False) -> torch.Tensor:
     """Routed SwiGLU experts: out[n] = sum_j w[n, j] * w2[e] @ (silu(gate_e x_n) * up_e x_n).
 
     x: [N, D]; w13: [E, 2I, D] (rows [0, I) gate, [I, 2I) up); w2: [E, D, I];
@@ -221,6 +237,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     rounds each weighted output to x.dtype first).
     pdl: every launch (align, GEMM 1, GEMM 2 + sum or GEMM 2 and moe_sum) with programmatic
     dependent launch (module docstring); same results as pdl=False.
+    tma_weights: without a config, default_config's (the wgmma classes read the weights by TMA).
     """
     require_triton()
     _check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
@@ -238,7 +255,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                          f"got {tuple(out.shape)}")
     if N == 0:
         return out
-    cfg = config or fit_config(default_config(N, top_k, E, x.dtype), D, inter_size)
+    cfg = config or fit_config(default_config(N, top_k, E, x.dtype, tma_weights), D, inter_size)
     if cfg.gemm1.block_m != cfg.gemm2.block_m:
         raise ValueError(f"gemm1/gemm2 block_m differ: {cfg.gemm1.block_m} != {cfg.gemm2.block_m}")
     _check_gemm2_sum(cfg.gemm2_sum)
@@ -261,32 +278,52 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     inter = torch.empty(N * top_k, inter_size, dtype=x.dtype, device=x.device)  # [N*k, I]
     c1 = cfg.gemm1
     moe_gemm1_kernel[(blocks * cdiv(inter_size, c1.block_n),)](
-        x, w13, inter, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        x, _weights(w13, c1), inter, sorted_ids, expert_ids, expert_start, counts, num_rows,
         inter_size, D, top_k, blocks, E,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
         BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_K=c1.block_k, GROUP_M=c1.group_m,
         DOT_PRECISION=precision, DIRECT=direct, EVEN_K=D % c1.block_k == 0,
         EVEN_N=inter_size % c1.block_n == 0, num_warps=c1.num_warps,
-        num_stages=c1.num_stages, **pdl_opts,
+        num_stages=c1.num_stages, W_DESC=c1.tma_weights, **pdl_opts,
     )
     if direct and cfg.gemm2_sum is not None:
         return _gemm2_sum(inter, w2, topk_weights, topk_ids, out, cfg.gemm2_sum, pdl)
     buf = torch.empty(N * top_k, D, dtype=x.dtype, device=x.device)             # [N*k, D]
     c2 = cfg.gemm2
     moe_gemm2_kernel[(blocks * cdiv(D, c2.block_n),)](
-        inter, w2, buf, topk_weights, sorted_ids, expert_ids, expert_start, counts, num_rows,
+        inter, _weights(w2, c2), buf, topk_weights, sorted_ids, expert_ids, expert_start, counts,
+        num_rows,
         D, inter_size, blocks, E,
         inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), buf.stride(0),
         BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_K=c2.block_k, GROUP_M=c2.group_m,
         DOT_PRECISION=precision, DIRECT=direct, EVEN_K=inter_size % c2.block_k == 0,
         EVEN_N=D % c2.block_n == 0, num_warps=c2.num_warps,
-        num_stages=c2.num_stages, **pdl_opts,
+        num_stages=c2.num_stages, W_DESC=c2.tma_weights, **pdl_opts,
     )
     block_d = min(1024, next_power_of_2(D))
     moe_sum_kernel[(N, cdiv(D, block_d))](buf, topk_ids, out, D, E, top_k,
                                           buf.stride(0), out.stride(0), BLOCK_D=block_d,
                                           num_warps=4, **pdl_opts)
     return out
+
+
+def _weights(w: torch.Tensor, cfg: MoEGemmConfig):
+    """The GEMM kernels' weight argument: w itself, or with cfg.tma_weights a TMA descriptor of
+    w as [E * rows, K] in [block_n, block_k] tiles (the kernels' W_DESC)."""
+    if not cfg.tma_weights:
+        return w
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, rows, K = w.shape
+    if w.stride(1) != K or w.stride(0) != rows * K:
+        raise ValueError(f"tma_weights needs contiguous expert weights, got strides "
+                         f"{tuple(w.stride())} for shape {tuple(w.shape)}")
+    if cfg.block_k * w.element_size() < 16:
+        raise ValueError(f"tma_weights needs block_k * {w.element_size()} bytes >= 16, got "
+                         f"block_k={cfg.block_k}")
+    flat = w.view(E * rows, K)                                           # [E * rows, K]
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()),
+                            [cfg.block_n, cfg.block_k])
 
 
 def _check_gemm2_sum(cfg: MoEGemmConfig | None) -> None:

@@ -177,9 +177,14 @@ def moe_gemm1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    W_DESC: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N: hidden is a multiple of BLOCK_K / inter_size of BLOCK_N, so the weight
-    loads need no mask (the activation rows keep theirs)."""
+    loads need no mask (the activation rows keep theirs). W_DESC: w13_ptr is a tensor
+    descriptor of w13 as [E * 2I, D] with [BLOCK_N, BLOCK_K] blocks (fused_moe's
+    MoEGemmConfig.tma_weights): the weight tiles come by TMA into shared memory, the K tail and
+    the rows past the last expert as zeros; a tile's rows past its expert's gate or up half
+    are read from the next rows and only feed columns that are not stored."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(inter_size, BLOCK_N),
                                 GROUP_M)
@@ -193,30 +198,44 @@ def moe_gemm1_kernel(
     mask_n = offs_n < inter_size
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]                     # [BM, BK]
-    g_ptrs = (w13_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None] * stride_wk)                                         # [BK, BN]
-    u_ptrs = g_ptrs + inter_size * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            if EVEN_N:
-                wg = tl.load(g_ptrs)
-                wu = tl.load(u_ptrs)
+    if W_DESC:
+        row_g = (e * 2 * inter_size + pid_n * BLOCK_N).to(tl.int32)   # gate rows of the tile
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             else:
-                wg = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
-                wu = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < hidden - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < hidden - k0)[None, :],
+                            other=0.0)
+            wg = w13_ptr.load([row_g, k0])                                   # [BN, BK]
+            wu = w13_ptr.load([row_g + inter_size, k0])
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+    else:
+        g_ptrs = (w13_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+                  + offs_k[:, None] * stride_wk)                                     # [BK, BN]
+        u_ptrs = g_ptrs + inter_size * stride_wn
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                if EVEN_N:
+                    wg = tl.load(g_ptrs)
+                    wu = tl.load(u_ptrs)
+                else:
+                    wg = tl.load(g_ptrs, mask=mask_n[None, :], other=0.0)
+                    wu = tl.load(u_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = offs_k < hidden - k0
+                a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+                wg = tl.load(g_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                                        # SwiGLU
     o_ptrs = inter_ptr + rows[:, None] * stride_im + offs_n[None, :]
     tl.store(o_ptrs, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
@@ -231,9 +250,11 @@ def moe_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr = False,
     EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    W_DESC: tl.constexpr = False,
 ):
     """EVEN_K / EVEN_N: inter_size is a multiple of BLOCK_K / hidden of BLOCK_N (unmasked
-    weight loads)."""
+    weight loads). W_DESC: w2_ptr is a tensor descriptor of w2 as [E * D, I] with [BLOCK_N,
+    BLOCK_K] blocks (TMA; moe_gemm1_kernel's W_DESC)."""
     pdl_wait(USE_PDL)
     pid_m, pid_n = _grouped_pid(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if not DIRECT:
@@ -245,23 +266,35 @@ def moe_gemm2_kernel(
     mask_n = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + rows[:, None] * stride_im + offs_k[None, :]                 # [BM, BK]
-    w_ptrs = (w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-              + offs_k[:, None] * stride_wk)                                         # [BK, BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
+    if W_DESC:
+        row_w = (e * hidden + pid_n * BLOCK_N).to(tl.int32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
             else:
-                w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            mask_k = offs_k < inter_size - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < inter_size - k0)[None, :],
+                            other=0.0)
+            w = w2_ptr.load([row_w, k0])                                     # [BN, BK]
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+    else:
+        w_ptrs = (w2_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+                  + offs_k[:, None] * stride_wk)                                     # [BK, BN]
+        for k0 in range(0, inter_size, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                mask_k = offs_k < inter_size - k0
+                a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
     route_w = tl.load(topk_weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     acc = acc * route_w[:, None]
     o_ptrs = buf_ptr + rows[:, None] * stride_bm + offs_n[None, :]
