@@ -113,6 +113,9 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
             itertools.product((32, 64, 16, 128), (4, 8, 2))]
     grid += [dict(v_block=bv, num_warps=nw) for bv, nw in
              itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
+    # a register cap (more programs an SM): no spills in the sm_90 build at 16 x 4 and 128
+    grid[2:2] = [dict(gates=True, v_block=bv, num_warps=nw, max_registers=mr)
+                 for bv, nw, mr in ((16, 4, 128), (32, 4, 168), (32, 8, 128), (16, 4, 168))]
     sweep(f"kda_decode_fused N={n}", rows, fns(), grid, lambda c: fns(**c),
           floor_us(nbytes, ceil), deadline)
 
