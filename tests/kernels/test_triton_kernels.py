@@ -33,6 +33,20 @@ def test_kernels_refuse_cpu_tensors_without_interpreter():
                   torch.zeros(2, 2, dtype=torch.int32))
 
 
+def test_tma_weights_need_16_byte_rows():
+    """A TMA descriptor's row stride must be a multiple of 16 bytes: hidden 60 in fp32 (240
+    bytes) passes, 58 in bf16 (116) is refused naming the value; strided experts too."""
+    from kdaserve.kernels.moe.fused_moe import MoEGemmConfig, _weights
+
+    cfg = MoEGemmConfig(64, 32, 32, 1, 4, 2, tma_weights=True)
+    assert _weights(torch.zeros(3, 8, 60), cfg).shape == [24, 60]
+    with pytest.raises(ValueError, match="multiple of 16 bytes.*got K=58, block_k=32"):
+        _weights(torch.zeros(3, 8, 58, dtype=torch.bfloat16), cfg)
+    with pytest.raises(ValueError, match="contiguous expert weights"):
+        _weights(torch.zeros(3, 16, 64)[:, ::2], cfg)
+    assert _weights(torch.zeros(3, 8, 58), MoEGemmConfig(64, 32, 32, 1, 4, 2)).shape == (3, 8, 58)
+
+
 def test_bad_shapes_name_the_value():
     from kdaserve.kernels.mla.decode import _check_mla_inputs
 

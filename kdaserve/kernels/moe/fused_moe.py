@@ -31,8 +31,8 @@ class MoEGemmConfig:
     num_stages: int
     tma_weights: bool = False
     """The expert weight tiles by TMA through a tensor descriptor (sm_90+; the GEMM kernels'
-    W_DESC) instead of pointer loads. Needs block_k * 2 bytes >= 16 and expert weights whose
-    rows are contiguous."""
+    W_DESC) instead of pointer loads. Needs contiguous expert weights whose rows (and
+    block_k) are multiples of 16 bytes."""
 
 
 @dataclass(frozen=True)
@@ -318,8 +318,9 @@ def _weights(w: torch.Tensor, cfg: MoEGemmConfig):
     if w.stride(1) != K or w.stride(0) != rows * K:
         raise ValueError(f"tma_weights needs contiguous expert weights, got strides "
                          f"{tuple(w.stride())} for shape {tuple(w.shape)}")
-    if cfg.block_k * w.element_size() < 16:
-        raise ValueError(f"tma_weights needs block_k * {w.element_size()} bytes >= 16, got "
+    if cfg.block_k * w.element_size() < 16 or K * w.element_size() % 16:
+        raise ValueError(f"tma_weights needs weight rows of a multiple of 16 bytes and tiles of "
+                         f">= 16 bytes ({w.element_size()} bytes an element), got K={K}, "
                          f"block_k={cfg.block_k}")
     flat = w.view(E * rows, K)                                           # [E * rows, K]
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()),
