@@ -10,6 +10,7 @@ from dataclasses import fields
 from kdaserve.config import (CacheConfig, EngineConfig, KernelConfig, KVTransferConfig,
                              LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
+from kdaserve.kernels.compile_ahead import refuse_engine_in_worker
 
 
 def default_max_num_batched_tokens(device: str) -> int:
@@ -23,7 +24,9 @@ def default_max_num_batched_tokens(device: str) -> int:
 
 
 def config_from_kwargs(kwargs: dict) -> EngineConfig:
-    """EngineConfig from flat keyword arguments; unknown names are a ValueError."""
+    """EngineConfig from flat keyword arguments; unknown names are a ValueError. Refused in a
+    start-up compile worker (kernels/compile_ahead.py WORKER_ENV)."""
+    refuse_engine_in_worker()
     kwargs = dict(kwargs)
     groups = {}
     for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoadConfig,

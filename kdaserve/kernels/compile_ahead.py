@@ -38,11 +38,18 @@ import os
 import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 logger = logging.getLogger(__name__)
 
 PACKAGE = "kdaserve."
 """The modules whose kernels are deferred."""
+
+WORKER_ENV = "KDASERVE_COMPILE_WORKER"
+"""Set in the workers' environment. A spawned process imports the parent's main script again
+(its top level runs as `__mp_main__`); a script that builds an engine outside an
+`if __name__ == "__main__":` guard would build one in every worker. refuse_engine_in_worker
+stops that early."""
 
 MAX_DEFAULT_WORKERS = 16
 """The default pool's cap: a start-up has about a hundred variants, compiled in a few waves."""
@@ -55,6 +62,16 @@ def default_compile_workers(ranks_on_host: int = 1) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     n = min(MAX_DEFAULT_WORKERS, (cpus or 1) // max(1, ranks_on_host) - 1)
     return n if n >= 2 else 0
+
+
+def refuse_engine_in_worker() -> None:
+    """Raise if this process is a compile worker (an engine is about to be built while the
+    worker imports the parent's main script)."""
+    if os.environ.get(WORKER_ENV) == "1":
+        raise RuntimeError(
+            "kdaserve's start-up compile workers import the main script again, and its top "
+            "level builds an engine: put that code under `if __name__ == \"__main__\":`, or "
+            "pass compile_workers=0. The start-up compiles in its own thread meanwhile.")
 
 
 def compile_variant(module: str, qualname: str, specialization_data: str,
@@ -159,16 +176,17 @@ class CompileAhead:
         in them (its memory would count against this process's cache budget). The pool spawns
         a worker per submit while none is idle, and a worker keeps the environment it was
         spawned with."""
-        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", WORKER_ENV)}
+        os.environ.update({"CUDA_VISIBLE_DEVICES": "", WORKER_ENV: "1"})
         try:
             for _ in range(self.workers):
                 self.pool.submit(int)
         finally:
-            if saved is None:
-                del os.environ["CUDA_VISIBLE_DEVICES"]
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
 
     def submit(self, module: str, qualname: str, specialization_data: str) -> None:
         """Compile one variant in a worker (once per specialisation). A pool that cannot take
@@ -249,6 +267,11 @@ class CompileAhead:
             logger.warning("compile ahead: %d of %d variants failed in the workers (the first: "
                            "%s: %s); they compile at their launch", len(failed),
                            len(self._futures), type(failed[0]).__name__, failed[0])
+            if any(isinstance(e, BrokenProcessPool) for e in failed):
+                logger.warning("compile ahead: the worker processes died; if the main script "
+                               "builds the engine at its top level, guard it with `if "
+                               "__name__ == \"__main__\":` (the workers import it again) or "
+                               "set compile_workers=0")
         self.pool.shutdown()
         stats = {"variants": len(self._futures), "failed": len(failed),
                  "seconds": round(time.perf_counter() - self._t0, 2)}

@@ -160,6 +160,64 @@ def test_compile_workers_is_checked(tmp_path):
             config_from_kwargs(dict(model=model, device="cpu", compile_workers=bad))
 
 
+def test_workers_refuse_to_build_an_engine(tmp_path, monkeypatch):
+    """The workers carry WORKER_ENV (and no GPU); building an engine config there is refused
+    with the main-guard advice, so a script that builds its engine at its top level does not
+    build one in every worker. The parent's environment is left as it was."""
+    import os
+
+    from kdaserve.engine.arg_utils import config_from_kwargs
+    from kdaserve.kernels.compile_ahead import WORKER_ENV
+    from kdaserve.models.make_model import make_model
+
+    monkeypatch.delenv(WORKER_ENV, raising=False)
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ahead = CompileAhead(2, TARGET)
+    seen = [ahead.pool.submit(os.getenv, k).result() for k in (WORKER_ENV, "CUDA_VISIBLE_DEVICES")]
+    ahead.wait()
+    assert seen == ["1", ""]
+    assert WORKER_ENV not in os.environ and os.environ.get("CUDA_VISIBLE_DEVICES") == before
+    model = make_model(str(tmp_path / "m"), "tiny")
+    config_from_kwargs(dict(model=model, device="cpu"))
+    monkeypatch.setenv(WORKER_ENV, "1")
+    with pytest.raises(RuntimeError, match="if __name__ == .__main__.:.*compile_workers=0"):
+        config_from_kwargs(dict(model=model, device="cpu"))
+
+
+UNGUARDED = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+from kdaserve.engine.arg_utils import config_from_kwargs
+from kdaserve.kernels.compile_ahead import CompileAhead
+
+config_from_kwargs(dict(model=sys.argv[1] if len(sys.argv) > 1 else MODEL, device="cpu"))
+ahead = CompileAhead(1, ("cuda", 90, 32))
+ahead.submit("kdaserve.kernels.moe.triton_moe", "moe_sum_kernel", "{}")
+print("stats", ahead.wait())
+"""
+
+
+def test_an_unguarded_script_gets_the_advice_not_an_engine_per_worker(tmp_path):
+    """A main script that builds its engine config at its top level (no main guard) and then
+    starts the pool: the worker, importing the script again, is refused before it builds
+    anything; the parent's pool reports the broken workers with the main-guard advice and the
+    script goes on."""
+    import subprocess
+    import sys
+
+    from kdaserve.models.make_model import make_model
+
+    model = make_model(str(tmp_path / "m"), "tiny")
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED.replace("MODEL", repr(model)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "stats {'variants': 1, 'failed': 1" in run.stdout, run.stdout
+    assert "kdaserve's start-up compile workers import the main script again" in run.stderr
+    assert "guard it with `if __name__ == \"__main__\":`" in run.stderr
+
+
 @pytest.mark.gpu
 def test_deferred_launch_then_disk_load(tmp_path, monkeypatch):
     """Under deferring() a kdaserve kernel's first launch does nothing (its output keeps its
