@@ -170,6 +170,17 @@ class CompileAhead:
         self._t0 = time.perf_counter()
         self._spawn_without_gpu()
 
+    @classmethod
+    def start(cls, workers: int, target: tuple[str, int | str, int]) -> CompileAhead | None:
+        """A pool, or None (logged) where this host cannot start processes (process limits, no
+        /dev/shm for the pool's semaphores): start-up then compiles in its own thread."""
+        try:
+            return cls(workers, target)
+        except (OSError, RuntimeError) as exc:
+            logger.warning("compile ahead: no worker processes (%s: %s); start-up compiles in "
+                           "this thread", type(exc).__name__, exc)
+            return None
+
     def _spawn_without_gpu(self) -> None:
         """Start every worker now, with no GPU visible: they build for the given target, and a
         library that queries the device when imported (fla does) must not open a CUDA context

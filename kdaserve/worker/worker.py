@@ -152,7 +152,7 @@ class Worker:
             from triton.runtime import driver
 
             t = driver.active.get_current_target()
-            self._ahead = CompileAhead(workers, (t.backend, t.arch, t.warp_size))
+            self._ahead = CompileAhead.start(workers, (t.backend, t.arch, t.warp_size))
         t0 = time.perf_counter()
         self.model = build_model(self.args, self.dtype, self.device,
                                  resolve_architecture(mc.hf_config), self.backends,

@@ -184,6 +184,24 @@ def test_workers_refuse_to_build_an_engine(tmp_path, monkeypatch):
         config_from_kwargs(dict(model=model, device="cpu"))
 
 
+def test_no_processes_no_pool(monkeypatch, caplog):
+    """Where processes cannot start, start() logs it and returns None (the worker then
+    compiles in its own thread) instead of failing the engine's start."""
+    import concurrent.futures
+
+    import kdaserve.kernels.compile_ahead as ca
+
+    def refuse(*a, **k):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(ca, "ProcessPoolExecutor", refuse)
+    assert ca.CompileAhead.start(2, TARGET) is None
+    assert "no worker processes (OSError" in caplog.text
+    monkeypatch.setattr(ca, "ProcessPoolExecutor", concurrent.futures.ProcessPoolExecutor)
+    ahead = ca.CompileAhead.start(1, TARGET)
+    assert ahead is not None and ahead.wait()["variants"] == 0
+
+
 UNGUARDED = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING)
