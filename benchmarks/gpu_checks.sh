@@ -18,7 +18,9 @@
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), coldstart (engine
 # start on an empty Triton cache: fla autotuning, then the configs it chose, then those and
-# COLD_WORKERS compile processes; COLD_MODEL, COLD_ARGS e.g. a --speculative-config), mixed (bench_mixed.py:
+# COLD_WORKERS compile processes; COLD_MODEL, COLD_ARGS e.g. a --speculative-config), candidates
+# (the kernel candidates that are off until timed: GPU tests, bench_batch sweeps; CAND_PARTS),
+# mixed (bench_mixed.py:
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
@@ -174,6 +176,32 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   # default cache (emptied first), which SAVE_TCACHE then returns for later calls
   rm -rf ~/.triton/cache && mkdir -p ~/.triton/cache
   COLD_CACHE=$HOME/.triton/cache cold_start pool --compile-workers ${COLD_WORKERS:-15}
+fi
+if [[ $STAGES == *candidates* ]]; then   # the kernel candidates that are off until timed
+  # (mla_verify_two_pass, moe_tma_weights, kda_decode_fused max_registers): their GPU tests,
+  # then bench_batch's sweeps, which time them first; CAND_PARTS picks (tests,mla,moe,kda)
+  parts=${CAND_PARTS:-tests,mla,moe,kda}
+  if [[ $parts == *tests* ]]; then
+    timeout ${CAND_TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -m gpu \
+      tests/kernels/test_triton_kernels.py tests/kernels/test_kda_decode_fused.py \
+      tests/models/test_gpu_model.py -k "two_pass or tma_weights or gates_in or verify_fold" \
+      2>&1 | grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" | tail -30 | tee "$OUT/cand_tests.log"
+  fi
+  if [[ $parts == *mla* ]]; then   # verify windows of 9 rows: the fold against two passes
+    timeout ${CAND_MLA_TIMEOUT:-330} python3 benchmarks/bench_batch.py --cases mla \
+      --batches ${CAND_MLA_BATCHES:-9,144} --mla-rows-per-seq 9 --time-budget 300 \
+      --out "$OUT/cand_mla.json" 2>&1 | grep -v Warn | tail -20 | tee -a "$OUT/cand.log"
+  fi
+  if [[ $parts == *moe* ]]; then   # tma_ms beside each prefill row; the 64-row sweep's TMA tile
+    timeout ${CAND_MOE_TIMEOUT:-200} python3 benchmarks/bench_batch.py --cases moe_prefill,moe \
+      --batches 64 --prefill-tokens 2048,8000 --time-budget 120 --out "$OUT/cand_moe.json" 2>&1 \
+      | grep -v Warn | tail -20 | tee -a "$OUT/cand.log"
+  fi
+  if [[ $parts == *kda* ]]; then   # the register-capped tiles first in the sweep
+    timeout ${CAND_KDA_TIMEOUT:-200} python3 benchmarks/bench_batch.py --cases kda \
+      --batches 16,32,64 --time-budget 150 --out "$OUT/cand_kda.json" 2>&1 | grep -v Warn \
+      | tail -20 | tee -a "$OUT/cand.log"
+  fi
 fi
 if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
