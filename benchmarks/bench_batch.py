@@ -113,9 +113,6 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
             itertools.product((32, 64, 16, 128), (4, 8, 2))]
     grid += [dict(v_block=bv, num_warps=nw) for bv, nw in
              itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
-    # a register cap (more programs an SM): no spills in the sm_90 build at 16 x 4 and 128
-    grid[2:2] = [dict(gates=True, v_block=bv, num_warps=nw, max_registers=mr)
-                 for bv, nw, mr in ((16, 4, 128), (32, 4, 168), (32, 8, 128), (16, 4, 168))]
     sweep(f"kda_decode_fused N={n}", rows, fns(), grid, lambda c: fns(**c),
           floor_us(nbytes, ceil), deadline)
 
@@ -182,13 +179,9 @@ def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16, rows_per_seq=1):
             C(64, 32, 8, 2), C(64, 64, 8, 2, True), C(32, 32, 8, 2, True)]
     splits = (None, 2, 4, 8, 16)
     if rows_per_seq > 1:   # first the fold kernel: 2 / 4 rows of a window as a program's columns
-        # (its one-launch form, then two launches: window_config's and its neighbours)
         cfgs = [C(32, bn, nw, ns, True, rows=r) for r, bn, nw, ns in
-                ((2, 64, 8, 2), (2, 32, 8, 2), (2, 16, 8, 1), (4, 32, 8, 2))] \
-            + [C(32, bn, 8, 2, True, rows=r, two_pass=True, block_v=bv, pv_num_warps=pw,
-                 pv_num_stages=ps) for r, bn, bv, pw, ps in
-               ((2, 64, 128, 4, 3), (2, 64, 256, 8, 2), (4, 64, 128, 8, 2), (2, 32, 128, 4, 3))] \
-            + cfgs[3:7] + cfgs[-1:]
+                ((2, 32, 8, 2), (2, 16, 8, 1), (2, 64, 8, 2), (4, 32, 8, 2))] + cfgs[3:7] \
+            + cfgs[-1:]
         splits = (None, 4, 8, 16, 2)
     grid = [dict(config=c, num_kv_splits=s) for c in cfgs for s in splits]
     nbytes = seqs * ctx * D * 2        # each sequence's latent KV read once

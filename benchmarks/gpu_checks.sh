@@ -11,18 +11,16 @@
 # breakdown (step_breakdown.py plain unless BREAKDOWN_PLAIN=0, + speculative), verify (the DSpark
 # verify step's parts: step_breakdown.py at 8000-token prompts with PDL off, so kernel times do
 # not overlap, and bench_batch.py's MoE / MLA at verify shapes, VERIFY_ARGS), fold (the DSpark step at
-# 8000-token prompts once per FOLD_CONFIGS entry: one row a program, the fold, the two-pass fold;
-# FOLD_MODEL=/tmp/k12 on an H100), abnew (step_breakdown.py
+# 8000-token prompts with mla_verify_fold off, then on, same lease; FOLD_MODEL), abnew (step_breakdown.py
 # plain at ABNEW_BATCHES and DSpark at 1,16, 8000-token prompts, with the defaults and with
 # ABNEW_OFF: router_partials and sampling_race_kernel off by default), ablation (W1 switches,
 # ABLATION_ARGS e.g. "--runs all-on,no-kda-state-mode --time-budget 500"),
 # firststeps (first_steps.py: compiles and autotuning per engine step), coldstart (engine
 # start on an empty Triton cache: fla autotuning, then the configs it chose, then those and
-# COLD_WORKERS compile processes; COLD_MODEL, COLD_ARGS e.g. a --speculative-config), candidates
-# (the kernel candidates that are off until timed: GPU tests, bench_batch sweeps; CAND_PARTS),
+# COLD_WORKERS compile processes; COLD_MODEL, COLD_ARGS e.g. a --speculative-config),
 # mixed (bench_mixed.py:
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
-# CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS), batch (bench_batch.py,
+# CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS, GAPS_MODEL), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
 # 4096), sampling (bench_sampler.py's three samplers at SAMPLER_BATCHES rows), topp
 # (bench_top_p.py at TOPP_BATCHES rows and TOPP_TILES search tiles), layers; each has a
@@ -116,17 +114,14 @@ if [[ $STAGES == *verify* ]]; then   # issue 20: where a verify step's time goes
     --batches ${VERIFY_BATCHES:-9,72,144,288} --mla-rows-per-seq 9 --time-budget 300 --out "$OUT/batch_verify.json" \
     ${VERIFY_ARGS:-} 2>&1 | grep -v Warn | tail -20 | tee -a "$OUT/verify.log"
 fi
-if [[ $STAGES == *fold* ]]; then   # the verify windows' MLA kernels on the DSpark step, same lease:
-  # one row a program, the one-launch fold, the two-pass fold (FOLD_CONFIGS: JSON without spaces)
+if [[ $STAGES == *fold* ]]; then   # A/B of KernelConfig.mla_verify_fold on the DSpark step
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
-  [[ ${FOLD_MODEL:-} == /tmp/k12 ]] && make_k12
-  i=0; for cfg in ${FOLD_CONFIGS:-'{"mla_verify_fold":false}' '{"mla_verify_fold":true}' \
-                   '{"mla_verify_fold":true,"mla_verify_two_pass":true}'}; do
-    i=$((i+1)); echo "fold run $i: $cfg" | tee -a "$OUT/fold.log"
+  [[ ${FOLD_MODEL:-} == /tmp/k12 ]] && make_k12   # FOLD_MODEL=/tmp/k12 on an H100
+  for fold in false true; do
     timeout ${FOLD_TIMEOUT:-200} python3 benchmarks/step_breakdown.py ${FOLD_MODEL:-/tmp/k48} \
-      --draft-model ${FOLD_MODEL:-/tmp/k48}-dspark --draft-method dspark \
-      --spec-batches ${FOLD_BATCHES:-1,4,16} --prompt-len 8000 --steps 20 \
-      --optimization-config "$cfg" --out "$OUT/breakdown_fold_$i.json" 2>&1 | grep -v Warn \
+      --draft-model ${FOLD_MODEL:-/tmp/k48}-dspark --draft-method dspark --spec-batches ${FOLD_BATCHES:-1,4,16} \
+      --prompt-len 8000 --steps 20 --optimization-config "{\"mla_verify_fold\":$fold}" \
+      --out "$OUT/breakdown_fold_$fold.json" 2>&1 | grep -v Warn \
       | grep -E "ms/step synced|device:|a replay" | tee -a "$OUT/fold.log"
   done
 fi
@@ -177,32 +172,6 @@ if [[ $STAGES == *coldstart* ]]; then   # engine start on an empty Triton cache:
   rm -rf ~/.triton/cache && mkdir -p ~/.triton/cache
   COLD_CACHE=$HOME/.triton/cache cold_start pool --compile-workers ${COLD_WORKERS:-15}
 fi
-if [[ $STAGES == *candidates* ]]; then   # the kernel candidates that are off until timed
-  # (mla_verify_two_pass, moe_tma_weights, kda_decode_fused max_registers): their GPU tests,
-  # then bench_batch's sweeps, which time them first; CAND_PARTS picks (tests,mla,moe,kda)
-  parts=${CAND_PARTS:-tests,mla,moe,kda}
-  if [[ $parts == *tests* ]]; then
-    timeout ${CAND_TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -m gpu \
-      tests/kernels/test_triton_kernels.py tests/kernels/test_kda_decode_fused.py \
-      tests/models/test_gpu_model.py -k "two_pass or tma_weights or gates_in or verify_fold" \
-      2>&1 | grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" | tail -30 | tee "$OUT/cand_tests.log"
-  fi
-  if [[ $parts == *mla* ]]; then   # verify windows of 9 rows: the fold against two passes
-    timeout ${CAND_MLA_TIMEOUT:-330} python3 benchmarks/bench_batch.py --cases mla \
-      --batches ${CAND_MLA_BATCHES:-9,144} --mla-rows-per-seq 9 --time-budget 300 \
-      --out "$OUT/cand_mla.json" 2>&1 | grep -v Warn | tail -20 | tee -a "$OUT/cand.log"
-  fi
-  if [[ $parts == *moe* ]]; then   # tma_ms beside each prefill row; the 64-row sweep's TMA tile
-    timeout ${CAND_MOE_TIMEOUT:-200} python3 benchmarks/bench_batch.py --cases moe_prefill,moe \
-      --batches 64 --prefill-tokens 2048,8000 --time-budget 120 --out "$OUT/cand_moe.json" 2>&1 \
-      | grep -v Warn | tail -20 | tee -a "$OUT/cand.log"
-  fi
-  if [[ $parts == *kda* ]]; then   # the register-capped tiles first in the sweep
-    timeout ${CAND_KDA_TIMEOUT:-200} python3 benchmarks/bench_batch.py --cases kda \
-      --batches 16,32,64 --time-budget 150 --out "$OUT/cand_kda.json" 2>&1 | grep -v Warn \
-      | tail -20 | tee -a "$OUT/cand.log"
-  fi
-fi
 if [[ $STAGES == *mixed* ]]; then   # served step compositions: prompts among decodes, bursts
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
   timeout ${MIXED_TIMEOUT:-400} python3 benchmarks/bench_mixed.py /tmp/k48 \
@@ -215,8 +184,9 @@ if [[ $STAGES == *chain* ]]; then   # decode kernels as chains of pdl calls (ben
 fi
 if [[ $STAGES == *gaps* ]]; then   # prefill forward: kernels, idle gaps, host syncs (GAPS_CONFIGS)
   python3 -m kdaserve.entrypoints.cli make-model /tmp/k48 --preset kimi-linear-48b-a3b >/dev/null
+  [[ ${GAPS_MODEL:-} == /tmp/k12 ]] && make_k12   # GAPS_MODEL=/tmp/k12 on an H100
   i=0; for cfg in ${GAPS_CONFIGS:-"{}"}; do i=$((i+1))
-    timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/prefill_gaps.py /tmp/k48 --optimization-config "$cfg" \
+    timeout ${GAPS_TIMEOUT:-150} python3 benchmarks/prefill_gaps.py ${GAPS_MODEL:-/tmp/k48} --optimization-config "$cfg" \
       --out "$OUT/gaps_$i.json" 2>&1 | grep -v Warn | tail -40 | tee -a "$OUT/gaps.log"
   done
 fi

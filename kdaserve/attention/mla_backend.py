@@ -41,7 +41,7 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
                        block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                        pdl: bool = False, prefetch_kv: bool = False,
                        dcp: DCPGroup | None = None, rows_per_seq: int = 1,
-                       fold: bool = False, two_pass: bool = False) -> torch.Tensor:
+                       fold: bool = False) -> torch.Tensor:
     """One query row per (block_table, seq_lens) row, attending to the first seq_lens[i]
     cached latents: q_nope [R, H, rank] (W_UK applied), q_pe [R, H, rope] -> [R, H, rank].
     The CUDA kernel reads the two strided inputs directly (no concatenation). prefetch_kv:
@@ -50,18 +50,17 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     (attention/dcp.py: queries gathered, local attention, partials merged by their lse).
     rows_per_seq > 1: every run of that many rows is one sequence's verify window; the CUDA
     kernel splits the context by sequences, and with fold takes 2 rows of a window as one
-    program (kernels/mla/decode.py fold_config), and with two_pass too in two launches
-    (window_config). Not with dcp, whose path keeps one row a program."""
+    program (kernels/mla/decode.py fold_config). Not with dcp, whose path keeps one row a
+    program."""
     rank = q_nope.shape[-1]
     if dcp is not None:
         return dcp_attn.absorbed_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale,
                                            dcp, pdl=pdl)
     if q_nope.is_cuda:
-        from kdaserve.kernels.mla.decode import fold_config, mla_decode, window_config
+        from kdaserve.kernels.mla.decode import fold_config, mla_decode
 
-        config = None
-        if fold and rows_per_seq > 1:
-            config = (window_config if two_pass else fold_config)(q_nope.shape[1], q_nope.dtype)
+        config = fold_config(q_nope.shape[1], q_nope.dtype) if fold and rows_per_seq > 1 \
+            else None
         return mla_decode(q_nope, kv_cache, block_table, seq_lens, scale, rank, q_pe=q_pe,
                           pdl=pdl, prefetch_kv=prefetch_kv and config is None,
                           rows_per_seq=rows_per_seq, config=config)

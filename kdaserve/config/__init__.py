@@ -478,17 +478,13 @@ class KernelConfig:
     (kernels/mla/triton_decode.py mla_decode_partial_fold_kernel), so a window's context is
     read once per 2 rows instead of once per row (benchmarks/PERF_NOTES.md: a small gain on the
     verify forward at batch 1 and 16). Off: one program per row."""
-    moe_tma_weights: bool = False
+    moe_tma_weights: bool = True
     """The fused MoE's wgmma tile classes (64 and more rows a block: 33-64 tokens, and more
-    than 32 routing entries an expert on average, as in prefill) read the expert weights by TMA through tensor descriptors instead of pointer
-    tiles (kernels/moe/fused_moe.py MoEGemmConfig.tma_weights; no register spills in the sm_90
-    build of the prefill tiles, which spill with pointers). Off until timed."""
-    mla_verify_two_pass: bool = False
-    """With mla_verify_fold: those windows' MLA in two launches over the fold kernel's
-    programs, the scores and their exponentials first, the weighted sum of the latents second
-    (kernels/mla/decode.py window_config), so no program holds the query columns and the
-    [kv_lora_rank, columns] accumulator at once (the fold kernel spills). Off until timed
-    against the fold kernel (benchmarks/PERF_NOTES.md)."""
+    than 32 routing entries an expert on average, as in prefill) read the bf16 expert weights
+    by TMA through tensor descriptors instead of pointer tiles (kernels/moe/fused_moe.py
+    MoEGemmConfig.tma_weights; the pointer tiles spill registers in the sm_90 build of the
+    prefill tiles; benchmarks/PERF_NOTES.md, Decisions). Hopper and later; experts whose rows
+    are not whole 16-byte units keep pointer tiles. Off: pointer tiles everywhere."""
 
     @classmethod
     def baseline(cls) -> "KernelConfig":

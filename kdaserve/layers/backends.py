@@ -83,8 +83,6 @@ class LayerBackends:
     mla: str = "reference"
     mla_verify_fold: bool = False
     """MLA's absorbed verify rows through the fold kernel where windows are uniform."""
-    mla_verify_two_pass: bool = False
-    """Those fold windows in two launches, scores then the weighted sum (window_config)."""
     moe: str = "reference"
     moe_tma_weights: bool = False
     """The fused MoE's wgmma tiles read the expert weights by TMA (KernelConfig)."""
@@ -132,7 +130,6 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
         kda_state_prefetch=kc.fused_kda_decode and kc.kda_state_prefetch,
         mla="triton_absorb_gemv" if kc.mla_absorb_gemv else "triton",
         mla_verify_fold=kc.mla_verify_fold,
-        mla_verify_two_pass=kc.mla_verify_fold and kc.mla_verify_two_pass,
         moe="triton",
         moe_tma_weights=kc.moe_tma_weights,
         latent_moe="fused_tail" if kc.latent_moe_fused_tail else "unfused",

@@ -36,8 +36,6 @@ class MLAttention(nn.Module):
         self.absorb_gemv = backends.mla == "triton_absorb_gemv"
         self.verify_fold = backends.mla_verify_fold
         """Uniform verify windows fold 2 rows into one MLA decode program (KernelConfig)."""
-        self.verify_two_pass = backends.mla_verify_two_pass
-        """Folded windows in two launches, scores then the weighted sum (KernelConfig)."""
         self.tp = tp
         full_h = args.num_attention_heads
         self.num_heads = divide(full_h, tp.size, "num_attention_heads (MLA heads)")
@@ -92,8 +90,7 @@ class MLAttention(nn.Module):
         and the decode kernel prefetches its first cache tile before its PDL wait. dcp (a
         DCPGroup): the cache holds this rank's shard and seq_lens are its local lengths.
         rows_per_seq > 1: uniform verify windows (the decode kernel splits their context by
-        sequence), folded 2 rows a program with fold (verify_fold), in two launches with
-        verify_two_pass."""
+        sequence), folded 2 rows a program with fold (verify_fold)."""
         w_uk, w_uv = self._w_uk_uv()
         R, h = q.shape[:2]
         by_gemv = use_gemv(q, self.absorb_gemv) and self.w_uk_t is not None
@@ -109,8 +106,7 @@ class MLAttention(nn.Module):
                                                block_table, seq_lens, self.scale,
                                                pdl=pdl, prefetch_kv=by_gemv and dcp is None,
                                                dcp=dcp, rows_per_seq=rows_per_seq,
-                                               fold=fold,
-                                               two_pass=fold and self.verify_two_pass)
+                                               fold=fold)
         if by_gemv:
             gemv_batched(o_lat.transpose(0, 1), w_uv, out=out.transpose(0, 1), pdl=pdl)
         else:

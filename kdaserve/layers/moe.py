@@ -81,11 +81,12 @@ class Experts(nn.Module):
                  quant: str | None = None, act: GatedAct = SILU,
                  tp: GroupComm = GroupComm.single(), tma_weights: bool = False) -> None:
         """tma_weights: the fused MoE's wgmma tiles read the weights by TMA (KernelConfig
-        moe_tma_weights)."""
+        moe_tma_weights), where the bf16 rows of both weights are whole 16-byte units (TMA's
+        stride rule); other shapes keep pointer tiles."""
         super().__init__()
-        self.tma_weights = tma_weights
         e, d = num_experts, in_size
         i = divide(inter_size, tp.size, "moe_intermediate_size (expert columns)")
+        self.tma_weights = tma_weights and quant is None and d % 8 == 0 and i % 8 == 0
         if quant == "mxfp4" and tp.size > 1 and i % MXFP4_BLOCK:
             raise ValueError(
                 f"moe_intermediate_size={inter_size} does not split into "

@@ -49,12 +49,15 @@ logger = logging.getLogger(__name__)
 
 
 def supported_kernels(kc: KernelConfig, device: torch.device) -> KernelConfig:
-    """kc less what this device cannot run: PDL needs compute capability 9.0 (Hopper)."""
-    if kc.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
-        logger.info("pdl off: compute capability %s < 9.0",
+    """kc less what this device cannot run: PDL and the MoE's TMA weight tiles need compute
+    capability 9.0 (Hopper)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9:
+        return kc
+    off = {name: False for name in ("pdl", "moe_tma_weights") if getattr(kc, name)}
+    if off:
+        logger.info("%s off: compute capability %s < 9.0", ", ".join(off),
                     torch.cuda.get_device_capability(device))
-        return dataclasses.replace(kc, pdl=False)
-    return kc
+    return dataclasses.replace(kc, **off)
 
 
 def cache_budget(total: int, free: int, reserved: int, used_at_start: int, peak: int,

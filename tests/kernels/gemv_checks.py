@@ -104,8 +104,7 @@ def check_gemv_batched(device, B, M, N, K, dtype, config=None, pdl=False, seed=0
     return out
 
 
-def sm90_compile(kernel, arg_types: dict, constexprs: dict, num_warps: int, launch_pdl: bool,
-                 maxnreg: int | None = None):
+def sm90_compile(kernel, arg_types: dict, constexprs: dict, num_warps: int, launch_pdl: bool):
     """Compile a @triton.jit kernel for sm_90 without a GPU (triton's bundled ptxas), with the
     16-byte divisibility hint the JIT gives aligned pointers and ints. arg_types: name ->
     '*bf16' / 'i32' / 'fp32' for every non-constexpr parameter; constexprs: the constexpr
@@ -121,10 +120,8 @@ def sm90_compile(kernel, arg_types: dict, constexprs: dict, num_warps: int, laun
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or sig[n] == "i32"}
     src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "launch_pdl": launch_pdl}
-    if maxnreg is not None:       # a register cap (ptxas maxnreg)
-        options["maxnreg"] = maxnreg
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "launch_pdl": launch_pdl})
 
 
 def memory_ops(ptx: str) -> list[str]:

@@ -164,8 +164,7 @@ def check_mla_decode_fold(device, dtype, lens, rows_per_seq, config, num_heads=1
                         num_kv_splits=num_kv_splits, rows_per_seq=T, return_lse=True)
     want, want_lse = ref.mla_decode(q.double(), kv.double(), bt, sl, scale, kv_lora_rank,
                                     return_lse=True)
-    name = (f"mla_decode {'two-pass' if config.two_pass else 'fold'}{tuple(lens)} T={T} "
-            f"rows={config.rows} H={num_heads}")
+    name = f"mla_decode fold{tuple(lens)} T={T} rows={config.rows} H={num_heads}"
     assert_close(name, out, want, dtype)
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse)), f"{name}: lse -inf rows differ"
@@ -578,16 +577,6 @@ def run_interpreter_suite() -> None:
     check_mla_decode_fold("cpu", f32, [37, 150, 2], 3, fold, num_kv_splits=3)
     check_mla_decode_fold("cpu", f32, [0, 70], 5, MLADecodeConfig(16, 16, 4, 2, True, rows=4),
                           num_heads=24)
-    two = MLADecodeConfig(16, 16, 4, 1, transposed=True, rows=2, two_pass=True, block_v=32)
-    check_mla_decode_fold("cpu", f32, [37, 150, 2], 3, two, num_kv_splits=3)
-    check_mla_decode_fold("cpu", f32, [0, 70, 9], 5,
-                          MLADecodeConfig(16, 16, 4, 2, True, rows=4, two_pass=True),
-                          num_heads=24, page=32)
-    # tiles of 32 keys over pages of 16 (two block-pointer runs a tile); 48 latent channels in
-    # value blocks of 32 (the second half masked)
-    check_mla_decode_fold("cpu", f32, [37, 150, 2], 3,
-                          MLADecodeConfig(16, 32, 4, 1, True, rows=2, two_pass=True, block_v=32),
-                          num_kv_splits=2, kv_lora_rank=48, rope=16)
     check_store_kv("cpu", f32)
     check_store_latent("cpu", f32)
     check_store_latent("cpu", f32, num_tokens=5, rank=48, rope=16)

@@ -18,7 +18,7 @@ SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py",
            "k3_ops_checks.py", "mla_merge_checks.py", "race_checks.py"]
 KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel", "conv_update_kernel",
            "mla_decode_partial_kernel", "mla_decode_partial_t_kernel", "mla_decode_reduce_kernel",
-           "mla_decode_partial_fold_kernel", "mla_window_scores_kernel", "mla_window_pv_kernel",
+           "mla_decode_partial_fold_kernel",
            "store_latent_kernel", "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
            "topk_sigmoid_kernel", "router_logits_kernel", "router_partials_kernel",
            "add_rms_norm_kernel", "rms_norm_gated_kernel",

@@ -80,7 +80,7 @@ def assert_untouched(name, after, before, slots):
 
 
 def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False,
-                       v_block=None, prefetch_state=False, gates=False, max_registers=None,
+                       v_block=None, prefetch_state=False, gates=False,
                        **kw):
     """Kernel vs kda_decode_fused_reference: output, conv windows (exact: they hold copied
     inputs), states; slots no row owns (and those of rows < 0) stay bit-identical; the
@@ -93,7 +93,7 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
     got, want = fresh_caches(inp), fresh_caches(inp)
     tickets = torch.zeros(len(slots) * H + 3, dtype=torch.int32, device=device)
     out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets,
-                           prefetch_state=prefetch_state, max_registers=max_registers)
+                           prefetch_state=prefetch_state)
     ref_out = kda_decode_fused_reference(**want)
     where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} gates={gates} {dtype}"
     assert not tickets.any(), f"tickets not reset {where}: {tickets.tolist()}"
@@ -280,7 +280,6 @@ def _bad(**changes) -> dict:
     (dict(o_norm_weight=torch.zeros(32)), "o_norm_weight must be \\[16\\]"),
     (dict(out=torch.zeros(2, 32, dtype=BF16)), "out must be torch.float32"),
     (dict(num_warps=3), "num_warps must be a power of two in \\[1, 16\\], got 3"),
-    (dict(max_registers=300), "max_registers must be in \\[24, 255\\], got 300"),
 ])
 def test_bad_inputs_name_the_value(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -335,14 +334,13 @@ K3_CONSTS = dict(FULL_RANK_GATE=True, LOWER_BOUND=-5.0)
 """Kimi K3's variant: the full-rank output gate read from proj, the bounded decay."""
 
 
-def _compile(use_pdl: bool, num_warps: int = 8, k3: bool = False, maxnreg=None, **consts):
+def _compile(use_pdl: bool, num_warps: int = 8, k3: bool = False, **consts):
     import gemv_checks as gc
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
     return gc.sm90_compile(kda_decode_fused_kernel, SM90_TYPES,
                            dict(SM90_CONSTS, USE_PDL=use_pdl, **(K3_CONSTS if k3 else {}),
-                                **consts), num_warps=num_warps, launch_pdl=use_pdl,
-                           maxnreg=maxnreg)
+                                **consts), num_warps=num_warps, launch_pdl=use_pdl)
 
 
 _REG = re.compile(r"%[a-z]+\d+")
@@ -439,16 +437,15 @@ def test_no_pdl_ptx_has_no_griddepcontrol():
 
 @pytest.mark.parametrize("use_pdl", [False, True])
 @pytest.mark.parametrize("k3", [False, True])
-@pytest.mark.parametrize("tile", ["one row", "rows", "gates in", "capped"])
+@pytest.mark.parametrize("tile", ["one row", "rows", "gates in"])
 def test_sm90_no_register_spills_at_48b_shapes(use_pdl, k3, tile, tmp_path):
     """d = 128 with the default 8 warps: the [128, 128] fp32 state plus the two bf16 gate
     tiles (K3: f_b alone) fit in registers (ptxas -v: no spill stores or loads), at 32 value
     columns a program (1-2 rows), at 64 (3-15 rows), and with the gates computed beforehand
-    at 4 warps (16 rows and more); and 16 columns at 4 warps under a 128-register cap."""
+    at 4 warps (16 rows and more)."""
     ptxas = _ptxas()
     consts = {"one row": dict(), "rows": dict(BV=64),
-              "gates in": dict(num_warps=4, GATES_IN=True),
-              "capped": dict(num_warps=4, GATES_IN=True, BV=16, maxnreg=128)}[tile]
+              "gates in": dict(num_warps=4, GATES_IN=True)}[tile]
     k = _compile(use_pdl=use_pdl, k3=k3, **consts)
     (tmp_path / "k.ptx").write_text(k.asm["ptx"])
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
@@ -487,9 +484,6 @@ def test_gates_in_matches_twin_gpu(N):
     for dtype in (BF16, F32):
         check_against_twin("cuda", dtype, H48, D48, W48, slots, num_slots=N + 3, seed=N,
                            gates=True)
-    # under a register cap (bench_batch.py's candidates: 16 columns, 4 warps, 128 registers)
-    check_against_twin("cuda", BF16, H48, D48, W48, slots, num_slots=N + 3, seed=N + 2,
-                       gates=True, v_block=16, max_registers=128)
     check_against_twin("cuda", BF16, 16, D48, W48, slots, num_slots=N + 3, seed=N + 1,
                        gates=True, k3=True, pdl=True, prefetch_state=True)
     inp = make_inputs("cuda", BF16, H48, D48, W48, slots, num_slots=N + 3, seed=N)

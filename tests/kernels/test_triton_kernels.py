@@ -109,24 +109,6 @@ def test_mla_decode_fold_gpu(rows, block_n, num_warps):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("rows,block_v,pv_warps,pv_stages", [(2, 128, 4, 3), (2, 256, 8, 2),
-                                                             (4, 128, 8, 2)])
-def test_mla_decode_two_pass_gpu(rows, block_v, pv_warps, pv_stages):
-    """The two-pass windows (window_config's family) at the model's dims: K = 8 verify windows
-    (9 rows a sequence), pages of 16 (four block-pointer runs a 64-key tile) and of 64."""
-    from kdaserve.kernels.mla.decode import MLADecodeConfig
-
-    cfg = MLADecodeConfig(32, 64, 8, 2, transposed=True, rows=rows, two_pass=True,
-                          block_v=block_v, pv_num_warps=pv_warps, pv_num_stages=pv_stages)
-    lens = torch.randint(9, 3000, (5,)).tolist() + [8192, 3]
-    kc.check_mla_decode_fold("cuda", BF16, lens, 9, cfg, num_heads=32, kv_lora_rank=512,
-                             rope=64, seed=rows + block_v)
-    kc.check_mla_decode_fold("cuda", BF16, [700, 33], 9, cfg, num_heads=20, page=64,
-                             kv_lora_rank=512, rope=64, num_kv_splits=3)
-
-
-@pytest.mark.gpu
-@gpu
 def test_store_latent_gpu():
     for dtype in (BF16, F32):
         kc.check_store_latent("cuda", dtype)

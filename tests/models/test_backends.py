@@ -57,8 +57,6 @@ def test_layers_take_the_backends_they_are_built_with():
     cfg.update(copy.deepcopy(make_model._PRESET_ARCH["tiny"]), vocab_size=64)
     args = KimiLinearArgs.from_hf_config(cfg)
     for kc in (KernelConfig(), KernelConfig.baseline(), KernelConfig(mla_verify_fold=True),
-               KernelConfig(mla_verify_two_pass=True),
-               KernelConfig(mla_verify_fold=False, mla_verify_two_pass=True),
                KernelConfig(moe_tma_weights=True)):
         backends = select_backends(kc, "cuda")
         with torch.device("meta"):
@@ -74,9 +72,6 @@ def test_layers_take_the_backends_they_are_built_with():
         assert all(m.verify_fold == kc.mla_verify_fold for m in mla)
         experts = [m for m in model.modules() if isinstance(m, Experts)]
         assert experts and all(m.tma_weights == kc.moe_tma_weights for m in experts)
-        # two-pass windows only where windows fold
-        assert all(m.verify_two_pass == (kc.mla_verify_fold and kc.mla_verify_two_pass)
-                   for m in mla)
         assert all(m.act_gemv == (kc.decode_gemv and kc.dense_mlp_gemv) for m in mlps)
 
 
@@ -180,3 +175,28 @@ def test_latent_moe_backends_on_gpu(experts, fused_tail):
         got = gpu(x.to("cuda", torch.bfloat16)).float().cpu()
         err = ((got - want).norm() / want.norm()).item()
         assert err <= 1e-2, (N, err)
+
+
+def test_tma_weights_only_for_16_byte_rows():
+    """KernelConfig.moe_tma_weights reaches experts whose bf16 rows (hidden and this rank's
+    intermediate width) are whole 16-byte units; others, and MXFP4 experts, keep pointer
+    tiles instead of failing at their first prefill."""
+    with torch.device("meta"):
+        assert Experts(4, 64, 32, tma_weights=True).tma_weights
+        assert not Experts(4, 64, 32, tma_weights=False).tma_weights
+        assert not Experts(4, 64, 12, tma_weights=True).tma_weights        # 24-byte rows
+        assert not Experts(4, 60, 32, tma_weights=True).tma_weights
+        assert not Experts(4, 64, 32, quant="mxfp4", tma_weights=True).tma_weights
+
+
+@pytest.mark.parametrize("capability,kept", [((8, 0), False), ((9, 0), True)])
+def test_hopper_switches_follow_the_device(monkeypatch, capability, kept):
+    """PDL and the MoE's TMA weight tiles are dropped below compute capability 9.0, once at
+    start-up; the other switches stay as asked."""
+    from kdaserve.worker.worker import supported_kernels
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    kc = supported_kernels(KernelConfig(), torch.device("cuda"))
+    assert (kc.pdl, kc.moe_tma_weights) == (kept, kept)
+    assert dataclasses.replace(kc, pdl=True, moe_tma_weights=True) == KernelConfig()
+    assert supported_kernels(KernelConfig(), torch.device("cpu")) == KernelConfig()

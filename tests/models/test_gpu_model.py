@@ -240,15 +240,13 @@ def test_gpu_verify_fold_greedy(tmp_path):
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
     for name, kw in (("plain", {}), ("fold", {"speculative_config": spec,
-                                              "mla_verify_fold": True}),
-                     ("two_pass", {"speculative_config": spec, "mla_verify_fold": True,
-                                   "mla_verify_two_pass": True})):
+                                              "mla_verify_fold": True})):
         llm = LLM(target, max_model_len=512, max_num_seqs=8, num_gpu_blocks=128,
                   dtype="float32", **kw)
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
-        if name != "plain":
+        if name == "fold":
             runner = llm.llm_engine.model_runner
             assert runner.spec.verify_graphs.num_replays > 0
             assert all(m.verify_fold for m in runner.model.modules() if hasattr(m, "verify_fold"))
         del llm
-    assert outs["fold"] == outs["plain"] and outs["two_pass"] == outs["plain"]
+    assert outs["fold"] == outs["plain"]

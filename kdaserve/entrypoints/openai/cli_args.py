@@ -142,7 +142,6 @@ OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "latent_moe_fused_tail": BOOL,
     "k3_fused_ops": BOOL,
     "mla_verify_fold": BOOL,
-    "mla_verify_two_pass": BOOL,
     "moe_tma_weights": BOOL,
     "sampling_race_kernel": BOOL,
     "router_partials": BOOL,

@@ -133,8 +133,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      tickets: torch.Tensor | None = None,
                      v_block: int | None = None, prefetch_state: bool = False,
                      full_rank_gate: bool = False,
-                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                     max_registers: int | None = None) -> torch.Tensor:
+                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                     ) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -167,17 +167,12 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     computed beforehand (gate_projections): the kernel reads them instead of multiplying
     fg_b_weight's tiles (fg_b_weight is still checked, not read). Any float dtype, last dim
     contiguous.
-    max_registers: a cap on registers a thread (ptxas maxnreg) so more programs share an SM:
-    at head_dim 128 the kernel takes 255 without one (two 4-warp programs an SM); with
-    v_block 16 and 4 warps, 128 builds without spills (sm_90). None: no cap.
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
                       A_log, dt_bias, o_norm_weight, num_heads, head_dim, out, full_rank_gate)
     if num_warps is not None and (num_warps < 1 or num_warps > 16 or num_warps & (num_warps - 1)):
         raise ValueError(f"num_warps must be a power of two in [1, 16], got {num_warps}")
-    if max_registers is not None and not 24 <= max_registers <= 255:
-        raise ValueError(f"max_registers must be in [24, 255], got {max_registers}")
     check_kernel_device(proj)
     N, P = proj.shape[0], num_heads * head_dim
     bv = v_block or default_v_block(N, num_heads, head_dim, num_sms(proj.device),
@@ -216,8 +211,7 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         g_raw.stride(0) if g_raw is not None else 0, gate.stride(0) if gate is not None else 0,
         D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
         PREFETCH_STATE=bool(prefetch_state), FULL_RANK_GATE=bool(full_rank_gate),
-        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None, **pdl_opts,
-        **({"maxnreg": max_registers} if max_registers and proj.is_cuda else {}))
+        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None, **pdl_opts)
     return out
 
 

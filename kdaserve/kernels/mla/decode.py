@@ -31,10 +31,6 @@ class MLADecodeConfig:
     num_stages: int
     transposed: bool = False   # tokens/channels as MMA rows (warpgroup MMA on Hopper)
     rows: int = 1   # query rows of one sequence per program (transposed; mla_decode rows_per_seq)
-    two_pass: bool = False   # with rows > 1: scores, then the latents' weighted sum (window_config)
-    block_v: int = 256       # two_pass: latent channels per program of the weighted sum
-    pv_num_warps: int = 0    # two_pass: the weighted sum's warps and stages (0: as the scores')
-    pv_num_stages: int = 0
 
 
 def default_config(batch: int, num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
@@ -60,19 +56,6 @@ def fold_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
     if dtype == torch.float32:
         return MLADecodeConfig(min(block_h, 16), 16, 4, 1, transposed=True, rows=2)
     return MLADecodeConfig(block_h, 64, 8, 2, transposed=True, rows=2)
-
-
-def window_config(num_heads: int, dtype: torch.dtype) -> MLADecodeConfig:
-    """Verify windows in two passes (mla_decode rows_per_seq > 1, config.two_pass): fold_config's
-    programs, the first computing each context tile's scores and their exponentials, the second
-    the weighted sum of the latents; neither holds the query columns and the accumulator at once
-    (the fold kernel's spills). fp32 (tests, interpreter) small tiles."""
-    block_h = min(32, max(16, next_power_of_2(num_heads)))
-    if dtype == torch.float32:
-        return MLADecodeConfig(min(block_h, 16), 16, 4, 1, transposed=True, rows=2, two_pass=True,
-                               block_v=32)
-    return MLADecodeConfig(block_h, 64, 8, 2, transposed=True, rows=2, two_pass=True,
-                           block_v=128, pv_num_warps=4, pv_num_stages=3)
 
 
 def choose_num_kv_splits(batch: int, num_head_groups: int, max_context: int,
@@ -202,8 +185,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if fold and (not cfg.transposed or cfg.rows & (cfg.rows - 1)):
         raise ValueError(f"config.rows > 1 needs transposed tiles and a power of two, got "
                          f"{cfg}")
-    if cfg.two_pass and not fold:
-        raise ValueError(f"config.two_pass needs config.rows > 1 (verify windows), got {cfg}")
     if rows_per_seq < 1 or B % rows_per_seq:
         raise ValueError(f"rows_per_seq must be >= 1 and divide the {B} rows, got "
                          f"{rows_per_seq}")
@@ -243,11 +224,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                   PAGE_SIZE=page, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                   DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl_opts)
-    if fold and cfg.two_pass:
-        _window_two_pass(q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse,
-                         float(scale) * LOG2E, rows_per_seq, num_kv_splits, head_groups, cfg,
-                         consts, kv_lora_rank)
-    elif fold:   # one program per config.rows rows of a window
+    if fold:   # one program per config.rows rows of a window
         row_groups = (B // rows_per_seq) * cdiv(rows_per_seq, cfg.rows)
         mla_decode_partial_fold_kernel[(row_groups, num_kv_splits, head_groups)](
             *args, rows_per_seq, B, ROWS=cfg.rows, **consts)
@@ -269,47 +246,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         STORE_LSE=return_lse, **pdl_opts,
     )
     return (out, lse) if return_lse else out
-
-
-def _window_two_pass(q, q_pe, kv_cache, block_table, seq_lens, part_out, part_lse,
-                     sm_scale_log2: float, rows_per_seq: int, num_kv_splits: int,
-                     head_groups: int, cfg: MLADecodeConfig, consts: dict,
-                     kv_lora_rank: int) -> None:
-    """mla_decode's partials of verify windows in two launches (window_config): the scores
-    kernel writes every column's exponentiated scores p and per-tile (max, sum) over the keys
-    its block table reaches, the second weighs the latents by them. consts: the partial
-    kernels' compile-time arguments."""
-    from kdaserve.kernels.mla.triton_decode import mla_window_pv_kernel, mla_window_scores_kernel
-
-    B, H = q.shape[:2]
-    page = kv_cache.shape[1]
-    if q.is_cuda and min(cfg.block_n, page) < 16:
-        raise ValueError(f"two-pass windows need block_n and block_size >= 16 on GPU (tl.dot), "
-                         f"got block_n={cfg.block_n}, block_size={page}")
-    keys = block_table.shape[1] * page                     # the most keys a row can reach
-    num_tiles = cdiv(keys, cfg.block_n)
-    p = torch.empty(B, H, num_tiles * cfg.block_n, dtype=kv_cache.dtype,
-                    device=q.device)                        # [B, H, keys] exp2(s - tile max)
-    tiles = torch.empty(B, H, num_tiles, 2, dtype=torch.float32,
-                        device=q.device)                    # [B, H, tiles, (max, sum)]
-    grid = ((B // rows_per_seq) * cdiv(rows_per_seq, cfg.rows), num_kv_splits, head_groups)
-    shared = (block_table.stride(0), p.stride(0), p.stride(1), tiles.stride(0), tiles.stride(1))
-    mla_window_scores_kernel[grid](
-        q, q_pe, kv_cache, block_table, seq_lens, p, tiles, sm_scale_log2,
-        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), *shared,
-        H, num_kv_splits, rows_per_seq, B, ROWS=cfg.rows, **consts)
-    pv_consts = {k: v for k, v in consts.items() if k not in ("ROPE", "BLOCK_R", "BLOCK_C")}
-    pv_consts.update(num_warps=cfg.pv_num_warps or cfg.num_warps,
-                     num_stages=cfg.pv_num_stages or cfg.num_stages)
-    block_v = min(cfg.block_v, next_power_of_2(kv_lora_rank))
-    mla_window_pv_kernel[grid[:2] + (head_groups * cdiv(kv_lora_rank, block_v),)](
-        kv_cache, block_table, seq_lens, p, tiles, part_out, part_lse,
-        kv_cache.stride(0), kv_cache.stride(1), *shared,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        H, num_kv_splits, rows_per_seq, B, BLOCK_V=block_v, ROWS=cfg.rows,
-        SUB_N=min(cfg.block_n, page), **pv_consts)
 
 
 def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor,
