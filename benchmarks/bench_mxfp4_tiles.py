@@ -11,7 +11,9 @@ than the METHOD.md bf16 bound is reported as wrong, not timed), then timed as RE
 back-to-back launches captured in one CUDA graph, median of REPLAYS replays, without PDL: the
 kernel's own time with its launch overhead gone. A candidate the GPU cannot run (shared
 memory, registers) is reported as skipped. The default tile of each class (default_config) is
-marked, so the JSON says whether the defaults are the winners.
+marked, and so are the tiles the device's config file holds for the point (timed too when
+no candidate has them), so the JSON says whether the defaults and the stored tiles are the
+winners, and --write-configs replaces stored tiles only with faster ones.
 
 Shapes default to kimi-k3-mini's (256 experts, top-16, latent = intermediate = hidden =
 2048). Floors: the bytes each launch must read (the distinct routed experts' weights and
@@ -53,7 +55,7 @@ from kdaserve.kernels.mxfp4.format import quantize_mxfp4  # noqa: E402
 from kdaserve.kernels.configs import config_file_name  # noqa: E402
 from kdaserve.kernels.moe.mxfp4_moe import (GEMM_FIELDS, TAIL_FIELDS,  # noqa: E402
                                             default_config, gemm_shape_key, latent_moe_tail,
-                                            moe_partials, tail_shape_key)
+                                            moe_partials, tail_shape_key, tuned_tiles)
 
 REPEATS = 20
 REPLAYS = 5
@@ -87,6 +89,22 @@ def grid(space: dict, quick: bool, quick_space: dict = QUICK) -> list[dict]:
     keys = list(space)
     vals = [quick_space.get(k, space[k]) if quick else space[k] for k in keys]
     return [dict(zip(keys, v)) for v in itertools.product(*vals)]
+
+
+def with_stored(cands: list[dict], tiles: dict | None, base: dict) -> dict | None:
+    """Add the tiles the kernels read today for this point (the device's config file, the
+    nearest measured token count; None: no file) to `cands`, in place, unless a candidate
+    already has them (fields a candidate leaves out take base's values, default_config's), so
+    that --write-configs replaces them only with tiles measured faster in the same run.
+    Returns that candidate (None without stored tiles)."""
+    if not tiles:
+        return None
+    want = {f: v for f, v in tiles.items() if f in base}
+    for c in cands:
+        if c.get("lut_decode", True) and all(c.get(f, base[f]) == v for f, v in want.items()):
+            return c
+    cands.append(want)
+    return cands[-1]
 
 
 def make_experts(fmt: str, E: int, D: int, inter: int, device, gen) -> tuple:
@@ -178,13 +196,16 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
         dot = [c for c in dot if c["lut_decode"]]
     if a.gemv_only and gemv:   # the default tl.dot tile only, as the reference point
         dot = [{f: default[f] for f in GEMM_CANDIDATES}]
-    for cand in dot + gemv:
+    cands = dot + gemv
+    stored = with_stored(cands, tuned_tiles("mxfp4_moe_gemm", N, (E, k, D, inter, fmt), device),
+                         default)
+    for cand in cands:
         cfg = dataclasses.replace(default_config(N, k, E), **cand)
         res = try_candidate(
             lambda cfg=cfg: moe_partials(x, w13, w2, ids, s13, s2, *act, config=cfg),
             lambda out: rel_err(out, want_partials), device)
         is_default = all(default[f] == v for f, v in cand.items())
-        point["gemm"].append(dict(cand, default=is_default, **res))
+        point["gemm"].append(dict(cand, default=is_default, stored=cand is stored, **res))
     partials = moe_partials(x, w13, w2, ids, s13, s2, *act)                  # [N * k, D]
     up = (torch.randn(H, D, generator=gen) / D ** 0.5).to(device, dt)
     g = (1 + 0.1 * torch.randn(D, generator=gen)).to(device, dt)
@@ -197,14 +218,16 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
         return point
     space = TAIL_GEMV_CANDIDATES if N < 16 else TAIL_DOT_CANDIDATES
     block_m = 1 if N < 16 else default["tail_block_m"]
-    for cand in grid(space, a.quick):
-        cfg = dataclasses.replace(default_config(N, k, E), tail_block_m=block_m, **cand)
+    tails = [dict(c, tail_block_m=block_m) for c in grid(space, a.quick)]
+    stored = with_stored(tails, tuned_tiles("latent_moe_tail", N, (k, D, H), device), default)
+    for cand in tails:
+        cfg = dataclasses.replace(default_config(N, k, E), **cand)
         res = try_candidate(
             lambda cfg=cfg: latent_moe_tail(partials, topk_w, ids, up, g, 1e-6, shared,
                                             num_experts=E, config=cfg),
             lambda out: rel_err(out, want_tail), device)
         is_default = all(default[f] == v for f, v in cand.items())
-        point["tail"].append(dict(cand, default=is_default, **res))
+        point["tail"].append(dict(cand, default=is_default, stored=cand is stored, **res))
 
     def unfused():
         lat = (partials.view(N, k, -1).float() * topk_w[..., None].float()).sum(1).to(dt)
@@ -256,13 +279,15 @@ def main() -> None:
             for kind in ("gemm", "tail"):
                 ok = [c for c in p[kind] if "us" in c and c.get("lut_decode") is not False]
                 best = min(ok, key=lambda c: c["us"]) if ok else None
-                dflt = next((c for c in p[kind] if c["default"]), None)
+                dflt = (next((c for c in p[kind] if c["stored"]), None)
+                        or next((c for c in p[kind] if c["default"]), None))
                 p[f"best_{kind}"] = best
                 floor = p[f"{kind}_floor_us"]
                 tiles = {f: v for f, v in (best or {}).items()
-                         if f not in ("us", "rel_err", "default")}
+                         if f not in ("us", "rel_err", "default", "stored")}
                 shown = dflt.get("us", dflt.get("skipped", dflt.get("wrong"))) if dflt else "-"
-                print(f"{fmt:5s} N={N:3d} {kind:4s}: floor {floor:8.2f} us; default {shown}; "
+                which = "stored" if dflt and dflt["stored"] else "default"
+                print(f"{fmt:5s} N={N:3d} {kind:4s}: floor {floor:8.2f} us; {which} {shown}; "
                       f"best {best['us'] if best else '-'} us {tiles}; "
                       f"{sum('skipped' in c for c in p[kind])} skipped, "
                       f"{sum('wrong' in c for c in p[kind])} wrong", flush=True)

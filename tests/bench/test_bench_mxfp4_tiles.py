@@ -80,3 +80,27 @@ def test_tuned_entries_take_each_points_fastest():
     t1 = tail[tail_shape_key(1, 16, 2048, 2048)]
     assert set(t1) == set(TAIL_FIELDS) and t1["tail_block_n"] == 8 and t1["tail_block_m"] == 1
     assert tail[tail_shape_key(16, 16, 2048, 2048)]["tail_block_m"] == 16
+
+
+def test_the_stored_tiles_are_timed_beside_the_candidates():
+    """--write-configs must not replace a config file's tiles with ones never timed against
+    them: the sweep adds the stored tiles as a candidate unless one already has them."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import bench_mxfp4_tiles as bench
+    finally:
+        sys.path.pop(0)
+    base = dict(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3,
+                lut_decode=True)
+    cands = [dict(block_m=1, block_n=16, block_k=256, num_warps=4, num_stages=2,
+                  lut_decode=True)]
+    assert bench.with_stored(cands, None, base) is None and len(cands) == 1
+    stored = dict(block_m=1, block_n=32, block_k=128, group_m=1, num_warps=4, num_stages=2)
+    got = bench.with_stored(cands, stored, base)
+    assert got is cands[-1] and len(cands) == 2 and got == stored
+    # already a candidate (fields it leaves out at base's values): that one, nothing added
+    again = dict(block_m=1, block_n=16, block_k=256, group_m=1, num_warps=4, num_stages=2)
+    assert bench.with_stored(cands, again, base) is cands[0] and len(cands) == 2
+    # a bit-decode candidate is not the stored tiles (the kernels default to the table decode)
+    bits = [dict(block_m=1, block_n=8, block_k=128, lut_decode=False)]
+    assert bench.with_stored(bits, dict(block_m=1, block_n=8, block_k=128), base) is bits[1]
