@@ -147,10 +147,11 @@ def main() -> None:
     if args.dump_fla_configs:
         from pathlib import Path
 
-        from kdaserve.kernels.fla_configs import dump_configs
+        from kdaserve.kernels.fla_configs import device_traits, dump_configs
 
         result["fla_configs_written"] = dump_configs(torch.cuda.get_device_name(),
-                                                     Path(args.dump_fla_configs))
+                                                     Path(args.dump_fla_configs),
+                                                     traits=device_traits(0))
         print(f"fla configs written: {result['fla_configs_written']}", flush=True)
     rng = random.Random(0)
     for n in [int(x) for x in args.waves.split(",") if x]:

@@ -10,8 +10,12 @@ kdaserve stores the winners its own start-up picked, per GPU, in
 `kernels/configs/fla/{device name}/` (fla's file format), and points fla there with the exact-key
 mode (fla's "strict": a key not stored, another model's dims or dtypes, autotunes as before).
 `dump_configs` writes the files from a process that has autotuned (benchmarks/first_steps.py
---dump-fla-configs). A user's own FLA_CACHE_MODE or FLA_CONFIG_DIR is left as it is: setting
-FLA_CACHE_MODE=disabled is the way back to autotuning everything.
+--dump-fla-configs), with the GPU's traits in `device.json` (compute capability, SM count). A
+GPU without a folder of its own takes the files of a GPU with the same traits (the H200 the
+H100's: one die, the same SMs, shared memory and registers; only the memory differs), as
+stored choices rather than measured ones, until a run on it writes its own. A user's own
+FLA_CACHE_MODE or FLA_CONFIG_DIR is left as it is: setting FLA_CACHE_MODE=disabled is the way
+back to autotuning everything.
 """
 
 from __future__ import annotations
@@ -34,12 +38,46 @@ def device_dir(device_name: str, root: Path = CONFIG_ROOT) -> Path:
     return root / sanitize_gpu_name(device_name)
 
 
-def use_stored_configs(device_name: str, root: Path = CONFIG_ROOT) -> Path | None:
+DEVICE_FILE = "device.json"
+"""A folder's GPU traits (device_traits), written by dump_configs; not a kernel's file."""
+
+
+def device_traits(device) -> dict:
+    """What fla's autotuned choices depend on besides the shapes: the compute capability (shared
+    memory, registers, instructions) and the SM count (the grid's waves)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {"capability": [props.major, props.minor],
+            "multi_processor_count": props.multi_processor_count}
+
+
+def _kernel_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.json") if p.name != DEVICE_FILE) \
+        if folder.is_dir() else []
+
+
+def _same_traits_folder(traits: dict, root: Path) -> Path | None:
+    """A stored GPU folder under root whose device.json matches traits (the first by name)."""
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        info = folder / DEVICE_FILE
+        if info.is_file() and _kernel_files(folder):
+            stored = json.loads(info.read_text())
+            if all(stored.get(k) == v for k, v in traits.items()):
+                return folder
+    return None
+
+
+def use_stored_configs(device_name: str, root: Path = CONFIG_ROOT,
+                       traits: dict | None = None) -> Path | None:
     """Point fla's config cache at the stored configs of this GPU (exact autotune keys) unless
-    the user set FLA_CACHE_MODE or FLA_CONFIG_DIR. Returns the folder in use, or None (no files
-    for this GPU, or the user's settings apply). Call it before the first fla kernel runs; it
-    also takes effect if fla was imported earlier (fla reads its mode at import)."""
+    the user set FLA_CACHE_MODE or FLA_CONFIG_DIR; a GPU without files of its own takes those of
+    a GPU with the same traits (device_traits; none given: no fallback). Returns the folder in
+    use, or None (no files, or the user's settings apply). Call it before the first fla kernel
+    runs; it also takes effect if fla was imported earlier (fla reads its mode at import)."""
     folder = device_dir(device_name, root)
+    if not _kernel_files(folder) and traits is not None:
+        folder = _same_traits_folder(traits, root) or folder
     if (os.environ.get("FLA_CONFIG_DIR"), os.environ.get("FLA_CACHE_MODE")) == (str(folder),
                                                                                   "strict"):
         return folder                 # set by an earlier call in this process
@@ -47,11 +85,14 @@ def use_stored_configs(device_name: str, root: Path = CONFIG_ROOT) -> Path | Non
         logger.info("fla configs: FLA_CACHE_MODE=%s FLA_CONFIG_DIR=%s as set by the user",
                     os.environ.get("FLA_CACHE_MODE"), os.environ.get("FLA_CONFIG_DIR"))
         return None
-    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    files = _kernel_files(folder)
     if not files:
         logger.info("fla configs: none stored for %s; fla autotunes its kernels at start-up",
                     device_name)
         return None
+    if folder != device_dir(device_name, root):
+        logger.info("fla configs: none stored for %s; taking %s's (the same %s)", device_name,
+                    folder.name, traits)
     os.environ["FLA_CONFIG_DIR"] = str(folder)
     os.environ["FLA_CACHE_MODE"] = "strict"
     from fla.ops.utils import cache as fla_cache
@@ -77,15 +118,20 @@ def config_entry(key: tuple, config) -> dict:
                        "maxnreg": config.maxnreg}}
 
 
-def dump_configs(device_name: str, root: Path = CONFIG_ROOT, autotuners=None) -> dict[str, int]:
+def dump_configs(device_name: str, root: Path = CONFIG_ROOT, autotuners=None,
+                 traits: dict | None = None) -> dict[str, int]:
     """Write every chosen config of this process's fla autotuners into the GPU's folder under
-    root, merged into the files already there (an entry of the same key is replaced). Returns
-    {kernel: entries written}."""
+    root, merged into the files already there (an entry of the same key is replaced), and the
+    GPU's traits (device_traits) into its device.json when given. Returns {kernel: entries
+    written}."""
     import triton
     from fla.ops.utils.cache import AutotuneKey
 
     folder = device_dir(device_name, root)
     folder.mkdir(parents=True, exist_ok=True)
+    if traits is not None:
+        (folder / DEVICE_FILE).write_text(json.dumps(dict(name=device_name, **traits),
+                                                     indent=1) + "\n")
     written: dict[str, int] = {}
     for tuner in tuned_autotuners() if autotuners is None else autotuners:
         path = folder / f"{tuner.kernel_name}.json"

@@ -31,7 +31,7 @@ from kdaserve.disagg.base import ConnectorWorker
 from kdaserve.disagg.factory import make_connector_worker
 from kdaserve.disagg.ranks import RankAgreement
 from kdaserve.kernels.compile_ahead import CompileAhead, default_compile_workers
-from kdaserve.kernels.fla_configs import use_stored_configs
+from kdaserve.kernels.fla_configs import device_traits, use_stored_configs
 from kdaserve.layers.backends import select_backends
 from kdaserve.models.loader import load_weights
 from kdaserve.models.registry import build_model, resolve_architecture
@@ -145,7 +145,8 @@ class Worker:
         self.kernel_config = supported_kernels(config.kernel_config, self.device)
         self.backends = select_backends(self.kernel_config, self.device)
         if self.backends.kda.startswith("fla"):
-            use_stored_configs(torch.cuda.get_device_name(self.device))
+            use_stored_configs(torch.cuda.get_device_name(self.device),
+                               traits=device_traits(self.device))
         self._ahead: CompileAhead | None = None
         """Start-up only: the pool compiling kdaserve's kernel variants (compile_workers)."""
         workers = config.compile_workers

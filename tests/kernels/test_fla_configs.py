@@ -148,3 +148,47 @@ def test_chunk_kda_runs_on_the_stored_configs(tmp_path, fla_env):
         for t, cache in saved.values():
             t.cache.clear()
             t.cache.update(cache)
+
+
+def test_a_gpu_without_files_takes_a_same_traits_gpus(tmp_path, fla_env, tuner):
+    """The H200 has no folder of its own: it takes the one whose device.json names the same
+    compute capability and SM count, never one that differs; its own folder, once written,
+    wins."""
+    hopper = {"capability": [9, 0], "multi_processor_count": 132}
+    tuner.cache.clear()
+    tuner.cache[KEY_A] = tuner.configs[0]
+    fla_configs.dump_configs("NVIDIA H100 80GB HBM3", tmp_path, [tuner], traits=hopper)
+    h100 = tmp_path / "NVIDIA_H100_80GB_HBM3"
+    assert json.loads((h100 / "device.json").read_text()) == dict(name="NVIDIA H100 80GB HBM3",
+                                                                   **hopper)
+    fla_configs.dump_configs("NVIDIA A100-SXM4-80GB", tmp_path, [tuner],
+                             traits={"capability": [8, 0], "multi_processor_count": 108})
+    mode = fla_cache.FLA_CACHE_MODE
+    # other traits, or none given: no fallback, fla autotunes as before
+    assert fla_configs.use_stored_configs(
+        "NVIDIA H100 PCIe", tmp_path, {"capability": [9, 0], "multi_processor_count": 114}) is None
+    assert fla_configs.use_stored_configs(GPU, tmp_path) is None
+    assert "FLA_CONFIG_DIR" not in os.environ and fla_cache.FLA_CACHE_MODE is mode
+    assert fla_configs.use_stored_configs(GPU, tmp_path, hopper) == h100
+    assert os.environ["FLA_CONFIG_DIR"] == str(h100)
+    assert fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.STRICT
+    tuner.cache.clear()
+    tuner.maybe_load_cached_config(AutotuneKey(KEY_A), nargs={}, runtime_kwargs={})
+    assert _same(tuner.cache[KEY_A], tuner.configs[0])
+    # the H200's own files, once a run on it wrote them, come first
+    for k in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE"):
+        os.environ.pop(k)
+    tuner.cache.clear()
+    tuner.cache[KEY_A] = tuner.configs[-1]
+    fla_configs.dump_configs(GPU, tmp_path, [tuner], traits=hopper)
+    assert fla_configs.use_stored_configs(GPU, tmp_path, hopper) == tmp_path / "NVIDIA_H200"
+
+
+def test_every_stored_folder_names_its_traits():
+    """The shipped folders carry device.json, so a same-traits GPU can find them."""
+    folders = [p for p in fla_configs.CONFIG_ROOT.iterdir() if p.is_dir()]
+    assert folders
+    for folder in folders:
+        info = json.loads((folder / fla_configs.DEVICE_FILE).read_text())
+        assert fla_configs.device_dir(info["name"]) == folder
+        assert len(info["capability"]) == 2 and info["multi_processor_count"] > 0
