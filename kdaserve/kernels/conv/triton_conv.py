@@ -1,8 +1,9 @@
 """Triton kernels for the depthwise causal conv of KDA (imported lazily by causal_conv1d.py).
 
-Varlen prefill runs in two launches: `conv_varlen_kernel` reads the initial windows from the state
-slots, then `conv_varlen_state_kernel` overwrites those slots with each sequence's last W-1
-inputs (a later launch, so no program reads a slot another program already rewrote).
+Varlen prefill runs in two launches: `conv_varlen_kernel` (tiles) or `conv_varlen_rows_kernel` (a
+row at a time) reads the initial windows from the state slots, then `conv_varlen_state_kernel`
+overwrites those slots with each sequence's last W-1 inputs (a later launch, so no program reads
+a slot another program already rewrote).
 
 USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait, then
 griddepcontrol.launch_dependents, before any load of x, the states, the indices or lengths and
@@ -84,6 +85,108 @@ def conv_varlen_kernel(
                                                                          SPLIT)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
              mask=(offs_t < num_tokens)[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _seq_of(cu_seqlens_ptr, t, num_seqs, SEARCH_STEPS: tl.constexpr):
+    """The sequence holding token t: the last b with cu_seqlens[b] <= t (an empty sequence
+    starting at t gives way to the one after it)."""
+    lo = t * 0
+    hi = lo + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(cu_seqlens_ptr + mid) <= t
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
+def conv_varlen_rows_kernel(
+    x_ptr, w_ptr, y_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr,
+    num_tokens, dim, num_seqs,
+    stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
+    W: tl.constexpr, SEARCH_STEPS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
+):
+    """conv_varlen_kernel's outputs, a row at a time: program (row tile, channel block) walks
+    its BLOCK_T rows in order over BLOCK_D channels, each input row loaded once and the last
+    W-1 kept in registers (the tile kernel loads every row W times and holds W [BLOCK_T,
+    BLOCK_D] tiles, which spill at the 48B's tiles). Tiles inside one sequence, at least W-1
+    rows past its start (all but a few in a prefill), take that path for W <= 4; the others
+    compute each row from its own window (the sequence's state columns before its first
+    token, zeros without an initial state, zeros past cu_seqlens[-1])."""
+    pdl_wait(USE_PDL)
+    t0 = tl.program_id(0) * BLOCK_T
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < dim
+    col = _out_col(offs_d, stride_ysplit, SPLIT)
+    total = tl.load(cu_seqlens_ptr + num_seqs)
+    seq = _seq_of(cu_seqlens_ptr, t0, num_seqs, SEARCH_STEPS)
+    start = tl.load(cu_seqlens_ptr + seq)
+    end = tl.load(cu_seqlens_ptr + seq + 1)
+    fast = (t0 - start >= W - 1) & (t0 + BLOCK_T <= end) & (W <= 4)
+    if fast:
+        w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=mask_d,
+                         other=0.0).to(tl.float32)
+        w_1 = tl.load(w_ptr + offs_d * stride_wd + (W - 2) * stride_wj, mask=mask_d,
+                      other=0.0).to(tl.float32)
+        x_rows = x_ptr + offs_d
+        x_1 = tl.load(x_rows + (t0 - 1).to(tl.int64) * stride_xt, mask=mask_d,
+                      other=0.0).to(tl.float32)                          # row t - 1
+        x_2 = x_1
+        x_3 = x_1
+        w_2 = w_1
+        w_3 = w_1
+        if W >= 3:
+            w_2 = tl.load(w_ptr + offs_d * stride_wd + (W - 3) * stride_wj, mask=mask_d,
+                          other=0.0).to(tl.float32)
+            x_2 = tl.load(x_rows + (t0 - 2).to(tl.int64) * stride_xt, mask=mask_d,
+                          other=0.0).to(tl.float32)                      # row t - 2
+        if W >= 4:
+            w_3 = tl.load(w_ptr + offs_d * stride_wd, mask=mask_d, other=0.0).to(tl.float32)
+            x_3 = tl.load(x_rows + (t0 - 3).to(tl.int64) * stride_xt, mask=mask_d,
+                          other=0.0).to(tl.float32)                      # row t - 3
+        for t in tl.static_range(BLOCK_T):
+            row = (t0 + t).to(tl.int64)
+            x_0 = tl.load(x_rows + row * stride_xt, mask=mask_d, other=0.0).to(tl.float32)
+            acc = x_0 * w_last + x_1 * w_1
+            if W >= 3:
+                acc += x_2 * w_2
+            if W >= 4:
+                acc += x_3 * w_3
+            if SILU:
+                acc = _silu(acc)
+            tl.store(y_ptr + row * stride_yt + col, acc.to(y_ptr.dtype.element_ty), mask=mask_d)
+            x_3 = x_2
+            x_2 = x_1
+            x_1 = x_0
+    else:
+        for t in range(BLOCK_T):
+            row = t0 + t
+            if row < num_tokens:
+                live = row < total                     # rows past cu_seqlens[-1]: zeros
+                b = _seq_of(cu_seqlens_ptr, row, num_seqs, SEARCH_STEPS)
+                pos = row - tl.load(cu_seqlens_ptr + b)
+                slot = tl.load(state_idx_ptr + b).to(tl.int64)
+                has = (tl.load(has_init_ptr + b) != 0) & (slot >= 0)
+                acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for j in tl.static_range(W):
+                    w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=mask_d,
+                                  other=0.0).to(tl.float32)
+                    src = pos - (W - 1) + j                    # position in the sequence
+                    xv = tl.load(x_ptr + (row - (W - 1) + j).to(tl.int64) * stride_xt + offs_d,
+                                 mask=mask_d & live & (src >= 0), other=0.0)
+                    sv = tl.load(states_ptr + slot * stride_ss + offs_d * stride_sd
+                                 + (W - 1 + src) * stride_sj,
+                                 mask=mask_d & live & (src < 0) & has, other=0.0)
+                    acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w_j
+                if SILU:
+                    acc = _silu(acc)
+                acc = tl.where(live, acc, 0.0)
+                tl.store(y_ptr + row.to(tl.int64) * stride_yt + col,
+                         acc.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
