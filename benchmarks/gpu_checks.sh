@@ -22,7 +22,8 @@
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS, GAPS_MODEL), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
-# 4096), sampling (bench_sampler.py's three samplers at SAMPLER_BATCHES rows), topp
+# 4096), pkernels (bench_prefill.py's PKERNELS_CASES at PKERNELS_TOKENS: the conv kernels by
+# default), sampling (bench_sampler.py's three samplers at SAMPLER_BATCHES rows), topp
 # (bench_top_p.py at TOPP_BATCHES rows and TOPP_TILES search tiles), layers; each has a
 # *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
 # ENGINE_ARGS='--optimization-config {"pdl":false}' (or "decode_gemv", "fused_kda_decode"; no
@@ -203,6 +204,11 @@ if [[ $STAGES == *router* ]]; then   # the router's fp32 logits: router_partials
   timeout ${ROUTER_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --cases router \
     --tokens ${ROUTER_TOKENS:-3,9,16,64,144,288,1023,2048} --time-budget 150 --out "$OUT/router.json" \
     2>&1 | grep -v Warn | tail -80 | tee "$OUT/router.log"
+fi
+if [[ $STAGES == *pkernels* ]]; then   # prefill kernels and their candidates (bench_prefill.py)
+  timeout ${PKERNELS_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --cases ${PKERNELS_CASES:-conv} \
+    --tokens ${PKERNELS_TOKENS:-2048,8000} --time-budget 150 --out "$OUT/pkernels.json" \
+    2>&1 | grep -v Warn | tail -60 | tee "$OUT/pkernels.log"
 fi
 if [[ $STAGES == *sampling* ]]; then   # the engine's samplers: sort, threshold, threshold + race
   timeout ${SAMPLING_TIMEOUT:-150} python3 benchmarks/bench_sampler.py --batches ${SAMPLER_BATCHES:-1,16,64,144} \
