@@ -41,7 +41,7 @@ from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
 HEADS, KV_RANK, ROPE = 32, 512, 64
 HIDDEN, MOE_INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 KDA_HEADS, KDA_DIM, CONV_W = 32, 128, 4
-CASES = ("kda", "kda_verify", "mla", "moe", "moe_prefill")
+CASES = ("kda", "kda_verify", "conv_verify", "mla", "moe", "moe_prefill")
 
 
 def per_call_us(fns) -> float:
@@ -148,6 +148,32 @@ def bench_kda_verify(rows, ceil, n, deadline, window=9, calls=4):
     grid = [rc.KDAVerifyConfig(bv, nw) for bv, nw in itertools.product((64, 32, 16), (2, 4, 8))]
     sweep(f"kda_spec_verify N={n} x {window}", rows, fns(), grid, fns,
           floor_us(nbytes, ceil), deadline)
+
+
+def bench_conv_verify(rows, ceil, n, deadline, window=9, calls=4):
+    """The verify windows' conv (kernels/kda/recover.py conv_spec_verify) over n requests'
+    windows of `window` tokens of the q | k | v channels, into the layer's planes: the default
+    (a chunk of rows' loads at once) against one token at a time (chunk 0, the baseline) and
+    other chunks. Floor: the inputs read and the planes written once."""
+    from kdaserve.kernels.kda import recover as rc
+
+    D = 3 * KDA_HEADS * KDA_DIM
+    T = n * window
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(D, CONV_W, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(calls * n + 1, D, CONV_W - 1, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, T + 1, window, device="cuda", dtype=torch.int32)
+    perm = torch.randperm(calls * n, device="cuda", dtype=torch.int32)
+    idx = [perm[i * n:(i + 1) * n].contiguous() for i in range(calls)]
+    outs = [torch.empty(3, T, D // 3, device="cuda", dtype=torch.bfloat16) for _ in range(calls)]
+
+    def fns(chunk=16):
+        return [lambda i=i: rc.conv_spec_verify(x, w, cu, pool, idx[i], out=outs[i],
+                                                chunk=chunk) for i in range(calls)]
+
+    nbytes = 2 * T * D * 2 + n * D * (CONV_W - 1) * 2
+    sweep(f"conv_spec_verify N={n} x {window}", rows, fns(), [dict(chunk=c) for c in (0, 8, 32)],
+          lambda c: fns(**c), floor_us(nbytes, ceil), deadline)
 
 
 # ----------------------------------------------------------------------------------- MLA decode
@@ -282,7 +308,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     # the sweep budget: 45% MoE (two routings), 20% KDA, 35% MLA, split evenly over batches;
     # the first batch of each kind also pays the Triton compiles of its grid
-    share = {"moe": 0.45 / 2, "kda": 0.20, "kda_verify": 0.10, "mla": 0.35}
+    share = {"moe": 0.45 / 2, "kda": 0.20, "kda_verify": 0.10, "conv_verify": 0.05, "mla": 0.35}
     kinds = [c for c in share if c in cases]
     total = sum(share[c] for c in kinds) or 1.0
     per = {c: args.time_budget * share[c] / total / len(batches) for c in kinds}
@@ -305,6 +331,9 @@ def main(argv=None) -> int:
     if "kda_verify" in cases:   # --verify-requests windows of 1 + K = 9 tokens
         for n in map(int, args.verify_requests.split(",")):
             bench_kda_verify(rows, ceil, n, time.time() + per['kda_verify'])
+    if "conv_verify" in cases:   # the same windows' conv
+        for n in map(int, args.verify_requests.split(",")):
+            bench_conv_verify(rows, ceil, n, time.time() + per['conv_verify'])
     if "mla" in cases:
         for b in batches:
             bench_mla(rows, ceil, b, time.time() + per['mla'], ctx=args.mla_ctx,

@@ -36,9 +36,9 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, spec: SpecStep, conv_cache
         xs = x[t:]
         if spec.md_non is not None:
             plain(x[:t], weight, spec.md_non, conv_cache, out.narrow(tok_dim, 0, t))
-        ys = rc.conv_spec_verify(xs, weight, spec.cu_spec, conv_cache, spec.idx_spec,
-                                 per_position=spec.per_position)               # [T_spec, 3P]
-        out.narrow(tok_dim, t, xs.shape[0]).copy_(_as_out(ys, planes))
+        rc.conv_spec_verify(xs, weight, spec.cu_spec, conv_cache, spec.idx_spec,
+                            per_position=spec.per_position,
+                            out=out.narrow(tok_dim, t, xs.shape[0]))       # written in place
         # a view would pin the whole batch's [T, 3P] per layer until the commit
         spec.conv_inputs[conv_cache.data_ptr()] = xs if t == 0 else xs.clone()
         return

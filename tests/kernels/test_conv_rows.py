@@ -42,17 +42,45 @@ def _build(block_t: int, block_d: int, warps: int, tmp_path: Path) -> tuple[str,
     return res.stderr, sass
 
 
-@pytest.mark.parametrize("tiles", [(16, 1024, 4), (32, 1024, 4), (16, 2048, 8)])
+@pytest.mark.parametrize("tiles", [(16, 1024, 4), (8, 1024, 4), (16, 2048, 8)])
 def test_rows_kernel_loads_each_row_once_without_spills(tiles, tmp_path):
     """At 8 channels a thread: the interior path's BLOCK_T rows plus the W-1 rows before them
-    are 16-byte loads (LDG.E.128, one a row), its outputs 16-byte stores, and nothing spills
+    are 16-byte loads (LDG.E.128, one a row), all issued before its first 16-byte store (a
+    load after a store that may alias it would wait: one row in flight), and nothing spills
     (the tile kernel's default tile spills at 255 registers)."""
     block_t = tiles[0]
     report, sass = _build(*tiles, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
     assert regs < 255, report
-    wide_loads = len(re.findall(r"LDG\.E\.128", sass))
-    wide_stores = len(re.findall(r"STG\.E\.128", sass))
-    assert wide_loads >= block_t + 3, (wide_loads, block_t)
-    assert wide_stores >= block_t, (wide_stores, block_t)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    wide = "".join("L" if o == "LDG.E.128" else "S" if o == "STG.E.128" else "" for o in ops)
+    assert wide.count("L") >= block_t + 3 and wide.count("S") >= block_t, wide
+    # the interior path: its last BLOCK_T wide loads come before its last BLOCK_T stores
+    tail = wide[wide.rindex("L") - block_t + 1:]
+    assert tail.startswith("L" * block_t) and tail.endswith("S" * block_t), wide
+
+
+def test_verify_conv_issues_a_chunks_loads_before_its_stores():
+    """The speculative verify conv (kernels/kda/triton_recover.py conv_spec_verify_kernel) walks
+    a window CHUNK tokens at a time: in its loop every x-row load precedes the first store, so
+    the chunk's loads are in flight together (the window's tokens used to wait on each other:
+    load, sums, store, next load)."""
+    pytest.importorskip("triton")
+    import gemv_checks as gc
+    from kdaserve.kernels.kda.triton_recover import conv_spec_verify_kernel
+
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", pool_ptr="*bf16", idx_ptr="*i32",
+                 col_ptr="*i32", cu_ptr="*i32", dim="i32", stride_xt="i32", stride_yt="i32",
+                 stride_wd="i32", stride_wj="i32", stride_ps="i32", stride_pd="i32",
+                 stride_pj="i32", stride_idx="i32", stride_ysplit="i32")
+    k = sm90_compile(conv_spec_verify_kernel, types,
+                     dict(W=4, BW=4, BD=256, HAS_COLS=False, SILU=True, SPLIT=4096),
+                     num_warps=4, launch_pdl=False)
+    loops = gc.sass_loops(k)
+    assert loops
+    body = max(loops, key=len)
+    seq = "".join("L" if o.startswith("LDG") else "S" if o.startswith("STG") else ""
+                  for o in body)
+    assert seq.count("S") == 16 and "L" not in seq[seq.index("S"):], seq
+    assert seq.count("L") >= 16, seq

@@ -124,6 +124,32 @@ def check_per_position(device, H=2, K=16, D=24, W=4, dtype=torch.float32, lens=(
     _close("select", rec.cpu(), r_r, tol)
 
 
+def check_conv_verify(device, D=24, W=4, lens=(3, 1, 20, 2), dtype=torch.float32, seed=11,
+                      planes=False, tol=1e-5, chunk=16):
+    """conv_spec_verify alone: windows longer than the kernel's unrolled chunk and of one
+    token, every width (W > 4: the per-token loop), into a [T, D] result or the layer's
+    q | k | v planes; the pool is left as it was."""
+    lens = list(lens)
+    N = len(lens)
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    x = torch.randn(T, D, generator=gen).to(dtype).to(device)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=device)
+    conv = torch.randn(2 * N + 1, D, W - 1, generator=gen).to(dtype).to(device)
+    weight = torch.randn(D, W, generator=gen).to(dtype).to(device)
+    slots = torch.randperm(2 * N + 1, generator=gen)[:N].to(torch.int32).to(device)
+    conv0 = conv.clone()
+    out = torch.full((3, T, D // 3) if planes else (T, D), float("nan"), dtype=dtype,
+                     device=device)
+    y = rc.conv_spec_verify(x, weight, cu, conv, slots, use_triton=True, out=out, chunk=chunk)
+    assert y is out and torch.equal(conv, conv0), "verify wrote the pool"
+    got = out.permute(1, 0, 2).reshape(T, D) if planes else out
+    want = ref.conv_spec_verify(x.cpu(), weight.cpu(), cu.cpu(), conv0.cpu(), slots.cpu())
+    _close(f"conv verify W={W} lens={lens} planes={planes} chunk={chunk}", got.cpu().float(),
+           want.float(), tol if dtype == torch.float32 else 1e-2)
+
+
 def run_interpreter_suite() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
     from kernel_checks import patch_triton_interpreter
@@ -139,6 +165,11 @@ def run_interpreter_suite() -> None:
     check_recover("cpu", lens=(3, 1, 5, 2), seed=8, config=pre)
     check_recover("cpu", seed=9, gate_in_kernel="lower_bound", config=pre)
     check_per_position("cpu", config=pre)
+    for W in (4, 3, 2, 5):
+        check_conv_verify("cpu", W=W, planes=W == 4)
+    check_conv_verify("cpu", lens=(16, 17, 1), seed=12, planes=True)
+    check_conv_verify("cpu", chunk=8, seed=13)              # windows over 2 and 3 chunks
+    check_conv_verify("cpu", chunk=0, seed=14, planes=True)  # the per-token baseline
 
 
 if __name__ == "__main__":

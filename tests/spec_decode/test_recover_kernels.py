@@ -106,6 +106,9 @@ def test_gpu_recover_48b_sizes(dtype, tile):
                       gate_in_kernel="softplus", config=cfg)
     chk.check_per_position("cuda", H=32, K=128, D=12288, dtype=dtype, lens=[9, 4, 1, 9],
                            tol=1e-4, config=cfg)
+    if tile is None:   # the verify conv into the layer's q | k | v planes, windows of 1-20
+        chk.check_conv_verify("cuda", D=12288, dtype=dtype, lens=[9] * 15 + [20, 1],
+                              planes=True, tol=1e-4)
 
 
 @pytest.mark.gpu

@@ -148,9 +148,15 @@ def conv_varlen_rows_kernel(
             w_3 = tl.load(w_ptr + offs_d * stride_wd, mask=mask_d, other=0.0).to(tl.float32)
             x_3 = tl.load(x_rows + (t0 - 3).to(tl.int64) * stride_xt, mask=mask_d,
                           other=0.0).to(tl.float32)                      # row t - 3
+        # every row's load first, in program order: y may alias x as far as the compiler
+        # knows, so a load written after a store would wait for it (one row in flight)
+        rows = ()
+        for t in tl.static_range(BLOCK_T):
+            rows = rows + (tl.load(x_rows + (t0 + t).to(tl.int64) * stride_xt, mask=mask_d,
+                                   other=0.0),)
         for t in tl.static_range(BLOCK_T):
             row = (t0 + t).to(tl.int64)
-            x_0 = tl.load(x_rows + row * stride_xt, mask=mask_d, other=0.0).to(tl.float32)
+            x_0 = rows[t].to(tl.float32)
             acc = x_0 * w_last + x_1 * w_1
             if W >= 3:
                 acc += x_2 * w_2

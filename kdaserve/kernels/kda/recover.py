@@ -217,20 +217,29 @@ def kda_recover_commit(state_pool: torch.Tensor, state_indices: torch.Tensor,
 def conv_spec_verify(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
                      conv_pool: torch.Tensor, state_indices: torch.Tensor,
                      initial_cols: torch.Tensor | None = None, per_position: bool = False,
-                     activation: str | None = "silu", use_triton: bool | None = None
-                     ) -> torch.Tensor:
+                     activation: str | None = "silu", use_triton: bool | None = None,
+                     out: torch.Tensor | None = None, chunk: int = 16) -> torch.Tensor:
     """SiLU(causal conv) of each window from conv_pool[state_indices[i, initial_cols[i]]].
     x: [T, D] pre-conv q|k|v; weight: [D, W]; conv_pool: [slots, D, W-1]. RecoverSSM: the pool
     is read only (keep x: commit needs it). per_position: column t receives the window after
-    token t. Returns y [T, D] in x.dtype."""
+    token t. out (CUDA): where y goes, [T, D] or planes [S, T, D / S] with a contiguous last
+    dim (the layer's q, k, v planes: no copy afterwards). chunk: tokens a program's loads
+    cover at once (a power of two; 0: one token at a time, the baseline). Returns y ([T, D] in
+    x.dtype, or out)."""
     N = cu_seqlens.shape[0] - 1
     if state_indices.dim() != (2 if per_position else 1) or state_indices.shape[0] != N:
         raise ValueError(f"state_indices must be {'[N, 1+K]' if per_position else '[N]'} with "
                          f"N={N}, got {tuple(state_indices.shape)}")
     if not _use_triton(x, use_triton):
-        return ref.conv_spec_verify(x, weight, cu_seqlens, conv_pool, state_indices,
-                                    initial_cols, per_position, activation)
+        y = ref.conv_spec_verify(x, weight, cu_seqlens, conv_pool, state_indices,
+                                 initial_cols, per_position, activation)
+        if out is None:
+            return y
+        dst = out if out.dim() == 2 else out.permute(1, 0, 2)          # [T, S, D / S] view
+        dst.copy_(y.view(dst.shape))
+        return out
     require_triton()
+    from kdaserve.kernels.conv.causal_conv1d import _out_layout
     from kdaserve.kernels.kda.triton_recover import conv_spec_verify_kernel
 
     for t in (x, weight, cu_seqlens, conv_pool, state_indices):
@@ -240,16 +249,17 @@ def conv_spec_verify(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Te
     T, D = x.shape
     W = weight.shape[-1]
     idx = state_indices.view(N, -1)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y, stride_yt, stride_ysplit, split = _out_layout(out, x)
     if T > 0 and N > 0:
         block_d = min(256, next_power_of_2(D))
         conv_spec_verify_kernel[(N, cdiv(D, block_d))](
             x, weight, y, conv_pool, idx, initial_cols if initial_cols is not None else idx,
             cu_seqlens, D,
-            x.stride(0), y.stride(0), weight.stride(0), weight.stride(1),
+            x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
             conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), idx.stride(0),
+            stride_ysplit,
             W=W, BW=next_power_of_2(W - 1), BD=block_d, HAS_COLS=initial_cols is not None,
-            SILU=activation == "silu", num_warps=4,
+            SILU=activation == "silu", CHUNK=chunk, SPLIT=split, num_warps=4,
         )
         if per_position:
             _conv_window(conv_pool, idx, initial_cols, x, cu_seqlens, None)

@@ -9,6 +9,8 @@ and accept counts are read on the device).
 import triton
 import triton.language as tl
 
+from kdaserve.kernels.conv.triton_conv import _out_col, _silu
+
 # The verification rows are slices of the step's projections at the speculating requests'
 # offset, so their pointers' 16-byte alignment and their row strides differ between a verify
 # graph's buffers and an eager mixed step: neither is specialised on, so every composition runs
@@ -195,40 +197,95 @@ def conv_spec_window_kernel(
                      val.to(pool_ptr.dtype.element_ty), mask=md & (dst >= 0))
 
 
-@triton.jit(do_not_specialize=["stride_xt", "stride_yt"],
+@triton.jit
+def _pool_col(pool_ptr, src, offs_d, md, c, stride_ps, stride_pd, stride_pj):
+    """Column c of a request's old window ([BD] fp32; zeros for a slot < 0)."""
+    return tl.load(pool_ptr + src * stride_ps + offs_d * stride_pd + c * stride_pj,
+                   mask=md & (src >= 0), other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["stride_xt", "stride_yt", "stride_ysplit"],
             do_not_specialize_on_alignment=["x_ptr", "y_ptr", *_SMALL_INPUTS])
 def conv_spec_verify_kernel(
     x_ptr, w_ptr, y_ptr, pool_ptr, idx_ptr, col_ptr, cu_ptr, dim,
     stride_xt, stride_yt, stride_wd, stride_wj, stride_ps, stride_pd, stride_pj, stride_idx,
+    stride_ysplit,
     W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, HAS_COLS: tl.constexpr,
-    SILU: tl.constexpr,
+    SILU: tl.constexpr, CHUNK: tl.constexpr = 16, SPLIT: tl.constexpr = 0,
 ):
     """y_t = sum_j w_j * z[t + j], z = cat(window, x^T) of the request; the window (read from
-    idx[i, col[i]]) is never written."""
+    idx[i, col[i]]) is never written. W <= 4 and CHUNK > 0: the taps once, the last W-1 inputs
+    in registers, the window's rows CHUNK at a time in unrolled code (every row's load
+    independent of the sums, so they can all be in flight); otherwise the taps and rows
+    reloaded per token (CHUNK = 0: the baseline bench_batch times it against). SPLIT > 0:
+    y is SPLIT-wide planes (column d at plane d // SPLIT, stride_ysplit apart: the q, k, v the
+    KDA kernels read)."""
     i = tl.program_id(0)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     md = offs_d < dim
+    out_col = _out_col(offs_d, stride_ysplit, SPLIT)
     bos = tl.load(cu_ptr + i).to(tl.int64)
     T = tl.load(cu_ptr + i + 1).to(tl.int64) - bos
     col = 0
     if HAS_COLS:
         col = tl.load(col_ptr + i).to(tl.int64)
     src = tl.load(idx_ptr + i * stride_idx + col).to(tl.int64)
-    jj = tl.arange(0, BW)
-    old = tl.load(pool_ptr + src * stride_ps + offs_d[:, None] * stride_pd
-                  + jj[None, :] * stride_pj,
-                  mask=md[:, None] & (jj < W - 1)[None, :] & (src >= 0), other=0.0)
-    old = old.to(tl.float32)                                           # [BD, BW]
-    for t in range(T):
-        acc = tl.zeros([BD], dtype=tl.float32)
-        for j in tl.static_range(W):
-            s = t + j
-            w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=md, other=0.0)
-            from_old = tl.sum(tl.where(jj[None, :] == s, old, 0.0), axis=1)
-            from_x = tl.load(x_ptr + (bos + s - (W - 1)) * stride_xt + offs_d,
-                             mask=md & (s >= W - 1), other=0.0).to(tl.float32)
-            acc += w_j.to(tl.float32) * tl.where(s < W - 1, from_old, from_x)
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(y_ptr + (bos + t) * stride_yt + offs_d, acc.to(y_ptr.dtype.element_ty),
-                 mask=md)
+    if W <= 4 and CHUNK > 0:
+        w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=md,
+                         other=0.0).to(tl.float32)
+        w_1 = tl.load(w_ptr + offs_d * stride_wd + (W - 2) * stride_wj, mask=md,
+                      other=0.0).to(tl.float32)
+        x_1 = _pool_col(pool_ptr, src, offs_d, md, W - 2, stride_ps, stride_pd, stride_pj)
+        w_2 = w_1
+        w_3 = w_1
+        x_2 = x_1
+        x_3 = x_1
+        if W >= 3:
+            w_2 = tl.load(w_ptr + offs_d * stride_wd + (W - 3) * stride_wj, mask=md,
+                          other=0.0).to(tl.float32)
+            x_2 = _pool_col(pool_ptr, src, offs_d, md, W - 3, stride_ps, stride_pd, stride_pj)
+        if W >= 4:
+            w_3 = tl.load(w_ptr + offs_d * stride_wd, mask=md, other=0.0).to(tl.float32)
+            x_3 = _pool_col(pool_ptr, src, offs_d, md, 0, stride_ps, stride_pd, stride_pj)
+        for t0 in range(0, T, CHUNK):
+            # the chunk's loads first, in program order (y may alias x as far as the compiler
+            # knows: a load written after a store would wait for it)
+            rows = ()
+            for u in tl.static_range(CHUNK):
+                rows = rows + (tl.load(x_ptr + (bos + t0 + u) * stride_xt + offs_d,
+                                       mask=md & (t0 + u < T), other=0.0),)
+            for u in tl.static_range(CHUNK):
+                t = t0 + u
+                ok = md & (t < T)
+                x_0 = rows[u].to(tl.float32)
+                acc = x_0 * w_last + x_1 * w_1
+                if W >= 3:
+                    acc += x_2 * w_2
+                if W >= 4:
+                    acc += x_3 * w_3
+                if SILU:
+                    acc = _silu(acc)
+                tl.store(y_ptr + (bos + t) * stride_yt + out_col,
+                         acc.to(y_ptr.dtype.element_ty), mask=ok)
+                x_3 = x_2
+                x_2 = x_1
+                x_1 = x_0
+    else:
+        jj = tl.arange(0, BW)
+        old = tl.load(pool_ptr + src * stride_ps + offs_d[:, None] * stride_pd
+                      + jj[None, :] * stride_pj,
+                      mask=md[:, None] & (jj < W - 1)[None, :] & (src >= 0), other=0.0)
+        old = old.to(tl.float32)                                       # [BD, BW]
+        for t in range(T):
+            acc = tl.zeros([BD], dtype=tl.float32)
+            for j in tl.static_range(W):
+                s = t + j
+                w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=md, other=0.0)
+                from_old = tl.sum(tl.where(jj[None, :] == s, old, 0.0), axis=1)
+                from_x = tl.load(x_ptr + (bos + s - (W - 1)) * stride_xt + offs_d,
+                                 mask=md & (s >= W - 1), other=0.0).to(tl.float32)
+                acc += w_j.to(tl.float32) * tl.where(s < W - 1, from_old, from_x)
+            if SILU:
+                acc = _silu(acc)
+            tl.store(y_ptr + (bos + t) * stride_yt + out_col, acc.to(y_ptr.dtype.element_ty),
+                     mask=md)
