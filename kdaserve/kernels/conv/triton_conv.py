@@ -88,6 +88,37 @@ def conv_varlen_kernel(
 
 
 @triton.jit
+def _last_taps(w_ptr, offs_d, mask_d, stride_wd, stride_wj, W: tl.constexpr):
+    """The row-walking kernels' taps, fp32 [BLOCK_D] each, for W <= 4: (the newest input's,
+    the one before, two before, three before); the ones past W repeat w_1 (unread)."""
+    w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=mask_d,
+                     other=0.0).to(tl.float32)
+    w_1 = tl.load(w_ptr + offs_d * stride_wd + (W - 2) * stride_wj, mask=mask_d,
+                  other=0.0).to(tl.float32)
+    w_2 = w_1
+    w_3 = w_1
+    if W >= 3:
+        w_2 = tl.load(w_ptr + offs_d * stride_wd + (W - 3) * stride_wj, mask=mask_d,
+                      other=0.0).to(tl.float32)
+    if W >= 4:
+        w_3 = tl.load(w_ptr + offs_d * stride_wd, mask=mask_d, other=0.0).to(tl.float32)
+    return w_last, w_1, w_2, w_3
+
+
+@triton.jit
+def _window_out(x_0, x_1, x_2, x_3, w_last, w_1, w_2, w_3, W: tl.constexpr, SILU: tl.constexpr):
+    """One output row of a W <= 4 window: x_0 the row's input, x_1 .. x_3 the inputs before."""
+    acc = x_0 * w_last + x_1 * w_1
+    if W >= 3:
+        acc += x_2 * w_2
+    if W >= 4:
+        acc += x_3 * w_3
+    if SILU:
+        acc = _silu(acc)
+    return acc
+
+
+@triton.jit
 def _seq_of(cu_seqlens_ptr, t, num_seqs, SEARCH_STEPS: tl.constexpr):
     """The sequence holding token t: the last b with cu_seqlens[b] <= t (an empty sequence
     starting at t gives way to the one after it)."""
@@ -128,24 +159,16 @@ def conv_varlen_rows_kernel(
     end = tl.load(cu_seqlens_ptr + seq + 1)
     fast = (t0 - start >= W - 1) & (t0 + BLOCK_T <= end) & (W <= 4)
     if fast:
-        w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=mask_d,
-                         other=0.0).to(tl.float32)
-        w_1 = tl.load(w_ptr + offs_d * stride_wd + (W - 2) * stride_wj, mask=mask_d,
-                      other=0.0).to(tl.float32)
+        w_last, w_1, w_2, w_3 = _last_taps(w_ptr, offs_d, mask_d, stride_wd, stride_wj, W)
         x_rows = x_ptr + offs_d
         x_1 = tl.load(x_rows + (t0 - 1).to(tl.int64) * stride_xt, mask=mask_d,
                       other=0.0).to(tl.float32)                          # row t - 1
         x_2 = x_1
         x_3 = x_1
-        w_2 = w_1
-        w_3 = w_1
         if W >= 3:
-            w_2 = tl.load(w_ptr + offs_d * stride_wd + (W - 3) * stride_wj, mask=mask_d,
-                          other=0.0).to(tl.float32)
             x_2 = tl.load(x_rows + (t0 - 2).to(tl.int64) * stride_xt, mask=mask_d,
                           other=0.0).to(tl.float32)                      # row t - 2
         if W >= 4:
-            w_3 = tl.load(w_ptr + offs_d * stride_wd, mask=mask_d, other=0.0).to(tl.float32)
             x_3 = tl.load(x_rows + (t0 - 3).to(tl.int64) * stride_xt, mask=mask_d,
                           other=0.0).to(tl.float32)                      # row t - 3
         # every row's load first, in program order: y may alias x as far as the compiler
@@ -157,13 +180,7 @@ def conv_varlen_rows_kernel(
         for t in tl.static_range(BLOCK_T):
             row = (t0 + t).to(tl.int64)
             x_0 = rows[t].to(tl.float32)
-            acc = x_0 * w_last + x_1 * w_1
-            if W >= 3:
-                acc += x_2 * w_2
-            if W >= 4:
-                acc += x_3 * w_3
-            if SILU:
-                acc = _silu(acc)
+            acc = _window_out(x_0, x_1, x_2, x_3, w_last, w_1, w_2, w_3, W, SILU)
             tl.store(y_ptr + row * stride_yt + col, acc.to(y_ptr.dtype.element_ty), mask=mask_d)
             x_3 = x_2
             x_2 = x_1

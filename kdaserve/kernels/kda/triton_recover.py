@@ -9,7 +9,7 @@ and accept counts are read on the device).
 import triton
 import triton.language as tl
 
-from kdaserve.kernels.conv.triton_conv import _out_col, _silu
+from kdaserve.kernels.conv.triton_conv import _last_taps, _out_col, _silu, _window_out
 
 # The verification rows are slices of the step's projections at the speculating requests'
 # offset, so their pointers' 16-byte alignment and their row strides differ between a verify
@@ -231,21 +231,13 @@ def conv_spec_verify_kernel(
         col = tl.load(col_ptr + i).to(tl.int64)
     src = tl.load(idx_ptr + i * stride_idx + col).to(tl.int64)
     if W <= 4 and CHUNK > 0:
-        w_last = tl.load(w_ptr + offs_d * stride_wd + (W - 1) * stride_wj, mask=md,
-                         other=0.0).to(tl.float32)
-        w_1 = tl.load(w_ptr + offs_d * stride_wd + (W - 2) * stride_wj, mask=md,
-                      other=0.0).to(tl.float32)
+        w_last, w_1, w_2, w_3 = _last_taps(w_ptr, offs_d, md, stride_wd, stride_wj, W)
         x_1 = _pool_col(pool_ptr, src, offs_d, md, W - 2, stride_ps, stride_pd, stride_pj)
-        w_2 = w_1
-        w_3 = w_1
         x_2 = x_1
         x_3 = x_1
         if W >= 3:
-            w_2 = tl.load(w_ptr + offs_d * stride_wd + (W - 3) * stride_wj, mask=md,
-                          other=0.0).to(tl.float32)
             x_2 = _pool_col(pool_ptr, src, offs_d, md, W - 3, stride_ps, stride_pd, stride_pj)
         if W >= 4:
-            w_3 = tl.load(w_ptr + offs_d * stride_wd, mask=md, other=0.0).to(tl.float32)
             x_3 = _pool_col(pool_ptr, src, offs_d, md, 0, stride_ps, stride_pd, stride_pj)
         for t0 in range(0, T, CHUNK):
             # the chunk's loads first, in program order (y may alias x as far as the compiler
@@ -258,13 +250,7 @@ def conv_spec_verify_kernel(
                 t = t0 + u
                 ok = md & (t < T)
                 x_0 = rows[u].to(tl.float32)
-                acc = x_0 * w_last + x_1 * w_1
-                if W >= 3:
-                    acc += x_2 * w_2
-                if W >= 4:
-                    acc += x_3 * w_3
-                if SILU:
-                    acc = _silu(acc)
+                acc = _window_out(x_0, x_1, x_2, x_3, w_last, w_1, w_2, w_3, W, SILU)
                 tl.store(y_ptr + (bos + t) * stride_yt + out_col,
                          acc.to(y_ptr.dtype.element_ty), mask=ok)
                 x_3 = x_2

@@ -261,47 +261,6 @@ def mla_decode_partial_t_kernel(
     tl.store(part_lse_ptr + pid_b * stride_pl_b + offs_h * stride_pl_h + pid_s, lse, mask=mask_h)
 
 
-@triton.jit
-def _window_columns(seq_lens_ptr, pid_g, pid_s, pid_h, num_heads, num_splits, rows_per_seq,
-                    num_rows, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The verify-window programs' columns (mla_decode_partial_fold_kernel's docstring): group
-    pid_g's ROWS rows x head group pid_h's BLOCK_H heads, and partition pid_s of their
-    longest row's keys. Returns (first row, row [COLS], head [COLS], valid [COLS], each
-    column's length [COLS], the partition's start and end)."""
-    groups = tl.cdiv(rows_per_seq, ROWS)
-    seq = pid_g // groups
-    first = seq * rows_per_seq + (pid_g % groups) * ROWS
-    cols = tl.arange(0, ROWS * BLOCK_H)
-    j = (pid_g % groups) * ROWS + cols // BLOCK_H
-    row = seq * rows_per_seq + j                                             # [COLS]
-    head = pid_h * BLOCK_H + cols % BLOCK_H                                  # [COLS]
-    valid = (j < rows_per_seq) & (row < num_rows) & (head < num_heads)
-    len_col = tl.load(seq_lens_ptr + row, mask=valid, other=0)              # [COLS]
-    seq_len = tl.max(len_col, axis=0)
-    split_len = tl.cdiv(seq_len, num_splits)
-    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    return first, row, head, valid, len_col, start, end
-
-
-@triton.jit
-def _window_queries_t(q_ptr, qr_ptr, row64, head, valid, offs_c, mask_c, offs_r, mask_r,
-                      stride_qb, stride_qh, stride_qrb, stride_qrh, ROPE: tl.constexpr):
-    """The columns' queries transposed: (latent part [BLOCK_C, COLS], rope part [BLOCK_R,
-    COLS]; the latent part again, unread, without rope)."""
-    q_base = q_ptr + row64[None, :] * stride_qb + head[None, :] * stride_qh
-    qt_c = tl.load(q_base + offs_c[:, None], mask=mask_c[:, None] & valid[None, :],
-                   other=0.0)                                                # [BLOCK_C, COLS]
-    if ROPE > 0:
-        qr_base = qr_ptr + row64[None, :] * stride_qrb + head[None, :] * stride_qrh
-        qt_r = tl.load(qr_base + offs_r[:, None],
-                       mask=mask_r[:, None] & valid[None, :], other=0.0)    # [BLOCK_R, COLS]
-    else:
-        qt_r = qt_c                                                           # unread
-    return qt_c, qt_r
-
-
 @triton.jit(do_not_specialize=_SPLIT_ARGS + _ROW_STRIDES + ["stride_bt", "rows_per_seq",
                                                             "num_rows"],
             do_not_specialize_on_alignment=_WINDOW_ROWS)
@@ -332,17 +291,36 @@ def mla_decode_partial_fold_kernel(
     pid_s = tl.program_id(1)
     pid_h = tl.program_id(2)
 
-    first, row, head, valid, len_col, start, end = _window_columns(
-        seq_lens_ptr, pid_g, pid_s, pid_h, num_heads, num_splits, rows_per_seq, num_rows,
-        ROWS, BLOCK_H, BLOCK_N)
+    groups = tl.cdiv(rows_per_seq, ROWS)
+    seq = pid_g // groups
+    first = seq * rows_per_seq + (pid_g % groups) * ROWS
+    cols = tl.arange(0, ROWS * BLOCK_H)
+    j = (pid_g % groups) * ROWS + cols // BLOCK_H
+    row = seq * rows_per_seq + j                                             # [COLS]
+    head = pid_h * BLOCK_H + cols % BLOCK_H                                  # [COLS]
+    valid = (j < rows_per_seq) & (row < num_rows) & (head < num_heads)
+    len_col = tl.load(seq_lens_ptr + row, mask=valid, other=0)              # [COLS]
+    seq_len = tl.max(len_col, axis=0)
+    split_len = tl.cdiv(seq_len, num_splits)
+    split_len = tl.cdiv(split_len, BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
 
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < KV_RANK
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < ROPE
+
     row64 = row.to(tl.int64)
-    qt_c, qt_r = _window_queries_t(q_ptr, qr_ptr, row64, head, valid, offs_c, mask_c, offs_r,
-                                   mask_r, stride_qb, stride_qh, stride_qrb, stride_qrh, ROPE)
+    q_base = q_ptr + row64[None, :] * stride_qb + head[None, :] * stride_qh
+    qt_c = tl.load(q_base + offs_c[:, None], mask=mask_c[:, None] & valid[None, :],
+                   other=0.0)                                                # [BLOCK_C, COLS]
+    if ROPE > 0:
+        qr_base = qr_ptr + row64[None, :] * stride_qrb + head[None, :] * stride_qrh
+        qt_r = tl.load(qr_base + offs_r[:, None],
+                       mask=mask_r[:, None] & valid[None, :], other=0.0)    # [BLOCK_R, COLS]
+    else:
+        qt_r = qt_c                                                           # unread
 
     m_i = tl.full([ROWS * BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS * BLOCK_H], dtype=tl.float32)
