@@ -167,12 +167,12 @@ def bench_conv_verify(rows, ceil, n, deadline, window=9, calls=4):
     idx = [perm[i * n:(i + 1) * n].contiguous() for i in range(calls)]
     outs = [torch.empty(3, T, D // 3, device="cuda", dtype=torch.bfloat16) for _ in range(calls)]
 
-    def fns(chunk=16):
+    def fns(chunk=8):
         return [lambda i=i: rc.conv_spec_verify(x, w, cu, pool, idx[i], out=outs[i],
                                                 chunk=chunk) for i in range(calls)]
 
     nbytes = 2 * T * D * 2 + n * D * (CONV_W - 1) * 2
-    sweep(f"conv_spec_verify N={n} x {window}", rows, fns(), [dict(chunk=c) for c in (0, 8, 32)],
+    sweep(f"conv_spec_verify N={n} x {window}", rows, fns(), [dict(chunk=c) for c in (0, 16, 32)],
           lambda c: fns(**c), floor_us(nbytes, ceil), deadline)
 
 

@@ -139,13 +139,9 @@ def case_conv(rows, ceil, T, deadline):
     nbytes = 2 * T * 3 * P * 2
     cands = [(f"default {varlen_tiles(3 * P)}",
               lambda: causal_conv1d_varlen(x, w, cu, states, idx, has, out=out))]
-    for tiles in [(64, 256, 4), (16, 256, 4), (32, 128, 4), (64, 128, 4), (32, 512, 8),
-                  (128, 64, 4), (64, 256, 8), (128, 128, 8)]:
+    for tiles in [(8, 1024, 4), (4, 512, 1), (8, 256, 1), (16, 512, 2), (4, 1024, 4)]:
         cands.append((f"tiles {tiles}", lambda t=tiles: causal_conv1d_varlen(
             x, w, cu, states, idx, has, out=out, tiles=t)))
-    for tiles in [(16, 1024, 4), (8, 1024, 4), (16, 2048, 8), (8, 512, 2), (4, 1024, 4)]:
-        cands.append((f"rows {tiles}", lambda t=tiles: causal_conv1d_varlen(
-            x, w, cu, states, idx, has, out=out, tiles=t, by_rows=True)))
     run_candidates(rows, f"conv_varlen T={T}", nbytes / (ceil["copy_GBps"] * 1e6), cands,
                    deadline)
 

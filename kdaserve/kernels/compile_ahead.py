@@ -11,15 +11,20 @@ those forwards once with the compiles handed to worker processes instead:
     ahead.wait()                        # the workers have filled Triton's on-disk cache
     run the start-up forwards again     # every variant now loads from the disk cache
 
-Inside `deferring()` a launch of a kdaserve kernel whose variant has no compiled binary in this
-process is skipped (Triton's jit_cache_hook returns True: no compile, no launch) and the variant's
+Inside `deferring()` no kdaserve kernel is launched. A variant with no compiled binary in this
+process is skipped (Triton's jit_cache_hook returns True: no compile, no launch) and its
 specialisation data goes to a worker, which compiles it for the same target into the on-disk
 cache (the same cache key: JITFunction.preload's reconstruction, with the target given instead
-of read from a driver, so the workers never touch the GPU). Everything else runs as usual: torch
-ops, cuBLAS and other packages' Triton kernels (fla's, whose autotuning must time real launches).
-The deferred forwards therefore compute garbage from uninitialised outputs: only forwards whose
-host side reads no device value and whose torch ops index with no kernel output may run there
-(the target model's forward: indices come from the step's metadata).
+of read from a driver, so the workers never touch the GPU). A variant already compiled here (by
+the memory-profiling forward, say) is skipped too: its in-process cache entries are hidden while
+inside, so its launch reaches the hook. Were it launched, it would read the uninitialised output
+of a skipped kernel before it, and a kernel that indexes memory with such an output (the fused
+MoE's GEMMs with the skipped alignment's sorted token ids) reads out of bounds. Everything else
+runs as usual: torch ops, cuBLAS and other packages' Triton kernels (fla's, whose autotuning
+must time real launches). The deferred forwards therefore compute garbage from uninitialised
+outputs: only forwards whose host side reads no device value and whose torch ops index with no
+kernel output may run there (the target model's forward: indices come from the step's
+metadata).
 
 An autotuner (fla's, where no stored config serves the key) compiles its candidates one by one
 as it benchmarks them. When the first candidate's compile is asked for, the hook hands every
@@ -153,6 +158,28 @@ def benchmarking_autotuner():
     return None
 
 
+def package_kernels() -> list:
+    """kdaserve's JITFunctions: the module-level kernels of the imported kdaserve modules (an
+    autotuner's or heuristics' wrapper unwrapped), each once."""
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(PACKAGE) or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            while isinstance(obj, KernelInterface) and not isinstance(obj, JITFunction):
+                obj = getattr(obj, "fn", None)
+            if isinstance(obj, JITFunction) and obj.module.startswith(PACKAGE):
+                found[id(obj)] = obj
+    return list(found.values())
+
+
+def _kernel_caches(fn) -> list[dict]:
+    """fn's in-process compiled variants, one dict (Triton key -> kernel) per device."""
+    return [entry[0] for entry in fn.device_caches.values()]
+
+
 class CompileAhead:
     """A pool of compile workers and the hook that defers kdaserve's kernels to it."""
 
@@ -213,11 +240,13 @@ class CompileAhead:
             fut.set_exception(exc)
         self._futures[ident] = fut
 
-    def _hook(self, outer):
+    def _hook(self, outer, hidden: dict):
+        """hidden: {id(JITFunction): its in-process entries} while they are hidden."""
         def hook(*, fn, compile, **kw) -> bool:
             spec = compile["specialization_data"]
             if fn.module.startswith(PACKAGE):
-                self.submit(fn.module, fn.name, spec)
+                if compile["key"] not in hidden.get(id(fn.jit_function), ()):
+                    self.submit(fn.module, fn.name, spec)
                 return True                  # no compile, no launch
             if variant_identity(spec) not in self._candidates:
                 self._compile_candidates(fn, spec)
@@ -253,16 +282,25 @@ class CompileAhead:
 
     @contextlib.contextmanager
     def deferring(self):
-        """While inside, kdaserve kernels not yet compiled in this process are not launched:
-        their compiles go to the workers."""
+        """While inside, no kdaserve kernel is launched; the compiles of the variants not yet
+        compiled in this process go to the workers."""
         from triton import knobs
 
+        kernels = package_kernels()
+        hidden = {}
+        for fn in kernels:                   # every launch a cache miss: it reaches the hook
+            for cache in _kernel_caches(fn):
+                hidden.setdefault(id(fn), {}).update(cache)
+                cache.clear()
         outer = knobs.runtime.jit_cache_hook
-        knobs.runtime.jit_cache_hook = self._hook(outer)
+        knobs.runtime.jit_cache_hook = self._hook(outer, hidden)
         try:
             yield self
         finally:
             knobs.runtime.jit_cache_hook = outer
+            for fn in kernels:
+                for cache in _kernel_caches(fn):
+                    cache.update(hidden.get(id(fn), {}))
 
     def wait(self) -> dict:
         """Wait for every compile and stop the workers. A variant that failed to compile there

@@ -491,7 +491,7 @@ def check_moe_align(device, num_tokens, top_k, num_experts, block_m, same_expert
 
 
 def check_conv_varlen(device, dtype, seq_lens, dim=96, width=4, num_slots=None, pad_rows=3,
-                      seed=0, by_rows=False, tiles=None):
+                      seed=0, tiles=None):
     from kdaserve.kernels import reference as ref
     from kdaserve.kernels.conv.causal_conv1d import causal_conv1d_varlen
 
@@ -510,9 +510,9 @@ def check_conv_varlen(device, dtype, seq_lens, dim=96, width=4, num_slots=None, 
     has = torch.rand(B, generator=g, device=device) < 0.6
     st_k, st_r = states.clone(), states.double()
     y = torch.full_like(x, float("nan"))
-    causal_conv1d_varlen(x, w, cu, st_k, idx, has, out=y, by_rows=by_rows, tiles=tiles)
+    causal_conv1d_varlen(x, w, cu, st_k, idx, has, out=y, tiles=tiles)
     want = ref.causal_conv1d_varlen(x.double(), w.double(), cu, st_r, idx, has)
-    assert_close(f"conv_varlen{tuple(seq_lens)} W={width} rows={by_rows} tiles={tiles}", y,
+    assert_close(f"conv_varlen{tuple(seq_lens)} W={width} tiles={tiles}", y,
                  want, dtype)
     assert_close("conv_varlen state", st_k, st_r, dtype)
     untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
@@ -612,16 +612,14 @@ def run_interpreter_suite() -> None:
                     drop_some=True)              # 144 entries through the one-program align
     check_fused_moe("cpu", f32, 24, hidden=64, inter=32, num_experts=8, top_k=2,
                     same_experts=True)
+    # interior tiles (16 and 8 rows), tiles holding sequence starts, empty and 1-2 token
+    # sequences, padding rows, channel tails, widths 2-5 (5: no fast path)
     check_conv_varlen("cpu", f32, [5, 0, 1, 2, 37, 3], dim=40)
     check_conv_varlen("cpu", f32, [2], dim=40, pad_rows=0)
-    check_conv_varlen("cpu", f32, [3, 100, 2], dim=40)   # tiles with no sequence start
-    # the row-at-a-time kernel: interior tiles (16 and 8 rows), tiles holding sequence starts,
-    # empty and 1-2 token sequences, padding rows, channel tails, widths 2-5 (5: no fast path)
     for width in (4, 3, 2, 5):
-        check_conv_varlen("cpu", f32, [5, 0, 1, 2, 37, 3], dim=40, width=width, by_rows=True,
-                          tiles=(8, 16, 4))
-    check_conv_varlen("cpu", f32, [3, 100, 2], dim=40, by_rows=True)
-    check_conv_varlen("cpu", f32, [40], dim=24, pad_rows=0, by_rows=True, tiles=(16, 32, 1))
+        check_conv_varlen("cpu", f32, [5, 0, 1, 2, 37, 3], dim=40, width=width, tiles=(8, 16, 4))
+    check_conv_varlen("cpu", f32, [3, 100, 2], dim=40)   # tiles with no sequence start
+    check_conv_varlen("cpu", f32, [40], dim=24, pad_rows=0, tiles=(16, 32, 1))
     check_conv_update("cpu", f32, dim=40)
     check_conv_update("cpu", f32, dim=40, width=2)
     check_router("cpu", num_tokens=19, num_experts=64, top_k=6)

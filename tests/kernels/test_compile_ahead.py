@@ -1,7 +1,7 @@
 """Compile-ahead workers (kernels/compile_ahead.py) fill Triton's on-disk cache with exactly the
 entry an in-process compile of the same variant then finds. Triton compiles for an sm_90 target
-without a GPU (its bundled ptxas), so the CPU CI runs this; the deferral hook needs a driver
-and is tested on the GPU."""
+without a GPU (its bundled ptxas), so the CPU CI runs this; the deferral hook's launches need a
+driver and are tested on the GPU."""
 
 from pathlib import Path
 
@@ -234,6 +234,70 @@ def test_an_unguarded_script_gets_the_advice_not_an_engine_per_worker(tmp_path):
     assert "stats {'variants': 1, 'failed': 1" in run.stdout, run.stdout
     assert "kdaserve's start-up compile workers import the main script again" in run.stderr
     assert "guard it with `if __name__ == \"__main__\":`" in run.stderr
+
+
+def test_deferring_hides_compiled_variants(tmp_path, monkeypatch):
+    """Inside deferring() a kdaserve kernel's compiled variants are hidden (so even they are not
+    launched: they would read the uninitialised outputs of skipped kernels) and a launch of one
+    is skipped without a worker compile; on leaving, the entries are back."""
+    from types import SimpleNamespace
+
+    from kdaserve.kernels.compile_ahead import package_kernels
+
+    assert any(fn is moe_sum_kernel for fn in package_kernels())
+    monkeypatch.setitem(moe_sum_kernel.device_caches, "test-device",
+                        ({"compiled-key": "kernel"}, {}, None, None, None))
+    ahead = CompileAhead(1, TARGET)
+    from triton import knobs
+
+    try:
+        with ahead.deferring():
+            assert moe_sum_kernel.device_caches["test-device"][0] == {}
+            info = SimpleNamespace(module=moe_sum_kernel.module, name="moe_sum_kernel",
+                                   jit_function=moe_sum_kernel)
+            skip = knobs.runtime.jit_cache_hook(
+                key="compiled-key", fn=info,
+                compile={"key": "compiled-key", "specialization_data": "{}"})
+            assert skip is True
+            assert ahead._futures == {}                 # no worker compile for it
+        assert moe_sum_kernel.device_caches["test-device"][0] == {"compiled-key": "kernel"}
+    finally:
+        assert ahead.wait()["variants"] == 0
+
+
+@pytest.mark.gpu
+def test_compiled_variant_not_launched_under_deferral(tmp_path, monkeypatch):
+    """A variant compiled (and launched) before deferring() is not launched inside it: its
+    output keeps its fill; after, it launches again from the in-process cache."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    from triton.runtime import driver
+
+    t = driver.active.get_current_target()
+    n, top_k, hidden = 2, 2, 64
+    buf = torch.randn(n * top_k, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(n, top_k, device="cuda", dtype=torch.int32)
+    out = torch.full((n, hidden), 7.0, device="cuda", dtype=torch.bfloat16)
+
+    def launch():
+        moe_sum_kernel[(n, hidden // 32)](buf, ids, out, hidden, 4, top_k, buf.stride(0),
+                                          out.stride(0), BLOCK_D=32)
+
+    launch()                                     # compiled in this process
+    ref = buf.float().view(n, top_k, hidden).sum(1)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    out.fill_(7.0)
+    ahead = CompileAhead(2, (t.backend, t.arch, t.warp_size))
+    with ahead.deferring():
+        launch()
+    torch.cuda.synchronize()
+    assert (out == 7.0).all()
+    assert ahead.wait()["variants"] == 0
+    launch()
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu

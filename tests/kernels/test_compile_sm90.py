@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py",
            "test_top_p_threshold.py", "../spec_decode/recover_checks.py", "mxfp4_moe_checks.py",
            "k3_ops_checks.py", "mla_merge_checks.py", "race_checks.py"]
-KERNELS = {"conv_varlen_kernel", "conv_varlen_rows_kernel", "conv_varlen_state_kernel",
+KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel",
            "conv_update_kernel",
            "mla_decode_partial_kernel", "mla_decode_partial_t_kernel", "mla_decode_reduce_kernel",
            "mla_decode_partial_fold_kernel",

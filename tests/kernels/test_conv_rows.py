@@ -1,7 +1,7 @@
-"""The row-at-a-time varlen conv (kernels/conv/triton_conv.py conv_varlen_rows_kernel) at the 48B
-model's shapes, built for sm_90 with Triton's bundled toolchain (no GPU): why it exists is the
-tile kernel's register use, so its own build must keep each input row a single 16-byte load a
-thread and stay clear of spills. Its outputs are checked against the twin by the interpreter
+"""The row-at-a-time varlen conv (kernels/conv/triton_conv.py conv_varlen_kernel) at the 48B
+model's shapes, built for sm_90 with Triton's bundled toolchain (no GPU): it replaced a tile
+kernel whose register use spilled, so its build must keep each input row a single 16-byte load
+a thread and stay clear of spills. Its outputs are checked against the twin by the interpreter
 suite (kernel_checks.py) and on the GPU (test_triton_kernels.py test_causal_conv1d_gpu)."""
 
 import re
@@ -24,12 +24,12 @@ def _build(block_t: int, block_d: int, warps: int, tmp_path: Path) -> tuple[str,
     """(ptxas -v's report, the SASS) of the rows kernel at W = 4, the KDA planes of 4096."""
     triton = pytest.importorskip("triton")
     from kdaserve.kernels.conv.causal_conv1d import _search_steps
-    from kdaserve.kernels.conv.triton_conv import conv_varlen_rows_kernel
+    from kdaserve.kernels.conv.triton_conv import conv_varlen_kernel
 
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if not (bin_dir / "ptxas").exists() or not (bin_dir / "nvdisasm").exists():
         pytest.skip("triton's bundled ptxas / nvdisasm is missing")
-    k = sm90_compile(conv_varlen_rows_kernel, TYPES,
+    k = sm90_compile(conv_varlen_kernel, TYPES,
                      dict(W=4, SEARCH_STEPS=_search_steps(1), SILU=True, BLOCK_T=block_t,
                           BLOCK_D=block_d, SPLIT=4096, USE_PDL=True),
                      num_warps=warps, launch_pdl=True)
@@ -42,12 +42,12 @@ def _build(block_t: int, block_d: int, warps: int, tmp_path: Path) -> tuple[str,
     return res.stderr, sass
 
 
-@pytest.mark.parametrize("tiles", [(16, 1024, 4), (8, 1024, 4), (16, 2048, 8)])
-def test_rows_kernel_loads_each_row_once_without_spills(tiles, tmp_path):
+@pytest.mark.parametrize("tiles", [(8, 512, 2), (16, 1024, 4), (16, 2048, 8)])
+def test_varlen_kernel_loads_each_row_once_without_spills(tiles, tmp_path):
     """At 8 channels a thread: the interior path's BLOCK_T rows plus the W-1 rows before them
     are 16-byte loads (LDG.E.128, one a row), all issued before its first 16-byte store (a
     load after a store that may alias it would wait: one row in flight), and nothing spills
-    (the tile kernel's default tile spills at 255 registers)."""
+    (the tile kernel it replaced spilled at 255 registers)."""
     block_t = tiles[0]
     report, sass = _build(*tiles, tmp_path)
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report

@@ -308,7 +308,7 @@ SPECS = [
                dict(W=4, BLOCK_W=4, SILU=True, BLOCK_D=256, SPLIT=4096), early=("w_ptr",)),
     KernelSpec("conv varlen", _CONV, "conv_varlen_kernel",
                {**_CONV_PTRS, **_ids("cu_seqlens_ptr"), "has_init_ptr": "*u8"},
-               dict(W=4, SEARCH_STEPS=2, SILU=True, BLOCK_T=32, BLOCK_D=256, SPLIT=4096)),
+               dict(W=4, SEARCH_STEPS=2, SILU=True, BLOCK_T=8, BLOCK_D=512, SPLIT=4096)),
     KernelSpec("conv varlen state", _CONV, "conv_varlen_state_kernel",
                {**_bf16("x_ptr", "states_ptr"), **_ids("cu_seqlens_ptr", "state_idx_ptr"),
                 "has_init_ptr": "*u8"}, dict(W=4, BLOCK_W=4, BLOCK_D=512)),

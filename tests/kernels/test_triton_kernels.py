@@ -205,12 +205,9 @@ def test_fused_moe_gemm2_sum_model_shapes_gpu():
 @gpu
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_causal_conv1d_gpu(dtype):
-    kc.check_conv_varlen("cuda", dtype, [5, 0, 1, 2, 700, 3, 64], dim=12288)
+    for tiles in (None, (32, 1024, 4), (8, 2048, 8)):
+        kc.check_conv_varlen("cuda", dtype, [5, 0, 1, 2, 700, 3, 64], dim=12288, tiles=tiles)
     kc.check_conv_varlen("cuda", dtype, [1000], dim=300, pad_rows=0)
-    for tiles in (None, (32, 1024, 4), (8, 2048, 8)):   # the row-at-a-time kernel
-        kc.check_conv_varlen("cuda", dtype, [5, 0, 1, 2, 700, 3, 64], dim=12288, by_rows=True,
-                             tiles=tiles)
-    kc.check_conv_varlen("cuda", dtype, [1000], dim=300, pad_rows=0, by_rows=True)
     kc.check_conv_update("cuda", dtype, batch=16, dim=12288)
     kc.check_conv_update("cuda", dtype, batch=3, dim=100, width=3)
 

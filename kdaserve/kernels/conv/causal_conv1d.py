@@ -65,8 +65,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
                          conv_states: torch.Tensor, state_indices: torch.Tensor,
                          has_initial_state: torch.Tensor, activation: str | None = "silu",
                          out: torch.Tensor | None = None, pdl: bool = False,
-                         tiles: tuple[int, int, int] | None = None,
-                         by_rows: bool = False) -> torch.Tensor:
+                         tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Prefill over packed sequences; updates conv_states in place.
 
     x: [T, D] packed tokens; weight: [D, W]; cu_seqlens: [B+1] int32 (rows past cu_seqlens[-1]
@@ -75,14 +74,10 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
     Returns y [T, D] in x.dtype. Afterwards conv_states[state_indices[b]] holds the last W-1
     inputs of sequence b (earlier state columns shift in when the sequence is shorter than W-1).
     pdl: both launches with programmatic dependent launch (module docstring). tiles: (BLOCK_T,
-    BLOCK_D, num_warps) of the conv launch (powers of two), default varlen_tiles (rows_tiles
-    with by_rows). by_rows: the row-at-a-time kernel (triton_conv.py conv_varlen_rows_kernel:
-    each input row loaded once, the window in registers) instead of the tile kernel; same
-    results up to fp32 summation order.
+    BLOCK_D, num_warps) of the conv launch (powers of two), default varlen_tiles.
     """
     require_triton()
-    from kdaserve.kernels.conv.triton_conv import (conv_varlen_kernel, conv_varlen_rows_kernel,
-                                                   conv_varlen_state_kernel)
+    from kdaserve.kernels.conv.triton_conv import conv_varlen_kernel, conv_varlen_state_kernel
 
     if x.dim() != 2:
         raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
@@ -101,9 +96,8 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
         has_initial_state = has_initial_state.view(torch.uint8)
     pdl_opts = pdl_options(pdl, x)
     if T > 0:
-        block_t, block_d, warps = tiles or (rows_tiles if by_rows else varlen_tiles)(D)
-        kernel = conv_varlen_rows_kernel if by_rows else conv_varlen_kernel
-        kernel[(cdiv(T, block_t), cdiv(D, block_d))](
+        block_t, block_d, warps = tiles or varlen_tiles(D)
+        conv_varlen_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
             x, weight, out, cu_seqlens, conv_states, state_indices, has_initial_state,
             T, D, B,
             x.stride(0), stride_yt, weight.stride(0), weight.stride(1),
@@ -123,17 +117,11 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
 
 
 def varlen_tiles(D: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps) of the varlen conv launch: 64 x 128 tiles, the fastest of
-    benchmarks/bench_prefill.py's conv sweep at the 48B model's 12288 channels (PERF_NOTES.md;
-    larger tiles spill registers)."""
-    return 64, min(128, next_power_of_2(D)), 4
-
-
-def rows_tiles(D: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps) of the row-at-a-time varlen kernel: 16 rows a program
-    (their loads independent of the window, so they can all be in flight), 8 bf16 channels a
-    thread (one 16-byte load a row), 4 warps."""
-    return 16, min(1024, next_power_of_2(D)), 4
+    """(BLOCK_T, BLOCK_D, num_warps) of the varlen conv launch: 8 rows a program (their loads
+    independent of the window, so they are all in flight), 8 bf16 channels a thread (one
+    16-byte load a row), 2 warps: the fastest of benchmarks/bench_prefill.py's conv sweep at
+    the 48B model's 12288 channels (PERF_NOTES.md)."""
+    return 8, min(512, next_power_of_2(D)), 2
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor,

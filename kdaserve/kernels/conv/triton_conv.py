@@ -1,7 +1,7 @@
 """Triton kernels for the depthwise causal conv of KDA (imported lazily by causal_conv1d.py).
 
-Varlen prefill runs in two launches: `conv_varlen_kernel` (tiles) or `conv_varlen_rows_kernel` (a
-row at a time) reads the initial windows from the state slots, then `conv_varlen_state_kernel`
+Varlen prefill runs in two launches: `conv_varlen_kernel` (a row at a time) reads the initial
+windows from the state slots, then `conv_varlen_state_kernel`
 overwrites those slots with each sequence's last W-1 inputs (a later launch, so no program reads
 a slot another program already rewrote).
 
@@ -30,61 +30,6 @@ def _out_col(offs_d, stride_ysplit, SPLIT: tl.constexpr):
     if SPLIT > 0:
         col = (offs_d // SPLIT).to(tl.int64) * stride_ysplit + offs_d % SPLIT
     return col
-
-
-@triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
-def conv_varlen_kernel(
-    x_ptr, w_ptr, y_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr,
-    num_tokens, dim, num_seqs,
-    stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
-    W: tl.constexpr, SEARCH_STEPS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = False,
-):
-    pdl_wait(USE_PDL)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < dim
-    total = tl.load(cu_seqlens_ptr + num_seqs)
-    mask_t = offs_t < total                       # rows past cu_seqlens[-1] are padding -> 0
-    # sequence of each token: cu_seqlens[lo] <= t < cu_seqlens[hi], bisect until hi == lo + 1
-    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
-    hi = tl.full([BLOCK_T], 0, dtype=tl.int32) + num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens_ptr + mid) <= offs_t
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    seq = lo
-    pos = offs_t - tl.load(cu_seqlens_ptr + seq, mask=mask_t, other=0)
-    slot = tl.load(state_idx_ptr + seq, mask=mask_t, other=-1).to(tl.int64)
-    has = (tl.load(has_init_ptr + seq, mask=mask_t, other=0) != 0) & (slot >= 0)
-
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    x_rows = x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + offs_d[None, :]
-    for j in tl.static_range(W):
-        w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=mask_d, other=0.0)
-        src = pos - (W - 1) + j                                      # position in the sequence
-        in_x = (src >= 0)[:, None] & mask_t[:, None] & mask_d[None, :]
-        xv = tl.load(x_rows + (j - (W - 1)) * stride_xt, mask=in_x, other=0.0)
-        acc += xv.to(tl.float32) * w_j.to(tl.float32)[None, :]
-    # The state window feeds only a sequence's first W-1 tokens: most tiles hold none, and skip
-    # the strided [BLOCK_T, BLOCK_D] address arithmetic of these loads entirely.
-    if tl.min(tl.where(mask_t, pos, W - 1)) < W - 1:
-        for j in tl.static_range(W - 1):
-            w_j = tl.load(w_ptr + offs_d * stride_wd + j * stride_wj, mask=mask_d, other=0.0)
-            src = pos - (W - 1) + j
-            in_s = ((src < 0) & has)[:, None] & mask_t[:, None] & mask_d[None, :]
-            sv = tl.load(states_ptr + slot[:, None] * stride_ss + offs_d[None, :] * stride_sd
-                         + (W - 1 + src)[:, None] * stride_sj, mask=in_s, other=0.0)
-            acc += sv.to(tl.float32) * w_j.to(tl.float32)[None, :]
-    if SILU:
-        acc = _silu(acc)
-    acc = tl.where(mask_t[:, None], acc, 0.0)
-    y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_yt + _out_col(offs_d, stride_ysplit,
-                                                                         SPLIT)[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty),
-             mask=(offs_t < num_tokens)[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -133,7 +78,7 @@ def _seq_of(cu_seqlens_ptr, t, num_seqs, SEARCH_STEPS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_seqs"])
-def conv_varlen_rows_kernel(
+def conv_varlen_kernel(
     x_ptr, w_ptr, y_ptr, cu_seqlens_ptr, states_ptr, state_idx_ptr, has_init_ptr,
     num_tokens, dim, num_seqs,
     stride_xt, stride_yt, stride_wd, stride_wj, stride_ss, stride_sd, stride_sj, stride_ysplit,
@@ -141,13 +86,13 @@ def conv_varlen_rows_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
 ):
-    """conv_varlen_kernel's outputs, a row at a time: program (row tile, channel block) walks
-    its BLOCK_T rows in order over BLOCK_D channels, each input row loaded once and the last
-    W-1 kept in registers (the tile kernel loads every row W times and holds W [BLOCK_T,
-    BLOCK_D] tiles, which spill at the 48B's tiles). Tiles inside one sequence, at least W-1
-    rows past its start (all but a few in a prefill), take that path for W <= 4; the others
-    compute each row from its own window (the sequence's state columns before its first
-    token, zeros without an initial state, zeros past cu_seqlens[-1])."""
+    """y of the varlen prefill, a row at a time: program (row tile, channel block) walks its
+    BLOCK_T rows in order over BLOCK_D channels, each input row loaded once and the last W-1
+    kept in registers (a [BLOCK_T, BLOCK_D] tile kernel loads every row W times and holds W
+    tiles, which spill at the 48B's shapes; it measured slower and is gone). Tiles inside one
+    sequence, at least W-1 rows past its start (all but a few in a prefill), take that path
+    for W <= 4; the others compute each row from its own window (the sequence's state columns
+    before its first token, zeros without an initial state, zeros past cu_seqlens[-1])."""
     pdl_wait(USE_PDL)
     t0 = tl.program_id(0) * BLOCK_T
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)

@@ -218,7 +218,7 @@ def conv_spec_verify(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Te
                      conv_pool: torch.Tensor, state_indices: torch.Tensor,
                      initial_cols: torch.Tensor | None = None, per_position: bool = False,
                      activation: str | None = "silu", use_triton: bool | None = None,
-                     out: torch.Tensor | None = None, chunk: int = 16) -> torch.Tensor:
+                     out: torch.Tensor | None = None, chunk: int = 8) -> torch.Tensor:
     """SiLU(causal conv) of each window from conv_pool[state_indices[i, initial_cols[i]]].
     x: [T, D] pre-conv q|k|v; weight: [D, W]; conv_pool: [slots, D, W-1]. RecoverSSM: the pool
     is read only (keep x: commit needs it). per_position: column t receives the window after

@@ -211,7 +211,7 @@ def conv_spec_verify_kernel(
     stride_xt, stride_yt, stride_wd, stride_wj, stride_ps, stride_pd, stride_pj, stride_idx,
     stride_ysplit,
     W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, HAS_COLS: tl.constexpr,
-    SILU: tl.constexpr, CHUNK: tl.constexpr = 16, SPLIT: tl.constexpr = 0,
+    SILU: tl.constexpr, CHUNK: tl.constexpr = 8, SPLIT: tl.constexpr = 0,
 ):
     """y_t = sum_j w_j * z[t + j], z = cat(window, x^T) of the request; the window (read from
     idx[i, col[i]]) is never written. W <= 4 and CHUNK > 0: the taps once, the last W-1 inputs
