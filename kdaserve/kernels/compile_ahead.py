@@ -7,7 +7,7 @@ those forwards once with the compiles handed to worker processes instead:
 
     ahead = CompileAhead(workers, target)
     with ahead.deferring():
-        run the start-up forwards      # kdaserve kernels not compiled yet: not launched
+        run the start-up forwards      # no kdaserve kernel launched; new variants compiled by the pool
     ahead.wait()                        # the workers have filled Triton's on-disk cache
     run the start-up forwards again     # every variant now loads from the disk cache
 
