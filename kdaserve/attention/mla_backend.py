@@ -23,6 +23,7 @@ from kdaserve.attention import dcp as dcp_attn
 from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.metadata import AttentionMetadata
 from kdaserve.kernels import reference as ref
+from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
 
 
 def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
@@ -84,7 +85,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
     their new tokens, written into their rows of `out`.
 
     q: [T, H, qk_head_dim] and out: [T, H, v_head_dim] for the whole batch; expand(latent
-    [L, D]) -> (k [L, H, qk_head_dim], v [L, H, v_head_dim])."""
+    [L, D]) -> (kv [L, H, nope + v_head_dim]: kv_b_proj's output, k_pe [L, rope])."""
     qsl = md.query_start_loc_cpu.tolist()
     seq_lens = md.seq_lens_cpu.tolist()
     if md.dcp is not None:   # the context is sharded: one all-gather of every chunk's latents
@@ -98,15 +99,19 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
             latent = latents[i]                                              # [L, D]
         else:
             latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
-        k, v = expand(latent)
+        kv, k_pe = expand(latent)
+        nope = q.shape[-1] - k_pe.shape[-1]
+        if q.is_cuda:
+            # flash attention wants one head dim for q, k and v: v padded with zeros (sliced
+            # after), k and v built in one launch
+            k, v = mla_prefill_kv(kv, k_pe, nope, v_width=q.shape[-1])
+        else:
+            k, v = ref.mla_prefill_kv(kv, k_pe, nope)
         # SDPA's fused kernels (flash, memory-efficient) take only 4-D [B, H, L, D] inputs:
         # 3-D inputs silently fall back to the fp32-upcast math kernel, many times slower.
         qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]
         q_len, kv_len = e - s, k.shape[0]
-        v_dim = v.shape[-1]
-        if q.is_cuda and v_dim != k.shape[-1]:
-            # flash attention wants one head dim for q, k and v: pad v with zeros, slice after
-            v = F.pad(v, (0, k.shape[-1] - v_dim))
+        v_dim = out.shape[-1]
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]           # [1, H, L, d]
         with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else nullcontext():
             if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)

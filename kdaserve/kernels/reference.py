@@ -172,6 +172,19 @@ def paged_gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: in
     return kv_cache[block_ids[:nb].long()].reshape(-1, kv_cache.shape[-1])[:num_tokens]
 
 
+def mla_prefill_kv(kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int,
+                   v_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA prefill's keys and values. kv: [L, H, nope + v] (kv_b_proj's output); k_pe:
+    [L, rope]. Returns k [L, H, nope + rope] (the rope part shared by the heads) and v
+    [L, H, v_width] (v, then zeros; None: v as is)."""
+    L, H, _ = kv.shape
+    k = torch.cat([kv[..., :nope_dim], k_pe[:, None].expand(L, H, k_pe.shape[-1])], dim=-1)
+    v = kv[..., nope_dim:]
+    if v_width is not None and v_width > v.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, v_width - v.shape[-1]))
+    return k, v
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                return_lse: bool = False):

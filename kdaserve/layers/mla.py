@@ -73,12 +73,11 @@ class MLAttention(nn.Module):
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
     def _expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [L, rank + rope] -> k [L, H, qk_dim], v [L, H, v_dim]."""
+        """latent [L, rank + rope] -> (kv [L, H, nope + v]: kv_b_proj's output, k_pe [L, rope]:
+        the latents' rope columns); the backend builds k and v from them."""
         L, h = latent.shape[0], self.num_heads
         kv = self.kv_b_proj(latent[:, :self.kv_lora_rank]).view(L, h, self.nope_dim + self.v_dim)
-        k_pe = latent[:, None, self.kv_lora_rank:].expand(L, h, self.rope_dim)
-        k = torch.cat([kv[..., :self.nope_dim], k_pe], dim=-1)
-        return k, kv[..., self.nope_dim:]
+        return kv, latent[:, self.kv_lora_rank:]
 
     def _absorbed(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, out: torch.Tensor, pdl: bool, dcp=None,

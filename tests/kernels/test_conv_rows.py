@@ -61,7 +61,8 @@ def test_varlen_kernel_loads_each_row_once_without_spills(tiles, tmp_path):
     assert tail.startswith("L" * block_t) and tail.endswith("S" * block_t), wide
 
 
-def test_verify_conv_issues_a_chunks_loads_before_its_stores():
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_verify_conv_issues_a_chunks_loads_before_its_stores(chunk):
     """The speculative verify conv (kernels/kda/triton_recover.py conv_spec_verify_kernel) walks
     a window CHUNK tokens at a time: in its loop every x-row load precedes the first store, so
     the chunk's loads are in flight together (the window's tokens used to wait on each other:
@@ -75,12 +76,12 @@ def test_verify_conv_issues_a_chunks_loads_before_its_stores():
                  stride_wd="i32", stride_wj="i32", stride_ps="i32", stride_pd="i32",
                  stride_pj="i32", stride_idx="i32", stride_ysplit="i32")
     k = sm90_compile(conv_spec_verify_kernel, types,
-                     dict(W=4, BW=4, BD=256, HAS_COLS=False, SILU=True, SPLIT=4096),
+                     dict(W=4, BW=4, BD=256, HAS_COLS=False, SILU=True, CHUNK=chunk, SPLIT=4096),
                      num_warps=4, launch_pdl=False)
     loops = gc.sass_loops(k)
     assert loops
     body = max(loops, key=len)
     seq = "".join("L" if o.startswith("LDG") else "S" if o.startswith("STG") else ""
                   for o in body)
-    assert seq.count("S") == 16 and "L" not in seq[seq.index("S"):], seq
-    assert seq.count("L") >= 16, seq
+    assert seq.count("S") == chunk and "L" not in seq[seq.index("S"):], seq
+    assert seq.count("L") >= chunk, seq

@@ -11,7 +11,8 @@ import torch
 
 from kdaserve.attention.mla_backend import prefill_attention
 
-H, QK, V, LATENT, BLOCK = 4, 192, 128, 96, 16
+H, NOPE, ROPE, V, RANK, BLOCK = 4, 128, 64, 128, 96, 16
+QK, LATENT = NOPE + ROPE, RANK + ROPE
 
 
 def _expected(q, k, v, scale, cached):
@@ -32,11 +33,18 @@ def _check(device: str, dtype: torch.dtype, bound: float) -> None:
     kv_cache = torch.randn(len(reqs) * max_blocks, BLOCK, LATENT, generator=g).to(device, dtype)
     perm = torch.randperm(len(reqs) * max_blocks, generator=g)       # scattered blocks
     block_table = perm.view(len(reqs), max_blocks).to(torch.int32).to(device)
-    w_k = (torch.randn(LATENT, H * QK, generator=g) / LATENT ** 0.5).to(device, dtype)
-    w_v = torch.randn(LATENT, H * V, generator=g).to(device, dtype)
+    w_k = (torch.randn(RANK, H * NOPE, generator=g) / RANK ** 0.5).to(device, dtype)
+    w_v = torch.randn(RANK, H * V, generator=g).to(device, dtype)
 
-    def expand(latent):
-        return (latent @ w_k).view(-1, H, QK), (latent @ w_v).view(-1, H, V)
+    def expand(latent):   # the layer's contract: kv_b's output per head, the rope columns
+        c = latent[:, :RANK]
+        kv = torch.cat([(c @ w_k).view(-1, H, NOPE), (c @ w_v).view(-1, H, V)], dim=-1)
+        return kv, latent[:, RANK:]
+
+    def keys_values(latent):
+        kv, pe = expand(latent)
+        k = torch.cat([kv[..., :NOPE], pe[:, None].expand(-1, H, ROPE)], dim=-1)
+        return k, kv[..., NOPE:]
 
     qsl = [0]
     for _, n in reqs:
@@ -51,7 +59,7 @@ def _check(device: str, dtype: torch.dtype, bound: float) -> None:
     for i, (cached, n) in enumerate(reqs):
         rows = block_table[i, :max_blocks].long()
         latent = kv_cache[rows].reshape(-1, LATENT)[:cached + n]
-        k, v = expand(latent)
+        k, v = keys_values(latent)
         want = _expected(q[qsl[i]:qsl[i + 1]], k, v, scale, cached)
         got = out[qsl[i]:qsl[i + 1]].double()
         assert torch.isfinite(got).all(), f"request {i}: rows left unwritten"
