@@ -15,8 +15,8 @@ Inside `deferring()` no kdaserve kernel is launched. A variant with no compiled 
 process is skipped (Triton's jit_cache_hook returns True: no compile, no launch) and its
 specialisation data goes to a worker, which compiles it for the same target into the on-disk
 cache (the same cache key: JITFunction.preload's reconstruction, with the target given instead
-of read from a driver, so the workers never touch the GPU). A variant already compiled here (by
-the memory-profiling forward, say) is skipped too: its in-process cache entries are hidden while
+of read from a driver, so the workers never touch the GPU). A variant already compiled here (by an
+earlier engine in this process, say) is skipped too: its in-process cache entries are hidden while
 inside, so its launch reaches the hook. Were it launched, it would read the uninitialised output
 of a skipped kernel before it, and a kernel that indexes memory with such an output (the fused
 MoE's GEMMs with the skipped alignment's sorted token ids) reads out of bounds. Everything else
