@@ -1,8 +1,8 @@
 """The prefill step's kernels outside fla at an 8000-token chunk, against their floors, with
 tile sweeps: the router's logits GEMM, KDA's short conv and gated output norm, the fused MoE,
-and the MLA prefill attention (padded v against an unpadded v_head_dim).
+the MLA prefill attention (padded v against an unpadded v_head_dim) and its k / v build.
 
-    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,sdpa --out prefill.json
+    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,sdpa,mla_kv --out prefill.json
 
 Kimi-Linear-48B shapes (one sequence of `--tokens` tokens). Every case times each candidate
 eagerly with triton's do_bench (median), the first candidate being what the engine runs today
@@ -39,7 +39,7 @@ from kdaserve.kernels.utils import cdiv  # noqa: E402
 
 HIDDEN, EXPERTS, HEADS, HEAD_DIM, CONV_W = 2304, 256, 32, 128, 4
 MLA_HEADS, QK_DIM, V_DIM = 32, 192, 128
-CASES = ("router", "conv", "norm", "moe", "sdpa")
+CASES = ("router", "conv", "norm", "moe", "sdpa", "mla_kv")
 
 
 def run_candidates(rows, name, floor_ms, candidates, deadline, timer=bench_ms):
@@ -185,6 +185,28 @@ def case_moe(rows, ceil, T, deadline):
                                                                       config=cfg)))
         run_candidates(rows, f"fused_moe T={T} {'same8' if same else 'spread'}",
                        flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline)
+
+
+def case_mla_kv(rows, ceil, T, deadline):
+    """MLA prefill's k and zero-padded v from kv_b's output and the latents' rope columns:
+    the engine's one launch (kernels/mla/prefill_kv.py) against the twin's concatenation and
+    pad (what the engine ran before). Floor: kv and the rope columns read once, k and v
+    written once."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
+
+    nope, rope = 128, QK_DIM - 128
+    kv = torch.randn(T, MLA_HEADS, nope + V_DIM, device="cuda").bfloat16()
+    latent = torch.randn(T, 512 + rope, device="cuda").bfloat16()
+    pe = latent[:, 512:]
+    nbytes = 2 * (kv.numel() + pe.numel() + 2 * T * MLA_HEADS * QK_DIM)
+    k, v = mla_prefill_kv(kv, pe, nope, QK_DIM)
+    k_r, v_r = ref.mla_prefill_kv(kv, pe, nope, QK_DIM)
+    assert torch.equal(k, k_r) and torch.equal(v, v_r), "mla_prefill_kv differs from its twin"
+    cands = [("one launch (engine)", lambda: mla_prefill_kv(kv, pe, nope, QK_DIM)),
+             ("cat + pad (twin)", lambda: ref.mla_prefill_kv(kv, pe, nope, QK_DIM))]
+    run_candidates(rows, f"mla_prefill_kv T={T}", nbytes / (ceil["copy_GBps"] * 1e6), cands,
+                   deadline)
 
 
 def case_sdpa(rows, ceil, T, deadline):
@@ -341,7 +363,7 @@ def main(argv=None) -> int:
     print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
     fns = {"router": case_router, "conv": case_conv, "norm": case_norm, "moe": case_moe,
-           "sdpa": case_sdpa}
+           "sdpa": case_sdpa, "mla_kv": case_mla_kv}
     tokens = [int(t) for t in args.tokens.split(",")]
     per = args.time_budget / (len(cases) * len(tokens))
     for name in cases:
