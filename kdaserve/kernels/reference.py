@@ -181,7 +181,7 @@ def mla_prefill_kv(kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int,
     k = torch.cat([kv[..., :nope_dim], k_pe[:, None].expand(L, H, k_pe.shape[-1])], dim=-1)
     v = kv[..., nope_dim:]
     if v_width is not None and v_width > v.shape[-1]:
-        v = torch.nn.functional.pad(v, (0, v_width - v.shape[-1]))
+        v = F.pad(v, (0, v_width - v.shape[-1]))
     return k, v
 
 

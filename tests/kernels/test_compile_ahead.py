@@ -236,6 +236,22 @@ def test_an_unguarded_script_gets_the_advice_not_an_engine_per_worker(tmp_path):
     assert "guard it with `if __name__ == \"__main__\":`" in run.stderr
 
 
+def _moe_sum_launch(n: int, hidden: int, top_k: int = 2):
+    """(buf, out, launch) on CUDA: launch() sums each token's top_k rows of buf into out
+    (filled with 7.0 until a launch runs)."""
+    import torch
+
+    buf = torch.randn(n * top_k, hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(n, top_k, device="cuda", dtype=torch.int32)
+    out = torch.full((n, hidden), 7.0, device="cuda", dtype=torch.bfloat16)
+
+    def launch():
+        moe_sum_kernel[(n, hidden // 32)](buf, ids, out, hidden, 4, top_k, buf.stride(0),
+                                          out.stride(0), BLOCK_D=32)
+
+    return buf, out, launch
+
+
 def test_deferring_hides_compiled_variants(tmp_path, monkeypatch):
     """Inside deferring() a kdaserve kernel's compiled variants are hidden (so even they are not
     launched: they would read the uninitialised outputs of skipped kernels) and a launch of one
@@ -277,17 +293,9 @@ def test_compiled_variant_not_launched_under_deferral(tmp_path, monkeypatch):
     from triton.runtime import driver
 
     t = driver.active.get_current_target()
-    n, top_k, hidden = 2, 2, 64
-    buf = torch.randn(n * top_k, hidden, device="cuda", dtype=torch.bfloat16)
-    ids = torch.zeros(n, top_k, device="cuda", dtype=torch.int32)
-    out = torch.full((n, hidden), 7.0, device="cuda", dtype=torch.bfloat16)
-
-    def launch():
-        moe_sum_kernel[(n, hidden // 32)](buf, ids, out, hidden, 4, top_k, buf.stride(0),
-                                          out.stride(0), BLOCK_D=32)
-
+    buf, out, launch = _moe_sum_launch(n=2, hidden=64)
     launch()                                     # compiled in this process
-    ref = buf.float().view(n, top_k, hidden).sum(1)
+    ref = buf.float().view(2, 2, 64).sum(1)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
     out.fill_(7.0)
     ahead = CompileAhead(2, (t.backend, t.arch, t.warp_size))
@@ -315,13 +323,7 @@ def test_deferred_launch_then_disk_load(tmp_path, monkeypatch):
     t = driver.active.get_current_target()
     ahead = CompileAhead(2, (t.backend, t.arch, t.warp_size))
     n, top_k, hidden = 3, 2, 96           # a block size no other test launches
-    buf = torch.randn(n * top_k, hidden, device="cuda", dtype=torch.bfloat16)
-    ids = torch.zeros(n, top_k, device="cuda", dtype=torch.int32)
-    out = torch.full((n, hidden), 7.0, device="cuda", dtype=torch.bfloat16)
-
-    def launch():
-        moe_sum_kernel[(n, hidden // 32)](buf, ids, out, hidden, 4, top_k, buf.stride(0),
-                                          out.stride(0), BLOCK_D=32)
+    buf, out, launch = _moe_sum_launch(n, hidden, top_k)
 
     with ahead.deferring():
         launch()

@@ -1,9 +1,9 @@
 """Triton kernels for the depthwise causal conv of KDA (imported lazily by causal_conv1d.py).
 
 Varlen prefill runs in two launches: `conv_varlen_kernel` (a row at a time) reads the initial
-windows from the state slots, then `conv_varlen_state_kernel`
-overwrites those slots with each sequence's last W-1 inputs (a later launch, so no program reads
-a slot another program already rewrote).
+windows from the state slots, then `conv_varlen_state_kernel` overwrites those slots with each
+sequence's last W-1 inputs (a later launch, so no program reads a slot another program already
+rewrote).
 
 USE_PDL (every kernel; programmatic dependent launch, sm_90+): griddepcontrol.wait, then
 griddepcontrol.launch_dependents, before any load of x, the states, the indices or lengths and
