@@ -236,9 +236,10 @@ def test_an_unguarded_script_gets_the_advice_not_an_engine_per_worker(tmp_path):
     assert "guard it with `if __name__ == \"__main__\":`" in run.stderr
 
 
-def _moe_sum_launch(n: int, hidden: int, top_k: int = 2):
+def _moe_sum_launch(n: int, hidden: int, top_k: int = 2, block_d: int = 32):
     """(buf, out, launch) on CUDA: launch() sums each token's top_k rows of buf into out
-    (filled with 7.0 until a launch runs)."""
+    (filled with 7.0 until a launch runs). Each test takes its own block_d: a variant another
+    test compiled in this process is hidden under deferring(), never resubmitted."""
     import torch
 
     buf = torch.randn(n * top_k, hidden, device="cuda", dtype=torch.bfloat16)
@@ -246,8 +247,8 @@ def _moe_sum_launch(n: int, hidden: int, top_k: int = 2):
     out = torch.full((n, hidden), 7.0, device="cuda", dtype=torch.bfloat16)
 
     def launch():
-        moe_sum_kernel[(n, hidden // 32)](buf, ids, out, hidden, 4, top_k, buf.stride(0),
-                                          out.stride(0), BLOCK_D=32)
+        moe_sum_kernel[(n, hidden // block_d)](buf, ids, out, hidden, 4, top_k, buf.stride(0),
+                                               out.stride(0), BLOCK_D=block_d)
 
     return buf, out, launch
 
@@ -322,8 +323,8 @@ def test_deferred_launch_then_disk_load(tmp_path, monkeypatch):
 
     t = driver.active.get_current_target()
     ahead = CompileAhead(2, (t.backend, t.arch, t.warp_size))
-    n, top_k, hidden = 3, 2, 96           # a block size no other test launches
-    buf, out, launch = _moe_sum_launch(n, hidden, top_k)
+    n, top_k, hidden = 3, 2, 96
+    buf, out, launch = _moe_sum_launch(n, hidden, top_k, block_d=16)   # no other test's variant
 
     with ahead.deferring():
         launch()
