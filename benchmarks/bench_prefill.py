@@ -1,8 +1,9 @@
 """The prefill step's kernels outside fla at an 8000-token chunk, against their floors, with
 tile sweeps: the router's logits GEMM, KDA's short conv and gated output norm, the fused MoE,
-the MLA prefill attention (padded v against an unpadded v_head_dim) and its k / v build.
+the MLA prefill attention (padded v against an unpadded v_head_dim), its k / v build, and the
+MLA prefill attention kernel that reads kv_b's output in place against k / v + flash.
 
-    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,sdpa,mla_kv --out prefill.json
+    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,sdpa,mla_kv,mla_attn --out prefill.json
 
 Kimi-Linear-48B shapes (one sequence of `--tokens` tokens). Every case times each candidate
 eagerly with triton's do_bench (median), the first candidate being what the engine runs today
@@ -39,7 +40,10 @@ from kdaserve.kernels.utils import cdiv  # noqa: E402
 
 HIDDEN, EXPERTS, HEADS, HEAD_DIM, CONV_W = 2304, 256, 32, 128, 4
 MLA_HEADS, QK_DIM, V_DIM = 32, 192, 128
-CASES = ("router", "conv", "norm", "moe", "sdpa", "mla_kv")
+CASES = ("router", "conv", "norm", "moe", "sdpa", "mla_kv", "mla_attn")
+MLA_ATTN_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                  (128, 32, 4, 3), (64, 128, 8, 2))
+"""(block_m, block_n, warps, stages) candidates of kernels/mla/prefill_attn.py."""
 
 
 def run_candidates(rows, name, floor_ms, candidates, deadline, timer=bench_ms):
@@ -209,6 +213,64 @@ def case_mla_kv(rows, ceil, T, deadline):
                    deadline)
 
 
+def case_mla_attn(rows, ceil, T, deadline):
+    """MLA prefill attention of one sequence, engine layouts (q a [T, H, 192] projection, kv
+    kv_b's [L, H, 128 + 128] output, k_pe the latents' rope columns): the kernel reading them
+    in place at each MLA_ATTN_TILES entry, against k / v built by mla_prefill_kv then flash SDPA
+    (v padded to 192), plain causal (T keys) and a chunk of 3/8 T after 5/8 T cached keys.
+    Results are compared (bf16, relative error) before timing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kdaserve.kernels.mla.prefill_attn import mla_prefill_attention
+    from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
+
+    flash = [SDPBackend.FLASH_ATTENTION]
+    scale = QK_DIM ** -0.5
+    nope, rope = 128, QK_DIM - 128
+    kv = torch.randn(T, MLA_HEADS, nope + V_DIM, device="cuda").bfloat16()
+    latent = torch.randn(T, 512 + rope, device="cuda").bfloat16()
+    pe = latent[:, 512:]
+    q_all = torch.randn(T, MLA_HEADS, QK_DIM, device="cuda").bfloat16()
+    for q_len in (T, 3 * T // 8):
+        q = q_all[T - q_len:]
+        out = torch.empty(q_len, MLA_HEADS, V_DIM, device="cuda", dtype=torch.bfloat16)
+
+        def by_flash(causal=True):
+            k, v = mla_prefill_kv(kv, pe, nope, v_width=QK_DIM)
+            qi, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            with sdpa_kernel(flash):
+                if q_len == T:
+                    o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=causal, scale=scale)
+                else:
+                    o = F.scaled_dot_product_attention(
+                        qi, kt, vt, scale=scale, attn_mask=causal_lower_right(q_len, T))
+            out.copy_(o[0].transpose(0, 1)[..., :V_DIM])
+            return out
+
+        want = by_flash().float()
+        cands = [("k / v launch + flash SDPA (engine)", by_flash)]
+        if q_len == T:
+            cands.append(("probe: k / v launch + flash, no causal mask",
+                          lambda: by_flash(causal=False)))
+        for tiles in MLA_ATTN_TILES:
+            try:
+                got = mla_prefill_attention(q, kv, pe, scale, out=out, tiles=tiles).float()
+            except Exception as exc:
+                print(f"  mla_attn {tiles}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                continue
+            err = ((got - want).norm() / want.norm()).item()
+            print(f"  mla_attn {tiles}: relative error against flash {err:.2e}", flush=True)
+            if not err <= 1e-2:
+                continue
+            cands.append((f"in place {tiles}", lambda t=tiles: mla_prefill_attention(
+                q, kv, pe, scale, out=out, tiles=t)))
+        pairs = q_len * (T - q_len) + q_len * (q_len + 1) / 2
+        flops = 2 * MLA_HEADS * pairs * (QK_DIM + V_DIM)
+        run_candidates(rows, f"mla_prefill_attn {q_len}/{T}",
+                       flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline)
+
+
 def case_sdpa(rows, ceil, T, deadline):
     q = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
     k = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
@@ -363,7 +425,7 @@ def main(argv=None) -> int:
     print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
     fns = {"router": case_router, "conv": case_conv, "norm": case_norm, "moe": case_moe,
-           "sdpa": case_sdpa, "mla_kv": case_mla_kv}
+           "sdpa": case_sdpa, "mla_kv": case_mla_kv, "mla_attn": case_mla_attn}
     tokens = [int(t) for t in args.tokens.split(",")]
     per = args.time_budget / (len(cases) * len(tokens))
     for name in cases:

@@ -185,6 +185,23 @@ def mla_prefill_kv(kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int,
     return k, v
 
 
+def mla_prefill_attention(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """MLA prefill attention of one chunk. q: [q_len, H, nope + rope]; kv: [kv_len, H,
+    nope + v] (kv_b_proj's output); k_pe: [kv_len, rope]. Query row i sees keys
+    0 .. kv_len - q_len + i (the chunk follows kv_len - q_len cached tokens). Returns
+    [q_len, H, v] in q's dtype, computed in fp32 (fp64 inputs stay fp64)."""
+    q_len, kv_len = q.shape[0], kv.shape[0]
+    nope = q.shape[-1] - k_pe.shape[-1]
+    k, v = mla_prefill_kv(kv, k_pe, nope)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.einsum("ihd,jhd->hij", q.to(acc), k.to(acc)) * scale            # [H, q_len, kv]
+    seen = torch.arange(kv_len, device=q.device)[None, :] <= \
+        (kv_len - q_len + torch.arange(q_len, device=q.device))[:, None]
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+    return torch.einsum("hij,jhd->ihd", p, v.to(acc)).to(q.dtype)
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                return_lse: bool = False):

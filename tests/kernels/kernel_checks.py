@@ -559,6 +559,33 @@ def check_mla_prefill_kv(device, dtype, L=37, H=3, nope=16, rope=8, v=16, v_widt
     assert torch.equal(vp.cpu(), v_r), f"mla_prefill_kv v L={L} H={H} v_width={v_width}"
 
 
+def check_mla_prefill_attention(device, dtype, q_len=37, kv_len=None, H=3, nope=16, rope=16,
+                                v=16, tiles=None, seed=0):
+    """mla_prefill_attention against the fp64 twin on strided inputs as the engine has them (q
+    a slice of the batch's rows, k_pe the latents' rope columns, out rows of the batch's
+    output); kv_len > q_len: a chunk after cached context. Every row and column written, no
+    neighbouring row touched."""
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla.prefill_attn import mla_prefill_attention
+
+    kv_len = q_len if kv_len is None else kv_len
+    gen = torch.Generator().manual_seed(seed)
+    q_all = torch.randn(q_len + 3, H, nope + rope, generator=gen).to(device=device, dtype=dtype)
+    q = q_all[2:2 + q_len]
+    kv = torch.randn(kv_len, H, nope + v, generator=gen).to(device=device, dtype=dtype)
+    latent = torch.randn(kv_len, 5 + rope, generator=gen).to(device=device, dtype=dtype)
+    k_pe = latent[:, 5:]
+    out_all = torch.full((q_len + 3, H, v), float("nan"), device=device, dtype=dtype)
+    mla_prefill_attention(q, kv, k_pe, 0.7 / (nope + rope) ** 0.5, out=out_all[1:1 + q_len],
+                          tiles=tiles)
+    want = ref.mla_prefill_attention(q.cpu().double(), kv.cpu().double(), k_pe.cpu().double(),
+                                     0.7 / (nope + rope) ** 0.5)
+    assert_close(f"mla_prefill_attention q_len={q_len} kv_len={kv_len}", out_all[1:1 + q_len],
+                 want, dtype)
+    assert torch.isnan(out_all[0]).all() and torch.isnan(out_all[1 + q_len:]).all(), \
+        "mla_prefill_attention wrote outside its rows"
+
+
 def check_router(device, num_tokens=37, num_experts=256, top_k=8, renormalize=True, bias=True,
                  logits_dtype=torch.float32, seed=0):
     from kdaserve.kernels import reference as ref
@@ -641,6 +668,18 @@ def run_interpreter_suite() -> None:
     check_conv_update("cpu", f32, dim=40, width=2)
     check_mla_prefill_kv("cpu", f32)
     check_mla_prefill_kv("cpu", f32, L=5, H=2, nope=12, rope=0, v=10, v_width=None)
+    # query blocks with and without whole key blocks before the diagonal, a chunk after cached
+    # context whose offset is not a block multiple, padded head dims (the tiny preset's rope 8,
+    # a v of 24), no rope columns, one row
+    check_mla_prefill_attention("cpu", f32, q_len=37, tiles=(16, 16, 4, 2))
+    check_mla_prefill_attention("cpu", f32, q_len=21, kv_len=58, tiles=(16, 32, 4, 1))
+    check_mla_prefill_attention("cpu", f32, q_len=19, H=2, nope=16, rope=8, v=24,
+                                tiles=(16, 16, 4, 1))
+    check_mla_prefill_attention("cpu", f32, q_len=9, kv_len=9, H=2, nope=32, rope=0, v=16,
+                                tiles=(16, 16, 4, 1))
+    check_mla_prefill_attention("cpu", f32, q_len=1, kv_len=40, tiles=(16, 16, 4, 1))
+    check_mla_prefill_attention("cpu", f32, q_len=3, kv_len=130, H=1, nope=128, rope=64,
+                                v=128)          # the default tiles, for the sm_90 build
     check_router("cpu", num_tokens=19, num_experts=64, top_k=6)
     check_router("cpu", num_tokens=5, num_experts=48, top_k=8, renormalize=False, bias=False)
 
