@@ -1,9 +1,9 @@
 """The prefill step's kernels outside fla at an 8000-token chunk, against their floors, with
 tile sweeps: the router's logits GEMM, KDA's short conv and gated output norm, the fused MoE,
-the MLA prefill attention (padded v against an unpadded v_head_dim), its k / v build, and the
-MLA prefill attention kernel that reads kv_b's output in place against k / v + flash.
+and the MLA prefill attention kernel that reads kv_b's output in place, against k and a padded v
+built with torch ops, then flash SDPA.
 
-    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,sdpa,mla_kv,mla_attn --out prefill.json
+    python benchmarks/bench_prefill.py --cases router,conv,norm,moe,mla_attn --out prefill.json
 
 Kimi-Linear-48B shapes (one sequence of `--tokens` tokens). Every case times each candidate
 eagerly with triton's do_bench (median), the first candidate being what the engine runs today
@@ -40,7 +40,7 @@ from kdaserve.kernels.utils import cdiv  # noqa: E402
 
 HIDDEN, EXPERTS, HEADS, HEAD_DIM, CONV_W = 2304, 256, 32, 128, 4
 MLA_HEADS, QK_DIM, V_DIM = 32, 192, 128
-CASES = ("router", "conv", "norm", "moe", "sdpa", "mla_kv", "mla_attn")
+CASES = ("router", "conv", "norm", "moe", "mla_attn")
 MLA_ATTN_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
                   (128, 32, 4, 3), (64, 128, 8, 2))
 """(block_m, block_n, warps, stages) candidates of kernels/mla/prefill_attn.py."""
@@ -191,57 +191,39 @@ def case_moe(rows, ceil, T, deadline):
                        flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline)
 
 
-def case_mla_kv(rows, ceil, T, deadline):
-    """MLA prefill's k and zero-padded v from kv_b's output and the latents' rope columns:
-    the engine's one launch (kernels/mla/prefill_kv.py) against the twin's concatenation and
-    pad (what the engine ran before). Floor: kv and the rope columns read once, k and v
-    written once."""
-    from kdaserve.kernels import reference as ref
-    from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
-
-    nope, rope = 128, QK_DIM - 128
-    kv = torch.randn(T, MLA_HEADS, nope + V_DIM, device="cuda").bfloat16()
-    latent = torch.randn(T, 512 + rope, device="cuda").bfloat16()
-    pe = latent[:, 512:]
-    nbytes = 2 * (kv.numel() + pe.numel() + 2 * T * MLA_HEADS * QK_DIM)
-    k, v = mla_prefill_kv(kv, pe, nope, QK_DIM)
-    k_r, v_r = ref.mla_prefill_kv(kv, pe, nope, QK_DIM)
-    assert torch.equal(k, k_r) and torch.equal(v, v_r), "mla_prefill_kv differs from its twin"
-    cands = [("one launch (engine)", lambda: mla_prefill_kv(kv, pe, nope, QK_DIM)),
-             ("cat + pad (twin)", lambda: ref.mla_prefill_kv(kv, pe, nope, QK_DIM))]
-    run_candidates(rows, f"mla_prefill_kv T={T}", nbytes / (ceil["copy_GBps"] * 1e6), cands,
-                   deadline)
-
-
 def case_mla_attn(rows, ceil, T, deadline):
     """MLA prefill attention of one sequence, engine layouts (q a [T, H, 192] projection, kv
     kv_b's [L, H, 128 + 128] output, k_pe the latents' rope columns): the kernel reading them
-    in place at each MLA_ATTN_TILES entry, against k / v built by mla_prefill_kv then flash SDPA
-    (v padded to 192), plain causal (T keys) and a chunk of 3/8 T after 5/8 T cached keys.
-    Results are compared (bf16, relative error) before timing."""
+    in place (the engine's tiles first, then the other MLA_ATTN_TILES entries), against k and
+    the padded v built by the reference's cat + pad then flash SDPA (the engine's path before
+    the kernel), plain causal (T keys) and a chunk of 3/8 T after 5/8 T cached keys. Results
+    are compared with flash's (bf16, relative error) before timing."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
+    from kdaserve.kernels import reference as ref
+    from kdaserve.kernels.mla import prefill_attn
     from kdaserve.kernels.mla.prefill_attn import mla_prefill_attention
-    from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
 
-    flash = [SDPBackend.FLASH_ATTENTION]
     scale = QK_DIM ** -0.5
     nope, rope = 128, QK_DIM - 128
     kv = torch.randn(T, MLA_HEADS, nope + V_DIM, device="cuda").bfloat16()
     latent = torch.randn(T, 512 + rope, device="cuda").bfloat16()
     pe = latent[:, 512:]
     q_all = torch.randn(T, MLA_HEADS, QK_DIM, device="cuda").bfloat16()
+    engine = (prefill_attn.BLOCK_M, prefill_attn.BLOCK_N, prefill_attn.NUM_WARPS,
+              prefill_attn.NUM_STAGES)
+    tiles = [engine] + [t for t in MLA_ATTN_TILES if t != engine]
     for q_len in (T, 3 * T // 8):
         q = q_all[T - q_len:]
         out = torch.empty(q_len, MLA_HEADS, V_DIM, device="cuda", dtype=torch.bfloat16)
 
-        def by_flash(causal=True):
-            k, v = mla_prefill_kv(kv, pe, nope, v_width=QK_DIM)
+        def by_flash():
+            k, v = ref.mla_prefill_kv(kv, pe, nope, v_width=QK_DIM)
             qi, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            with sdpa_kernel(flash):
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 if q_len == T:
-                    o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=causal, scale=scale)
+                    o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
                 else:
                     o = F.scaled_dot_product_attention(
                         qi, kt, vt, scale=scale, attn_mask=causal_lower_right(q_len, T))
@@ -249,164 +231,24 @@ def case_mla_attn(rows, ceil, T, deadline):
             return out
 
         want = by_flash().float()
-        cands = [("k / v launch + flash SDPA (engine)", by_flash)]
-        if q_len == T:
-            cands.append(("probe: k / v launch + flash, no causal mask",
-                          lambda: by_flash(causal=False)))
-        for tiles in MLA_ATTN_TILES:
+        cands = []
+        for t in tiles:
             try:
-                got = mla_prefill_attention(q, kv, pe, scale, out=out, tiles=tiles).float()
+                got = mla_prefill_attention(q, kv, pe, scale, out=out, tiles=t).float()
             except Exception as exc:
-                print(f"  mla_attn {tiles}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+                print(f"  mla_attn {t}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                 continue
             err = ((got - want).norm() / want.norm()).item()
-            print(f"  mla_attn {tiles}: relative error against flash {err:.2e}", flush=True)
-            if not err <= 1e-2:
-                continue
-            cands.append((f"in place {tiles}", lambda t=tiles: mla_prefill_attention(
-                q, kv, pe, scale, out=out, tiles=t)))
+            print(f"  mla_attn {t}: relative error against flash {err:.2e}", flush=True)
+            if err <= 1e-2:
+                label = "in place " + ("(engine) " if t == engine else "") + str(t)
+                cands.append((label, lambda t=t: mla_prefill_attention(q, kv, pe, scale,
+                                                                       out=out, tiles=t)))
+        cands.append(("cat + pad + flash SDPA (before)", by_flash))
         pairs = q_len * (T - q_len) + q_len * (q_len + 1) / 2
         flops = 2 * MLA_HEADS * pairs * (QK_DIM + V_DIM)
         run_candidates(rows, f"mla_prefill_attn {q_len}/{T}",
                        flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline)
-
-
-def case_sdpa(rows, ceil, T, deadline):
-    q = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
-    k = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
-    v = torch.randn(1, MLA_HEADS, T, V_DIM, device="cuda").bfloat16()
-    scale = QK_DIM ** -0.5
-    flops = 2 * MLA_HEADS * T * T / 2 * (QK_DIM + V_DIM)
-
-    def padded():
-        vp = F.pad(v, (0, QK_DIM - V_DIM))
-        return F.scaled_dot_product_attention(q, k, vp, is_causal=True, scale=scale)[..., :V_DIM]
-
-    def direct(backend=None):
-        if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-
-    from torch.nn.attention import SDPBackend
-
-    ref = padded()
-    cands = [("v padded to 192 (today)", padded), ("v_head_dim 128, default backend", direct)]
-    for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-              SDPBackend.EFFICIENT_ATTENTION):
-        try:
-            err = (direct(b).float() - ref.float()).abs().max().item()
-        except Exception as exc:
-            print(f"  sdpa {b.name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            continue
-        print(f"  sdpa {b.name}: max |diff| against the padded path {err:.3e}", flush=True)
-        cands.append((f"v_head_dim 128, {b.name}", lambda b=b: direct(b)))
-    run_candidates(rows, f"mla_prefill_sdpa T={T}", flops / (ceil["bf16_gemm_TFLOPs"] * 1e9),
-                   cands, deadline)
-    # the engine's layouts: q a transposed view of the [T, H, qk] projection, k the cat of
-    # k_nope and the shared k_pe, v a strided slice of kv_b's [T, H, nope + v] output
-    from kdaserve.attention import mla_backend
-
-    qe = torch.randn(T, MLA_HEADS, QK_DIM, device="cuda").bfloat16()
-    kv = torch.randn(T, MLA_HEADS, 256, device="cuda").bfloat16()
-    pe = torch.randn(T, 1, QK_DIM - 128, device="cuda").bfloat16()
-    ke = torch.cat([kv[..., :128], pe.expand(T, MLA_HEADS, QK_DIM - 128)], -1)
-    ve = kv[..., 128:]
-
-    cudnn_first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                   SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-    def engine(vv, backends):
-        from torch.nn.attention import sdpa_kernel
-
-        qi, kt, vt = (t.transpose(0, 1)[None] for t in (qe, ke, vv))
-        if backends is None:
-            return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
-        with sdpa_kernel(backends, set_priority=True):
-            return F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
-
-    def v_pad():
-        return F.pad(ve, (0, QK_DIM - V_DIM))
-
-    cands = [("engine layout, v padded, the engine's PREFILL_BACKENDS (flash)",
-              lambda: engine(v_pad(), mla_backend.PREFILL_BACKENDS)),
-             ("engine layout, v padded, default order", lambda: engine(v_pad(), None)),
-             ("engine layout, strided v, cuDNN first", lambda: engine(ve, cudnn_first)),
-             ("engine layout, v.contiguous(), cuDNN first",
-              lambda: engine(ve.contiguous(), cudnn_first)),
-             ("engine layout, strided v, default order", lambda: engine(ve, None))]
-    run_candidates(rows, f"mla_prefill_sdpa engine layout T={T}",
-                   flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline + 30)
-    # a chunk after a cached prefix: bottom-right aligned causal mask (the last 3/8 of T)
-    from torch.nn.attention.bias import causal_lower_right
-
-    q_len = 3 * T // 8
-    qc = q[:, :, T - q_len:]
-    mask = causal_lower_right(q_len, T)
-
-    def chunk(vv, backend=None):
-        if backend is None:
-            return F.scaled_dot_product_attention(qc, k, vv, attn_mask=mask, scale=scale)
-        from torch.nn.attention import sdpa_kernel
-
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(qc, k, vv, attn_mask=mask, scale=scale)
-
-    vp = F.pad(v, (0, QK_DIM - V_DIM))
-    ref = chunk(vp)[..., :V_DIM]
-    cands = [("v padded to 192 (today)", lambda: chunk(F.pad(v, (0, QK_DIM - V_DIM))))]
-    for label, vv, b in (("v_head_dim 128, default backend", v, None),
-                         ("v_head_dim 128, CUDNN", v, SDPBackend.CUDNN_ATTENTION),
-                         ("v padded, CUDNN", vp, SDPBackend.CUDNN_ATTENTION)):
-        try:
-            err = (chunk(vv, b)[..., :V_DIM].float() - ref.float()).abs().max().item()
-        except Exception as exc:
-            print(f"  chunk sdpa {label}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            continue
-        print(f"  chunk sdpa {label}: max |diff| {err:.3e}", flush=True)
-        cands.append((label, lambda vv=vv, b=b: chunk(vv, b)))
-    chunk_flops = 2 * MLA_HEADS * q_len * (T - q_len / 2) * (QK_DIM + V_DIM)
-    run_candidates(rows, f"mla_prefill_sdpa chunk {q_len}/{T}",
-                   chunk_flops / (ceil["bf16_gemm_TFLOPs"] * 1e9), cands, deadline + 30)
-    rows.append(first_calls(scale, cudnn_first, T // 8))
-
-
-def first_calls(scale: float, cudnn_first, base: int) -> dict:
-    """The first call at each of 8 sequence lengths not run before in the process (cuDNN builds
-    an execution graph per new shape on the host), against the third call, per backend order."""
-    from torch.nn.attention import sdpa_kernel
-
-    from kdaserve.attention import mla_backend
-
-    def call(T, backends, pad):
-        q = torch.randn(1, MLA_HEADS, T, QK_DIM, device="cuda").bfloat16()
-        k = torch.randn_like(q)
-        v = torch.randn(1, MLA_HEADS, T, V_DIM, device="cuda").bfloat16()
-        v = F.pad(v, (0, QK_DIM - V_DIM)) if pad else v
-        ms = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            with sdpa_kernel(backends, set_priority=True):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            torch.cuda.synchronize()
-            ms.append((time.perf_counter() - t) * 1e3)
-        return ms
-
-    row = {"case": f"mla_prefill_sdpa first call at a new length, from {base} (ms)"}
-    for i, (label, backends, pad) in enumerate((
-            ("strided v, cuDNN first", cudnn_first, False),
-            ("v padded, PREFILL_BACKENDS", mla_backend.PREFILL_BACKENDS, True))):
-        lengths = [base + 112 * (8 * i + j) for j in range(8)]
-        runs = [call(T, backends, pad) for T in lengths]
-        row[label] = {"lengths": lengths, "first_ms": [r[0] for r in runs],
-                      "third_ms": [r[2] for r in runs]}
-        print(f"  first call at a new length, {label}: "
-              f"{[round(r[0], 2) for r in runs]} ms (third call {[round(r[2], 2) for r in runs]})",
-              flush=True)
-    return row
 
 
 def main(argv=None) -> int:
@@ -425,7 +267,7 @@ def main(argv=None) -> int:
     print(f"bf16 GEMM {ceil['bf16_gemm_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows: list[dict] = []
     fns = {"router": case_router, "conv": case_conv, "norm": case_norm, "moe": case_moe,
-           "sdpa": case_sdpa, "mla_kv": case_mla_kv, "mla_attn": case_mla_attn}
+           "mla_attn": case_mla_attn}
     tokens = [int(t) for t in args.tokens.split(",")]
     per = args.time_budget / (len(cases) * len(tokens))
     for name in cases:

@@ -22,7 +22,7 @@
 # a prompt among decodes against its parts, bursts twice, MIXED_ARGS), chain (bench_chain.py,
 # CHAIN_ARGS), gaps (prefill_gaps.py once per JSON in GAPS_CONFIGS, GAPS_MODEL), batch (bench_batch.py,
 # BATCH_ARGS), router (bench_prefill.py's router case at ROUTER_TOKENS rows, graph-timed below
-# 4096), pkernels (bench_prefill.py's PKERNELS_CASES at PKERNELS_TOKENS: the conv and MLA k / v kernels by
+# 4096), pkernels (bench_prefill.py's PKERNELS_CASES at PKERNELS_TOKENS: the conv and MLA prefill attention kernels by
 # default), sampling (bench_sampler.py's three samplers at SAMPLER_BATCHES rows), topp
 # (bench_top_p.py at TOPP_BATCHES rows and TOPP_TILES search tiles), layers; each has a
 # *_TIMEOUT. PACK=1 tars $OUT (less the Triton cache) into results.tgz.
@@ -206,7 +206,7 @@ if [[ $STAGES == *router* ]]; then   # the router's fp32 logits: router_partials
     2>&1 | grep -v Warn | tail -80 | tee "$OUT/router.log"
 fi
 if [[ $STAGES == *pkernels* ]]; then   # prefill kernels and their candidates (bench_prefill.py)
-  timeout ${PKERNELS_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --cases ${PKERNELS_CASES:-conv,mla_kv} \
+  timeout ${PKERNELS_TIMEOUT:-200} python3 benchmarks/bench_prefill.py --cases ${PKERNELS_CASES:-conv,mla_attn} \
     --tokens ${PKERNELS_TOKENS:-2048,8000} --time-budget 150 --out "$OUT/pkernels.json" \
     2>&1 | grep -v Warn | tail -60 | tee "$OUT/pkernels.log"
 fi

@@ -12,18 +12,15 @@ chunks all-gather their context's latents first (attention/dcp.py).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kdaserve.attention import dcp as dcp_attn
 from kdaserve.attention.dcp import DCPGroup
 from kdaserve.attention.metadata import AttentionMetadata
 from kdaserve.kernels import reference as ref
-from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
+from kdaserve.kernels.mla.prefill_attn import mla_prefill_attention
 
 
 def store_latent(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, ckv: torch.Tensor,
@@ -69,16 +66,6 @@ def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch
     return ref.mla_decode(q_latent, kv_cache, block_table, seq_lens, scale, rank)
 
 
-PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                    SDPBackend.MATH]
-"""Prefill attention's SDPA backends on CUDA, v padded to the qk head dim so that flash takes
-both the plain causal and the bottom-right aligned mask. Not cuDNN: it builds an execution
-graph on the host, syncing the device, for every new (q_len, kv_len), which serving would pay
-at nearly every new prompt length and chunk split (its kernel alone is a little faster at a
-shape it has built). Not the memory-efficient kernel, where torch sends the bottom-right mask
-when v keeps its own head dim: slower than flash there (benchmarks/PERF_NOTES.md, Decisions)."""
-
-
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                       expand, scale: float, out: torch.Tensor, reqs: list[int]) -> None:
     """Causal attention of the prefill chunks of requests `reqs` over their cached context plus
@@ -100,25 +87,17 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         else:
             latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
         kv, k_pe = expand(latent)
+        if q.is_cuda:   # k and v read in place from kv_b's output and the rope columns
+            mla_prefill_attention(q[s:e], kv, k_pe, scale, out=out[s:e])
+            continue
         nope = q.shape[-1] - k_pe.shape[-1]
-        if q.is_cuda:
-            # flash attention wants one head dim for q, k and v: v padded with zeros (sliced
-            # after), k and v built in one launch
-            k, v = mla_prefill_kv(kv, k_pe, nope, v_width=q.shape[-1])
-        else:
-            k, v = ref.mla_prefill_kv(kv, k_pe, nope)
-        # SDPA's fused kernels (flash, memory-efficient) take only 4-D [B, H, L, D] inputs:
-        # 3-D inputs silently fall back to the fp32-upcast math kernel, many times slower.
+        k, v = ref.mla_prefill_kv(kv, k_pe, nope)
         qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]
-        q_len, kv_len = e - s, k.shape[0]
-        v_dim = out.shape[-1]
         kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]           # [1, H, L, d]
-        with sdpa_kernel(PREFILL_BACKENDS) if q.is_cuda else nullcontext():
-            if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)
-                o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
-            else:
-                # bottom-right aligned causal: query j sees keys <= kv_len - q_len + j. The
-                # bias object dispatches to flash without materialising a mask.
-                o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
-                                                   attn_mask=causal_lower_right(q_len, kv_len))
-        out[s:e] = o[0].transpose(0, 1)[..., :v_dim]                         # [q_len, H, v]
+        q_len, kv_len = e - s, k.shape[0]
+        if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)
+            o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+        else:   # bottom-right aligned causal: query j sees keys <= kv_len - q_len + j
+            o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
+                                               attn_mask=causal_lower_right(q_len, kv_len))
+        out[s:e] = o[0].transpose(0, 1)                                      # [q_len, H, v]

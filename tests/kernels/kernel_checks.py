@@ -542,23 +542,6 @@ def check_conv_update(device, dtype, batch=5, dim=96, width=4, seed=0):
     assert torch.equal(st_k[untouched], states[untouched]), "slots not in state_indices changed"
 
 
-def check_mla_prefill_kv(device, dtype, L=37, H=3, nope=16, rope=8, v=16, v_width=24, seed=0):
-    """mla_prefill_kv against the twin: k = [nope | rope] per head, v padded with zeros (exact:
-    copies only)."""
-    from kdaserve.kernels import reference as ref
-    from kdaserve.kernels.mla.prefill_kv import mla_prefill_kv
-
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn(L, H, nope + v, generator=gen).to(device=device, dtype=dtype)
-    latent = torch.randn(L, 5 + rope, generator=gen).to(device=device, dtype=dtype)
-    k_pe = latent[:, 5:]                          # strided rows, as the latents' columns are
-    k, vp = mla_prefill_kv(kv, k_pe, nope, v_width)
-    k_r, v_r = ref.mla_prefill_kv(kv.cpu(), k_pe.cpu(), nope, v_width)
-    assert k.is_contiguous() and vp.is_contiguous()
-    assert torch.equal(k.cpu(), k_r), f"mla_prefill_kv k L={L} H={H}"
-    assert torch.equal(vp.cpu(), v_r), f"mla_prefill_kv v L={L} H={H} v_width={v_width}"
-
-
 def check_mla_prefill_attention(device, dtype, q_len=37, kv_len=None, H=3, nope=16, rope=16,
                                 v=16, tiles=None, seed=0):
     """mla_prefill_attention against the fp64 twin on strided inputs as the engine has them (q
@@ -666,8 +649,6 @@ def run_interpreter_suite() -> None:
     check_conv_varlen("cpu", f32, [40], dim=24, pad_rows=0, tiles=(16, 32, 1))
     check_conv_update("cpu", f32, dim=40)
     check_conv_update("cpu", f32, dim=40, width=2)
-    check_mla_prefill_kv("cpu", f32)
-    check_mla_prefill_kv("cpu", f32, L=5, H=2, nope=12, rope=0, v=10, v_width=None)
     # query blocks with and without whole key blocks before the diagonal, a chunk after cached
     # context whose offset is not a block multiple, padded head dims (the tiny preset's rope 8,
     # a v of 24), no rope columns, one row

@@ -31,7 +31,7 @@ KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel",
            "latent_moe_tail_gemv_kernel",
            "attn_res_kernel", "situ_and_mul_kernel", "sigmoid_gate_kernel",
            "kda_gate_beta_kernel", "merge_attn_states_kernel", "mxfp4_decode_probe_kernel",
-           "mla_prefill_kv_kernel", "mla_prefill_attn_kernel"}
+           "mla_prefill_attn_kernel"}
 
 
 def test_interpreter_launches_compile_for_sm90(tmp_path):

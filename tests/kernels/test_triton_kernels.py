@@ -218,14 +218,6 @@ def test_mla_prefill_attention_gpu():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_mla_prefill_kv_gpu(dtype):
-    kc.check_mla_prefill_kv("cuda", dtype, L=8000, H=32, nope=128, rope=64, v=128, v_width=192)
-    kc.check_mla_prefill_kv("cuda", dtype, L=3, H=20, nope=128, rope=64, v=128, v_width=None)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [BF16, F32])
 def test_causal_conv1d_gpu(dtype):
     for tiles in (None, (32, 1024, 4), (8, 2048, 8)):
         kc.check_conv_varlen("cuda", dtype, [5, 0, 1, 2, 700, 3, 64], dim=12288, tiles=tiles)

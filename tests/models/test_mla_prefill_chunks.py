@@ -1,6 +1,7 @@
 """MLA prefill attention of chunks after cached context (the bottom-right aligned causal mask)
 and of fresh prompts, at MLA's head dims (qk 192, v 128), against an fp64 softmax written here.
-On CUDA the two cases take different SDPA backends (attention/mla_backend.py)."""
+On CUDA both run the in-place kernel (kernels/mla/prefill_attn.py), on the CPU SDPA with and
+without a mask (attention/mla_backend.py)."""
 
 from __future__ import annotations
 
