@@ -563,6 +563,7 @@ def check_mla_prefill_attention(device, dtype, q_len=37, kv_len=None, H=3, nope=
                           tiles=tiles)
     want = ref.mla_prefill_attention(q.cpu().double(), kv.cpu().double(), k_pe.cpu().double(),
                                      0.7 / (nope + rope) ** 0.5)
+    out_all = out_all.cpu()
     assert_close(f"mla_prefill_attention q_len={q_len} kv_len={kv_len}", out_all[1:1 + q_len],
                  want, dtype)
     assert torch.isnan(out_all[0]).all() and torch.isnan(out_all[1 + q_len:]).all(), \

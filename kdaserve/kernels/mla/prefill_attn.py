@@ -17,7 +17,7 @@ import torch
 
 from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
 
-BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 8, 2
+BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 8, 3
 """Query rows and keys a step of a program (head dims 128 nope + 64 rope, v 128)."""
 
 

@@ -26,7 +26,7 @@ def _block_scores(q_nope, q_pe, kv_h, pe_ptr, cols, d_nope, d_rope, stride_kv_l,
     return s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "kv_len"])
 def mla_prefill_attn_kernel(
     q_ptr, kv_ptr, pe_ptr, o_ptr, q_len, kv_len, qk_scale,
     stride_q_t, stride_q_h, stride_kv_l, stride_kv_h, stride_pe_l, stride_o_t, stride_o_h,
