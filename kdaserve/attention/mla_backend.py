@@ -87,9 +87,11 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         else:
             latent = ref.paged_gather(kv_cache, md.block_table[i], seq_lens[i])   # [L, D]
         kv, k_pe = expand(latent)
-        if q.is_cuda:   # k and v read in place from kv_b's output and the rope columns
+        if q.is_cuda and q.dtype != torch.float32:
+            # k and v read in place from kv_b's output and the rope columns
             mla_prefill_attention(q[s:e], kv, k_pe, scale, out=out[s:e])
             continue
+        # the CPU, and fp32 on CUDA (the kernel's exact fp32 dots are slow): SDPA
         nope = q.shape[-1] - k_pe.shape[-1]
         k, v = ref.mla_prefill_kv(kv, k_pe, nope)
         qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]

@@ -660,8 +660,11 @@ def run_interpreter_suite() -> None:
     check_mla_prefill_attention("cpu", f32, q_len=9, kv_len=9, H=2, nope=32, rope=0, v=16,
                                 tiles=(16, 16, 4, 1))
     check_mla_prefill_attention("cpu", f32, q_len=1, kv_len=40, tiles=(16, 16, 4, 1))
-    check_mla_prefill_attention("cpu", f32, q_len=3, kv_len=130, H=1, nope=128, rope=64,
-                                v=128)          # the default tiles, for the sm_90 build
+    from kdaserve.kernels.mla import prefill_attn as pa   # the bf16 tiles, for the sm_90 build
+    check_mla_prefill_attention("cpu", f32, q_len=3, kv_len=130, H=1, nope=128, rope=64, v=128,
+                                tiles=(pa.BLOCK_M, pa.BLOCK_N, pa.NUM_WARPS, pa.NUM_STAGES))
+    check_mla_prefill_attention("cpu", f32, q_len=3, kv_len=130, H=1, nope=128, rope=64, v=128,
+                                seed=1)         # fp32's default tiles
     check_router("cpu", num_tokens=19, num_experts=64, top_k=6)
     check_router("cpu", num_tokens=5, num_experts=48, top_k=8, renormalize=False, bias=False)
 

@@ -203,15 +203,17 @@ def test_fused_moe_gemm2_sum_model_shapes_gpu():
 
 @pytest.mark.gpu
 @gpu
-def test_mla_prefill_attention_gpu():
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_mla_prefill_attention_gpu(dtype):
     """The model's dims (nope 128, rope 64, v 128) at the default tiles: a whole prompt, a chunk
-    after cached context off the block grid, a short chunk; the tiny preset's padded dims."""
-    kc.check_mla_prefill_attention("cuda", BF16, q_len=1500, H=4, nope=128, rope=64, v=128)
-    kc.check_mla_prefill_attention("cuda", BF16, q_len=700, kv_len=2101, H=4, nope=128,
+    after cached context off the block grid, a short chunk; the tiny preset's padded dims.
+    fp32: exact products (ieee dots), held to the fp32 bound."""
+    kc.check_mla_prefill_attention("cuda", dtype, q_len=1500, H=4, nope=128, rope=64, v=128)
+    kc.check_mla_prefill_attention("cuda", dtype, q_len=700, kv_len=2101, H=4, nope=128,
                                    rope=64, v=128, seed=1)
-    kc.check_mla_prefill_attention("cuda", BF16, q_len=5, kv_len=300, H=32, nope=128, rope=64,
+    kc.check_mla_prefill_attention("cuda", dtype, q_len=5, kv_len=300, H=32, nope=128, rope=64,
                                    v=128, seed=2)
-    kc.check_mla_prefill_attention("cuda", BF16, q_len=77, kv_len=90, H=2, nope=16, rope=8,
+    kc.check_mla_prefill_attention("cuda", dtype, q_len=77, kv_len=90, H=2, nope=16, rope=8,
                                    v=16, seed=3)
 
 

@@ -18,7 +18,11 @@ import torch
 from kdaserve.kernels.utils import cdiv, check_kernel_device, next_power_of_2, require_triton
 
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 128, 64, 8, 3
-"""Query rows and keys a step of a program (head dims 128 nope + 64 rope, v 128)."""
+"""Query rows and keys a step of a program (head dims 128 nope + 64 rope, v 128; bf16)."""
+FP32_TILES = (64, 32, 4, 2)
+"""fp32 inputs' default tiles: the bf16 tiles' staged key / value blocks would not fit in
+shared memory at 4 bytes. The fp32 dots are exact (ieee), not fast: the engine sends fp32 to
+SDPA (attention/mla_backend.py)."""
 
 
 def mla_prefill_attention(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
@@ -51,7 +55,9 @@ def mla_prefill_attention(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
         check_kernel_device(t)
         if t.stride(-1) != 1:
             raise ValueError("q, kv, k_pe and out need a contiguous last dim")
-    block_m, block_n, warps, stages = tiles or (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)
+    fp32 = q.dtype == torch.float32
+    block_m, block_n, warps, stages = tiles or (FP32_TILES if fp32 else
+                                                (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES))
     if q_len > 0:
         mla_prefill_attn_kernel[(cdiv(q_len, block_m), H)](
             q, kv, k_pe, out, q_len, kv_len, scale * math.log2(math.e),
@@ -59,6 +65,7 @@ def mla_prefill_attention(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
             out.stride(0), out.stride(1),
             NOPE=nope, ROPE=rope, V=v_dim, B_NOPE=max(16, next_power_of_2(nope)),
             B_ROPE=max(16, next_power_of_2(max(rope, 1))), B_V=max(16, next_power_of_2(v_dim)),
-            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages,
+            DOT_PRECISION="ieee" if fp32 else "tf32", num_warps=warps,
         )
     return out
