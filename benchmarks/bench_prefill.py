@@ -41,9 +41,10 @@ from kdaserve.kernels.utils import cdiv  # noqa: E402
 HIDDEN, EXPERTS, HEADS, HEAD_DIM, CONV_W = 2304, 256, 32, 128, 4
 MLA_HEADS, QK_DIM, V_DIM = 32, 192, 128
 CASES = ("router", "conv", "norm", "moe", "mla_attn")
-MLA_ATTN_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                  (128, 32, 4, 3), (64, 128, 8, 2))
-"""(block_m, block_n, warps, stages) candidates of kernels/mla/prefill_attn.py."""
+MLA_ATTN_TILES = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 64, 8, 2), (128, 32, 8, 3),
+                  (64, 64, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3))
+"""(block_m, block_n, warps, stages) candidates of kernels/mla/prefill_attn.py (bf16, sm_90
+builds without spills; 128 or 64 rows x 128 keys need more shared memory than an SM has)."""
 
 
 def run_candidates(rows, name, floor_ms, candidates, deadline, timer=bench_ms):
