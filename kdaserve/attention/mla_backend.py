@@ -13,8 +13,6 @@ chunks all-gather their context's latents first (attention/dcp.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kdaserve.attention import dcp as dcp_attn
 from kdaserve.attention.dcp import DCPGroup
@@ -90,16 +88,5 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
         if q.is_cuda and q.dtype != torch.float32:
             # k and v read in place from kv_b's output and the rope columns
             mla_prefill_attention(q[s:e], kv, k_pe, scale, out=out[s:e])
-            continue
-        # the CPU, and fp32 on CUDA (the kernel's exact fp32 dots are slow): SDPA
-        nope = q.shape[-1] - k_pe.shape[-1]
-        k, v = ref.mla_prefill_kv(kv, k_pe, nope)
-        qi = q[s:e].transpose(0, 1)[None]                                    # [1, H, q_len, dk]
-        kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]           # [1, H, L, d]
-        q_len, kv_len = e - s, k.shape[0]
-        if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)
-            o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
-        else:   # bottom-right aligned causal: query j sees keys <= kv_len - q_len + j
-            o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
-                                               attn_mask=causal_lower_right(q_len, kv_len))
-        out[s:e] = o[0].transpose(0, 1)                                      # [q_len, H, v]
+        else:   # the CPU, and fp32 on CUDA (the kernel's exact fp32 dots are slow)
+            out[s:e] = ref.mla_prefill_attention(q[s:e], kv, k_pe, scale)

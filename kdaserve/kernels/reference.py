@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 # ---------------------------------------------------------------------------------------------
 # KDA
@@ -190,16 +191,18 @@ def mla_prefill_attention(q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor,
     """MLA prefill attention of one chunk. q: [q_len, H, nope + rope]; kv: [kv_len, H,
     nope + v] (kv_b_proj's output); k_pe: [kv_len, rope]. Query row i sees keys
     0 .. kv_len - q_len + i (the chunk follows kv_len - q_len cached tokens). Returns
-    [q_len, H, v] in q's dtype, computed in fp32 (fp64 inputs stay fp64)."""
+    [q_len, H, v] in q's dtype, computed in fp32 (fp64 inputs stay fp64) by SDPA."""
     q_len, kv_len = q.shape[0], kv.shape[0]
-    nope = q.shape[-1] - k_pe.shape[-1]
-    k, v = mla_prefill_kv(kv, k_pe, nope)
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = torch.einsum("ihd,jhd->hij", q.to(acc), k.to(acc)) * scale            # [H, q_len, kv]
-    seen = torch.arange(kv_len, device=q.device)[None, :] <= \
-        (kv_len - q_len + torch.arange(q_len, device=q.device))[:, None]
-    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
-    return torch.einsum("hij,jhd->ihd", p, v.to(acc)).to(q.dtype)
+    k, v = mla_prefill_kv(kv, k_pe, q.shape[-1] - k_pe.shape[-1])
+    # SDPA's fused kernels take only 4-D [B, H, L, D] inputs (3-D falls back to the math kernel)
+    qi, kt, vt = (t.to(acc).transpose(0, 1)[None] for t in (q, k, v))     # [1, H, L, d]
+    if q_len == kv_len:   # no cached prefix: plain causal (no mask tensor)
+        o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
+    else:   # bottom-right aligned causal
+        o = F.scaled_dot_product_attention(qi, kt, vt, scale=scale,
+                                           attn_mask=causal_lower_right(q_len, kv_len))
+    return o[0].transpose(0, 1).to(q.dtype)                               # [q_len, H, v]
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
