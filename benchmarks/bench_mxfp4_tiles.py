@@ -191,7 +191,8 @@ def sweep_point(a, fmt: str, N: int, bandwidth: float, device, gen) -> dict:
              "gemm_floor_us": round(gemm_floor_us, 2), "gemm": [], "tail": []}
     gemv = grid(GEMM_GEMV_CANDIDATES, a.quick, QUICK_GEMV) if N < GEMV_BELOW else []
     dot = grid(GEMM_CANDIDATES, a.quick)
-    if fmt != "mxfp4":   # one decode-free kernel whatever lut_decode says
+    # bf16: one decode-free kernel whatever lut_decode says
+    if fmt != "mxfp4" or a.no_bit_decode:
         gemv = [c for c in gemv if c["lut_decode"]]
         dot = [c for c in dot if c["lut_decode"]]
     if a.gemv_only and gemv:   # the default tl.dot tile only, as the reference point
@@ -251,6 +252,9 @@ def main() -> None:
     ap.add_argument("--gemv-only", action="store_true",
                     help="below the GEMV threshold, the GEMV candidates and the default tile only")
     ap.add_argument("--no-tail", action="store_true", help="sweep the expert GEMMs only")
+    ap.add_argument("--no-bit-decode", action="store_true",
+                    help="MXFP4 candidates with the table decode only (the bit decode's, its "
+                         "baseline, are never written to the configs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--write-configs", default=None, metavar="DIR",
