@@ -80,7 +80,7 @@ def assert_untouched(name, after, before, slots):
 
 
 def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False,
-                       v_block=None, prefetch_state=False, gates=False,
+                       v_block=None, prefetch_state=False, gates=False, norm_launch=False,
                        **kw):
     """Kernel vs kda_decode_fused_reference: output, conv windows (exact: they hold copied
     inputs), states; slots no row owns (and those of rows < 0) stay bit-identical; the
@@ -93,9 +93,10 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
     got, want = fresh_caches(inp), fresh_caches(inp)
     tickets = torch.zeros(len(slots) * H + 3, dtype=torch.int32, device=device)
     out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets,
-                           prefetch_state=prefetch_state)
+                           prefetch_state=prefetch_state, norm_launch=norm_launch)
     ref_out = kda_decode_fused_reference(**want)
-    where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} gates={gates} {dtype}"
+    where = (f"H={H} d={d} W={W} slots={slots} v_block={v_block} gates={gates} "
+             f"norm_launch={norm_launch} {dtype}")
     assert not tickets.any(), f"tickets not reset {where}: {tickets.tolist()}"
     assert out.shape == (len(slots), H * d) and out.dtype == dtype, where
     kc.assert_close(f"output {where}", out, ref_out, dtype)
@@ -110,7 +111,8 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
         assert not torch.equal(got["rec_cache"], inp["rec_cache"]), "no state was written"
     again, want2 = fresh_caches(got), fresh_caches(want)          # a second step, same tickets
     out2 = kda_decode_fused(**dict(again, proj=inp["proj"]), pdl=pdl, v_block=v_block,
-                            tickets=tickets, prefetch_state=prefetch_state)
+                            tickets=tickets, prefetch_state=prefetch_state,
+                            norm_launch=norm_launch)
     ref2 = kda_decode_fused_reference(**dict(want2, proj=inp["proj"]))
     kc.assert_close(f"second step output {where}", out2, ref2, dtype)
     assert torch.equal(again["conv_cache"], want2["conv_cache"]), f"second step windows {where}"
@@ -212,6 +214,13 @@ def run_interpreter_checks() -> None:
                        v_block=8, gates=True)
     check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, 5], num_slots=8, seed=12,
                        v_block=4, pdl=True, prefetch_state=True, gates=True, k3=True)
+    # the head finished by a second launch (the norm and the q / k window shift)
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 7], num_slots=8, seed=13,
+                       v_block=4, norm_launch=True)
+    check_against_twin("cpu", F32, H=3, d=16, W=2, slots=[1, 4], num_slots=6, seed=14,
+                       v_block=8, pdl=True, prefetch_state=True, gates=True, norm_launch=True)
+    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 6], num_slots=8, seed=15,
+                       v_block=4, gates=True, k3=True, norm_launch=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,6 +416,30 @@ def test_pdl_sm90_only_weights_before_the_wait(k3):
                                      "ss_part_ptr"}, written
 
 
+def test_norm_kernel_pdl_sm90_reads_after_the_wait():
+    """kda_decode_norm_kernel under PDL: griddepcontrol.wait before every global load and
+    store (each input is the decode kernel's output or a cache it writes), then
+    launch_dependents; it writes the output and the conv windows only."""
+    _ptxas()
+    import gemv_checks as gc
+    from kdaserve.kernels.kda.triton_decode_fused import kda_decode_norm_kernel
+
+    types = {n: SM90_TYPES.get(n, "fp32" if n == "eps" else "i32")
+             for n in kda_decode_norm_kernel.arg_names
+             if n not in ("D", "W", "BW", "SPLITS", "USE_PDL")}
+    types.update(o_part_ptr="*fp32", ss_part_ptr="*fp32")
+    k = gc.sm90_compile(kda_decode_norm_kernel, types,
+                        dict(D=128, W=4, BW=4, SPLITS=2, USE_PDL=True, stride_cj=1),
+                        num_warps=4, launch_pdl=True)
+    names = [n if types[n].startswith("*") else None
+             for n in kda_decode_norm_kernel.arg_names if n in types]
+    ops = global_ops_with_params(k.asm["ptx"], names)
+    assert [op for op, _ in ops[:2]] == ["griddepcontrol.wait",
+                                         "griddepcontrol.launch_dependents"], ops[:3]
+    written = set().union(*(p for op, p in ops if op.startswith("st.global")))
+    assert written - {"idx_ptr"} == {"out_ptr", "conv_ptr"}, written
+
+
 def test_pdl_sm90_prefetch_state_order():
     """PREFETCH_STATE: the state index and both caches join the weights before the wait (all
     read there), still nothing stored before it; proj is read after it."""
@@ -442,10 +475,10 @@ def test_sm90_no_register_spills_at_48b_shapes(use_pdl, k3, tile, tmp_path):
     """d = 128 with the default 8 warps: the [128, 128] fp32 state plus the two bf16 gate
     tiles (K3: f_b alone) fit in registers (ptxas -v: no spill stores or loads), at 32 value
     columns a program (1-2 rows), at 64 (3-15 rows), and with the gates computed beforehand
-    at 4 warps (16 rows and more)."""
+    at 64 columns and 4 warps, the head finished by the norm launch (16 rows and more)."""
     ptxas = _ptxas()
     consts = {"one row": dict(), "rows": dict(BV=64),
-              "gates in": dict(num_warps=4, GATES_IN=True)}[tile]
+              "gates in": dict(num_warps=4, BV=64, GATES_IN=True, NORM_LAUNCH=True)}[tile]
     k = _compile(use_pdl=use_pdl, k3=k3, **consts)
     (tmp_path / "k.ptx").write_text(k.asm["ptx"])
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
@@ -469,6 +502,8 @@ def test_matches_twin_gpu(N):
     for v_block in (None, 16, 64, 128):   # the default split (32 at N=1, 64 at N=4) and others
         check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N,
                            v_block=v_block)
+        check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N,
+                           v_block=v_block, norm_launch=True, pdl=True)
     check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N][:-1] + [-1], num_slots=9)
     check_against_twin("cuda", F32, H48, D48, W48, SLOTS[N], num_slots=9, seed=N + 1)
 
@@ -484,6 +519,8 @@ def test_gates_in_matches_twin_gpu(N):
     for dtype in (BF16, F32):
         check_against_twin("cuda", dtype, H48, D48, W48, slots, num_slots=N + 3, seed=N,
                            gates=True)
+        check_against_twin("cuda", dtype, H48, D48, W48, slots, num_slots=N + 3, seed=N,
+                           gates=True, norm_launch=True, pdl=True, prefetch_state=True)
     check_against_twin("cuda", BF16, 16, D48, W48, slots, num_slots=N + 3, seed=N + 1,
                        gates=True, k3=True, pdl=True, prefetch_state=True)
     inp = make_inputs("cuda", BF16, H48, D48, W48, slots, num_slots=N + 3, seed=N)

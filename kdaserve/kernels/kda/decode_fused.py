@@ -42,10 +42,10 @@ def default_v_block(num_rows: int, num_heads: int, head_dim: int, num_sms: int,
     """Value columns per program: 32 (or head_dim, if smaller) while the grid stays within ~2
     programs per SM, else 64 (or head_dim). At 32 heads of 128 on 132 SMs: 32 at 1-2 rows,
     64 from 3: at 16-64 rows 64 columns beat one program per head (bench_batch.py,
-    benchmarks/PERF_NOTES.md). With the gates computed beforehand, 32 at every row count
-    (the programs are light enough that more of them pay: bench_batch.py at 16-64 rows)."""
+    benchmarks/PERF_NOTES.md). With the gates computed beforehand (and the head finished by
+    the norm launch), 64 as well: the fastest at 16-64 rows in bench_batch.py."""
     bv = min(32, head_dim)
-    if not gates_in and num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
+    if gates_in or num_rows * num_heads * (head_dim // bv) > 2 * num_sms:
         bv = min(64, head_dim)
     return bv
 
@@ -133,8 +133,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      tickets: torch.Tensor | None = None,
                      v_block: int | None = None, prefetch_state: bool = False,
                      full_rank_gate: bool = False,
-                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None
-                     ) -> torch.Tensor:
+                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+                     norm_launch: bool | None = None) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -156,7 +156,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     unmeasured).
     pdl: programmatic dependent launch (sm_90+; ignored on CPU tensors): only weights are read
     before griddepcontrol.wait, so the previous kernel must not write them; same results as
-    pdl=False. CUDA-graph safe: grid (N, H, d // v_block) from shapes, no host syncs.
+    pdl=False. CUDA-graph safe: grid (N, H, d // v_block), and (N, H) for the norm launch,
+    from shapes, no host syncs.
     tickets: int32, >= N * H elements, all zero (the kernel leaves them zero): the per-head
     counters that elect the program finishing a head (kernel docstring). Owned by the caller,
     one buffer per launch that may run concurrently with another; None allocates a zeroed one.
@@ -167,6 +168,10 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     computed beforehand (gate_projections): the kernel reads them instead of multiplying
     fg_b_weight's tiles (fg_b_weight is still checked, not read). Any float dtype, last dim
     contiguous.
+    norm_launch: a head split over several programs is finished (its RMS norm, the shift of
+    its q / k windows) by a second launch (kda_decode_norm_kernel, PDL with pdl) instead of
+    its last program's ticket; its programs then end at their stores, no atomic round trip.
+    None: with gates (the many-row steps where it was measured faster); tickets go unused.
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
@@ -181,8 +186,12 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     if bv < 1 or head_dim % bv or bv & (bv - 1):
         raise ValueError(f"v_block must be a power of two dividing head_dim={head_dim}, "
                          f"got {v_block}")
-    if tickets is None:
-        tickets = torch.zeros(N * num_heads, dtype=torch.int32, device=proj.device)
+    splits = head_dim // bv
+    if norm_launch is None:
+        norm_launch = gates is not None
+    if tickets is None:   # drawn only by split heads finished without the norm launch
+        tickets = torch.zeros(N * num_heads if splits > 1 and not norm_launch else 1,
+                              dtype=torch.int32, device=proj.device)
     elif tickets.dtype != torch.int32 or tickets.numel() < N * num_heads:
         raise ValueError(f"tickets must be int32 with >= N * H = {N * num_heads} elements, got "
                          f"{tickets.dtype} {list(tickets.shape)}")
@@ -195,9 +204,10 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     from kdaserve.kernels.kda.triton_decode_fused import kda_decode_fused_kernel
 
     g_raw, gate = _check_gates(gates, N, P, full_rank_gate, proj.device)
-    splits = head_dim // bv
-    o_part = torch.empty(N, num_heads, head_dim, dtype=torch.float32, device=proj.device)
-    ss_part = torch.empty(N, num_heads, splits, dtype=torch.float32, device=proj.device)
+    # the split programs' scratch (kernel docstring); unread with one program a head
+    scratch = (N, num_heads) if splits > 1 else (1, 1)
+    o_part = torch.empty(*scratch, head_dim, dtype=torch.float32, device=proj.device)
+    ss_part = torch.empty(*scratch, splits, dtype=torch.float32, device=proj.device)
     pdl_opts = pdl_options(pdl, proj)
     kda_decode_fused_kernel[(N, num_heads, splits)](
         proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
@@ -211,7 +221,16 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         g_raw.stride(0) if g_raw is not None else 0, gate.stride(0) if gate is not None else 0,
         D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
         PREFETCH_STATE=bool(prefetch_state), FULL_RANK_GATE=bool(full_rank_gate),
-        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None, **pdl_opts)
+        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None,
+        NORM_LAUNCH=norm_launch and splits > 1, **pdl_opts)
+    if norm_launch and splits > 1:
+        from kdaserve.kernels.kda.triton_decode_fused import kda_decode_norm_kernel
+
+        kda_decode_norm_kernel[(N, num_heads)](
+            proj, conv_cache, state_indices, o_part, ss_part, out, P, float(eps),
+            proj.stride(0), out.stride(0), conv_cache.stride(0), conv_cache.stride(1),
+            conv_cache.stride(2), D=head_dim, W=W, BW=next_power_of_2(W - 1), SPLITS=splits,
+            num_warps=4, **pdl_opts)
     return out
 
 

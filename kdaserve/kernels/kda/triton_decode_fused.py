@@ -12,6 +12,8 @@ race between programs.
 import triton
 import triton.language as tl
 
+from kdaserve.kernels.triton_pdl import pdl_wait
+
 
 @triton.jit
 def _silu(x):
@@ -68,7 +70,7 @@ def kda_decode_fused_kernel(
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
     USE_PDL: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
     FULL_RANK_GATE: tl.constexpr = False, LOWER_BOUND: tl.constexpr = 0.0,
-    GATES_IN: tl.constexpr = False,
+    GATES_IN: tl.constexpr = False, NORM_LAUNCH: tl.constexpr = False,
 ):
     """Program (n, h, s): row n's token through head h, value columns [s * BV, (s + 1) * BV)
     of its state. proj row n = [q | k | v (3P) | f_a (D) | g_a (D) | beta logits (H)]; the
@@ -82,8 +84,9 @@ def kda_decode_fused_kernel(
     decay g (all D key rows) from the old windows, and owns its value channels: their conv
     windows, state columns and gated outputs. Two things need the whole head: the gated RMS
     norm (one scale per head) and the shift of the q / k windows (every program reads them).
-    Each program writes its gated, unnormalised outputs (fp32) and their sum of squares to
-    scratch, then draws a ticket (an acq_rel atomic on ticket_ptr[n * H + h], after a CTA
+    With BV == D one program holds the head and does both itself (no scratch, no ticket).
+    Otherwise each program writes its gated, unnormalised outputs (fp32) and their sum of
+    squares to scratch, then draws a ticket (an acq_rel atomic on ticket_ptr[n * H + h], after a CTA
     barrier: its stores and its window loads come before); the program that draws the last
     ticket sees every other program's scratch, applies the norm scale to the head's D outputs,
     stores the shifted q / k windows (every other program has read them by then) and resets
@@ -188,9 +191,17 @@ def kda_decode_fused_kernel(
     tl.debug_barrier()                            # every window / state load before any store
     _conv_store(cache, ch_v, offs_j, live, nxt_v, x_v, stride_cd, stride_cj, W)
     tl.store(s_ptrs, S, mask=live)
+    if BV == D:                                   # the whole head here: no scratch, no ticket
+        o = o * tl.rsqrt(sum_sq / D + eps)
+        tl.store(out_ptr + n * stride_on + h * D + offs_v, o.to(out_ptr.dtype.element_ty))
+        _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
+        _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+        return
     head = n * (P // D) + h                                         # ticket / scratch index
     tl.store(o_part_ptr + head * D + offs_v, o)
     tl.store(ss_part_ptr + head * (D // BV) + s, sum_sq)
+    if NORM_LAUNCH:                               # kda_decode_norm_kernel finishes the head
+        return
     tl.debug_barrier()                            # every thread's stores before the ticket
     ticket = tl.atomic_add(ticket_ptr + head, 1, sem="acq_rel", scope="gpu")
     if ticket == D // BV - 1:                     # the head's last program
@@ -202,3 +213,40 @@ def kda_decode_fused_kernel(
         _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
         _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
         tl.atomic_xchg(ticket_ptr + head, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def kda_decode_norm_kernel(
+    proj_ptr, conv_ptr, idx_ptr, o_part_ptr, ss_part_ptr, out_ptr, P, eps,
+    stride_pn, stride_on, stride_cs, stride_cd, stride_cj,
+    D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
+    """Program (n, h), after kda_decode_fused_kernel's programs with NORM_LAUNCH have all run
+    (stream order, or griddepcontrol.wait under USE_PDL): what the head's last ticket does
+    otherwise. The gated RMS norm scale of head h from its SPLITS partial sums of squares
+    applied to its D gated outputs (fp32 scratch) into out, and the shift of its q / k conv
+    windows by one column with the row's new pre-conv inputs (every program has read them)."""
+    pdl_wait(USE_PDL)
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, D)
+    offs_j = tl.arange(0, BW)
+    head = n * (P // D) + h
+    ss = tl.load(ss_part_ptr + head * SPLITS + tl.arange(0, SPLITS))
+    o = tl.load(o_part_ptr + head * D + offs)                       # [D] fp32
+    o = o * tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+    tl.store(out_ptr + n * stride_on + h * D + offs, o.to(out_ptr.dtype.element_ty))
+    slot = tl.load(idx_ptr + n).to(tl.int64)
+    live = slot >= 0
+    cache = conv_ptr + tl.maximum(slot, 0) * stride_cs
+    row = proj_ptr + n * stride_pn
+    ch_q = h * D + offs
+    ch_k = P + ch_q
+    _, nxt_q = _conv_load(cache, ch_q, offs_j, live, stride_cd, stride_cj, W)
+    _, nxt_k = _conv_load(cache, ch_k, offs_j, live, stride_cd, stride_cj, W)
+    x_q = tl.load(row + ch_q)
+    x_k = tl.load(row + ch_k)
+    tl.debug_barrier()                            # every window load before any store
+    _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
+    _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
