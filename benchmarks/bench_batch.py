@@ -9,6 +9,10 @@ reports microseconds per call for the default config and for every config of a s
 floor. MoE cases use the routing of the served dummy model (every token on the same 8 experts
 plus the folded shared expert) and a spread routing.
 
+`moe_kernels` splits the fused MoE at each batch (and one token) into its launches: device time per
+call of each kernel (torch.profiler, PDL off: with PDL a kernel's span includes its wait for the
+previous one) next to the whole call in a graph with PDL on and off.
+
 `kda_verify` sweeps RecoverSSM's verify kernel at `--verify-requests` windows of 9 tokens.
 Speculative verification steps run the same kernels at 1 + K rows a request: `--batches
 72,144,288` times the MoE at the verify rows of 8 / 16 / 32 requests (K = 8; from 65 rows the
@@ -41,7 +45,7 @@ from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
 HEADS, KV_RANK, ROPE = 32, 512, 64
 HIDDEN, MOE_INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 KDA_HEADS, KDA_DIM, CONV_W = 32, 128, 4
-CASES = ("kda", "kda_verify", "conv_verify", "mla", "moe", "moe_prefill")
+CASES = ("kda", "kda_verify", "conv_verify", "mla", "moe", "moe_prefill", "moe_kernels")
 
 
 def per_call_us(fns) -> float:
@@ -205,12 +209,14 @@ def bench_mla(rows, ceil, b, deadline, ctx=8192, page=16, rows_per_seq=1):
     cfgs = [C(32, 32, 4, 3), C(32, 64, 8, 2), C(32, 32, 8, 2), C(32, 64, 4, 2, True),
             C(32, 64, 8, 2, True), C(32, 128, 8, 2, True), C(32, 64, 4, 3, True),
             C(16, 64, 4, 2), C(16, 32, 4, 3), C(16, 64, 4, 2, True), C(32, 16, 4, 4),
-            C(64, 32, 8, 2), C(64, 64, 8, 2, True), C(32, 32, 8, 2, True)]
+            C(64, 32, 8, 2), C(64, 64, 8, 2, True), C(32, 32, 8, 2, True),
+            # 32 keys a step: two programs an SM fit in shared memory
+            C(32, 32, 4, 3, True), C(32, 32, 4, 4, True)]
     splits = (None, 2, 4, 8, 16)
     if rows_per_seq > 1:   # first the fold kernel: 2 / 4 rows of a window as a program's columns
         cfgs = [C(32, bn, nw, ns, True, rows=r) for r, bn, nw, ns in
                 ((2, 32, 8, 2), (2, 16, 8, 1), (2, 64, 8, 2), (4, 32, 8, 2))] + cfgs[3:7] \
-            + cfgs[-1:]
+            + [C(32, 32, 8, 2, True)]
         splits = (None, 4, 8, 16, 2)
     grid = [dict(config=c, num_kv_splits=s) for c in cfgs for s in splits]
     nbytes = seqs * ctx * D * 2        # each sequence's latent KV read once
@@ -271,6 +277,35 @@ def bench_moe(rows, ceil, w13, w2, n, same, deadline):
     sweep(name, rows, fns(), grid, lambda c: fns(**c), floor_us(nbytes, ceil), deadline)
 
 
+def bench_moe_kernels(rows, ceil, w13, w2, n, same, calls=20):
+    """fused_moe at n rows split into its launches: mean device us per call of each kernel
+    (profiled, PDL off), and the call in a one-call graph with PDL on / off."""
+    x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w, ids = moe_inputs(n, same)
+    out = torch.empty_like(x)
+    touched = int(torch.unique(ids).numel())
+    row = {"case": f"moe_kernels N={n} {'same8' if same else 'spread'} ({touched} experts)",
+           "floor_us": floor_us(touched * 3 * HIDDEN * MOE_INTER * 2, ceil)}
+    for pdl in (True, False):
+        row[f"graph_us_pdl_{'on' if pdl else 'off'}"] = per_call_us(
+            [lambda pdl=pdl: moe.fused_moe(x, w13, w2, w, ids, out=out, pdl=pdl)])
+    for _ in range(3):
+        moe.fused_moe(x, w13, w2, w, ids, out=out)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            moe.fused_moe(x, w13, w2, w, ids, out=out)
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:40]] = per.get(ev.name[:40], 0.0) + ev.device_time_total
+    row["kernel_us"] = {k: round(v / calls, 2) for k, v in per.items()}
+    print(f"{row['case']:<36} floor {row['floor_us']:.1f}  graph {row['graph_us_pdl_on']:.1f} "
+          f"(PDL off {row['graph_us_pdl_off']:.1f}) us  kernels {row['kernel_us']}", flush=True)
+    rows.append(row)
+
+
 def bench_moe_prefill(rows, ceil, w13, w2, n, same):
     x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
     w, ids = moe_inputs(n, same)
@@ -321,6 +356,12 @@ def main(argv=None) -> int:
         for n in map(int, args.prefill_tokens.split(",")):
             for same in (True, False):
                 bench_moe_prefill(rows, ceil, w13, w2, n, same)
+        del w13, w2
+    if "moe_kernels" in cases:
+        w13, w2 = moe_weights()
+        for n in [1] + batches:
+            for same in (True, False) if n > 1 else (True,):
+                bench_moe_kernels(rows, ceil, w13, w2, n, same)
         del w13, w2
     if "moe" in cases:
         w13, w2 = moe_weights()
