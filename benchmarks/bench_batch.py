@@ -113,11 +113,8 @@ def bench_kda(rows, ceil, n, deadline, calls=4):
         return [lambda i=i: one(i) for i in range(calls)]
 
     nbytes = n * H * d * d * 4 * 2 + proj[:, :3 * P].numel() * 2 + n * P * 2
-    # each tile with the head finished by the ticket and by a second launch, side by side
-    grid = [dict(gates=True, v_block=bv, num_warps=nw, norm_launch=nl) for (bv, nw), nl in
-            itertools.product(((32, 4), (32, 2), (64, 4), (64, 2), (16, 4), (32, 8)),
-                              (True, False))]
-    grid += [dict(gates=True, v_block=128, num_warps=nw) for nw in (4, 8)]
+    grid = [dict(gates=True, v_block=bv, num_warps=nw) for bv, nw in
+            itertools.product((64, 32, 16, 128), (4, 2, 8))]
     grid += [dict(v_block=bv, num_warps=nw) for bv, nw in
              itertools.product((16, 32, 64, 128), (2, 4, 8, 16))]
     sweep(f"kda_decode_fused N={n}", rows, fns(), grid, lambda c: fns(**c),

@@ -80,7 +80,7 @@ def assert_untouched(name, after, before, slots):
 
 
 def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=False,
-                       v_block=None, prefetch_state=False, gates=False, norm_launch=False,
+                       v_block=None, prefetch_state=False, gates=False,
                        **kw):
     """Kernel vs kda_decode_fused_reference: output, conv windows (exact: they hold copied
     inputs), states; slots no row owns (and those of rows < 0) stay bit-identical; the
@@ -93,10 +93,9 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
     got, want = fresh_caches(inp), fresh_caches(inp)
     tickets = torch.zeros(len(slots) * H + 3, dtype=torch.int32, device=device)
     out = kda_decode_fused(**got, pdl=pdl, v_block=v_block, tickets=tickets,
-                           prefetch_state=prefetch_state, norm_launch=norm_launch)
+                           prefetch_state=prefetch_state)
     ref_out = kda_decode_fused_reference(**want)
-    where = (f"H={H} d={d} W={W} slots={slots} v_block={v_block} gates={gates} "
-             f"norm_launch={norm_launch} {dtype}")
+    where = f"H={H} d={d} W={W} slots={slots} v_block={v_block} gates={gates} {dtype}"
     assert not tickets.any(), f"tickets not reset {where}: {tickets.tolist()}"
     assert out.shape == (len(slots), H * d) and out.dtype == dtype, where
     kc.assert_close(f"output {where}", out, ref_out, dtype)
@@ -111,8 +110,7 @@ def check_against_twin(device, dtype, H, d, W, slots, num_slots, seed=0, pdl=Fal
         assert not torch.equal(got["rec_cache"], inp["rec_cache"]), "no state was written"
     again, want2 = fresh_caches(got), fresh_caches(want)          # a second step, same tickets
     out2 = kda_decode_fused(**dict(again, proj=inp["proj"]), pdl=pdl, v_block=v_block,
-                            tickets=tickets, prefetch_state=prefetch_state,
-                            norm_launch=norm_launch)
+                            tickets=tickets, prefetch_state=prefetch_state)
     ref2 = kda_decode_fused_reference(**dict(want2, proj=inp["proj"]))
     kc.assert_close(f"second step output {where}", out2, ref2, dtype)
     assert torch.equal(again["conv_cache"], want2["conv_cache"]), f"second step windows {where}"
@@ -214,13 +212,11 @@ def run_interpreter_checks() -> None:
                        v_block=8, gates=True)
     check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, 5], num_slots=8, seed=12,
                        v_block=4, pdl=True, prefetch_state=True, gates=True, k3=True)
-    # the head finished by a second launch (the norm and the q / k window shift)
-    check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 7], num_slots=8, seed=13,
-                       v_block=4, norm_launch=True)
+    # with gates the head is finished by a second launch (the norm, the q / k window shift)
     check_against_twin("cpu", F32, H=3, d=16, W=2, slots=[1, 4], num_slots=6, seed=14,
-                       v_block=8, pdl=True, prefetch_state=True, gates=True, norm_launch=True)
+                       v_block=8, pdl=True, prefetch_state=True, gates=True)
     check_against_twin("cpu", F32, H=2, d=16, W=4, slots=[3, -1, 6], num_slots=8, seed=15,
-                       v_block=4, gates=True, k3=True, norm_launch=True)
+                       v_block=4, gates=True, k3=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +474,7 @@ def test_sm90_no_register_spills_at_48b_shapes(use_pdl, k3, tile, tmp_path):
     at 64 columns and 4 warps, the head finished by the norm launch (16 rows and more)."""
     ptxas = _ptxas()
     consts = {"one row": dict(), "rows": dict(BV=64),
-              "gates in": dict(num_warps=4, BV=64, GATES_IN=True, NORM_LAUNCH=True)}[tile]
+              "gates in": dict(num_warps=4, BV=64, GATES_IN=True)}[tile]
     k = _compile(use_pdl=use_pdl, k3=k3, **consts)
     (tmp_path / "k.ptx").write_text(k.asm["ptx"])
     res = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o",
@@ -502,8 +498,6 @@ def test_matches_twin_gpu(N):
     for v_block in (None, 16, 64, 128):   # the default split (32 at N=1, 64 at N=4) and others
         check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N,
                            v_block=v_block)
-        check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N], num_slots=9, seed=N,
-                           v_block=v_block, norm_launch=True, pdl=True)
     check_against_twin("cuda", BF16, H48, D48, W48, SLOTS[N][:-1] + [-1], num_slots=9)
     check_against_twin("cuda", F32, H48, D48, W48, SLOTS[N], num_slots=9, seed=N + 1)
 
@@ -520,7 +514,7 @@ def test_gates_in_matches_twin_gpu(N):
         check_against_twin("cuda", dtype, H48, D48, W48, slots, num_slots=N + 3, seed=N,
                            gates=True)
         check_against_twin("cuda", dtype, H48, D48, W48, slots, num_slots=N + 3, seed=N,
-                           gates=True, norm_launch=True, pdl=True, prefetch_state=True)
+                           gates=True, pdl=True, prefetch_state=True, v_block=32)
     check_against_twin("cuda", BF16, 16, D48, W48, slots, num_slots=N + 3, seed=N + 1,
                        gates=True, k3=True, pdl=True, prefetch_state=True)
     inp = make_inputs("cuda", BF16, H48, D48, W48, slots, num_slots=N + 3, seed=N)

@@ -133,8 +133,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
                      tickets: torch.Tensor | None = None,
                      v_block: int | None = None, prefetch_state: bool = False,
                      full_rank_gate: bool = False,
-                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-                     norm_launch: bool | None = None) -> torch.Tensor:
+                     gates: tuple[torch.Tensor, torch.Tensor | None] | None = None
+                     ) -> torch.Tensor:
     """One decode token per row through a KDA layer, from its input projection to o_proj's
     input. Layouts in the module docstring; proj: bf16 / fp16 / fp32, last dim contiguous (rows
     may be strided); state_indices: [N] int32 / int64, distinct among rows >= 0.
@@ -159,19 +159,19 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
     pdl=False. CUDA-graph safe: grid (N, H, d // v_block), and (N, H) for the norm launch,
     from shapes, no host syncs.
     tickets: int32, >= N * H elements, all zero (the kernel leaves them zero): the per-head
-    counters that elect the program finishing a head (kernel docstring). Owned by the caller,
-    one buffer per launch that may run concurrently with another; None allocates a zeroed one.
+    counters that elect the program finishing a head without gates (kernel docstring). Owned
+    by the caller, one buffer per launch that may run concurrently with another; None
+    allocates a zeroed one.
     v_block: value columns per program, a power of two dividing head_dim (default_v_block).
     prefetch_state (with pdl): state_indices and both caches are also read before the wait, so
     the previous kernel must not write them either (in the layer it is the input projection).
     gates: (g_raw [N, P], gate [N, P] or None under full_rank_gate), f_b f_a and g_b g_a
     computed beforehand (gate_projections): the kernel reads them instead of multiplying
     fg_b_weight's tiles (fg_b_weight is still checked, not read). Any float dtype, last dim
-    contiguous.
-    norm_launch: a head split over several programs is finished (its RMS norm, the shift of
-    its q / k windows) by a second launch (kda_decode_norm_kernel, PDL with pdl) instead of
-    its last program's ticket; its programs then end at their stores, no atomic round trip.
-    None: with gates (the many-row steps where it was measured faster); tickets go unused.
+    contiguous. With gates, a head split over several programs is finished (its RMS norm, the
+    shift of its q / k windows) by a second launch (kda_decode_norm_kernel, PDL with pdl)
+    instead of its last program's ticket: the programs end at their stores, no atomic round
+    trip (faster at 16-64 rows in bench_batch.py, benchmarks/PERF_NOTES.md); tickets go unused.
     """
     _check_gate(lower_bound, num_heads, head_dim)
     W = _check_inputs(proj, conv_weight, conv_cache, rec_cache, state_indices, fg_b_weight,
@@ -187,10 +187,9 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         raise ValueError(f"v_block must be a power of two dividing head_dim={head_dim}, "
                          f"got {v_block}")
     splits = head_dim // bv
-    if norm_launch is None:
-        norm_launch = gates is not None
-    if tickets is None:   # drawn only by split heads finished without the norm launch
-        tickets = torch.zeros(N * num_heads if splits > 1 and not norm_launch else 1,
+    norm_launch = gates is not None and splits > 1
+    if tickets is None:   # drawn only by split heads without gates
+        tickets = torch.zeros(N * num_heads if splits > 1 and gates is None else 1,
                               dtype=torch.int32, device=proj.device)
     elif tickets.dtype != torch.int32 or tickets.numel() < N * num_heads:
         raise ValueError(f"tickets must be int32 with >= N * H = {N * num_heads} elements, got "
@@ -221,9 +220,8 @@ def kda_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_cache: 
         g_raw.stride(0) if g_raw is not None else 0, gate.stride(0) if gate is not None else 0,
         D=head_dim, W=W, BW=next_power_of_2(W - 1), BV=bv, num_warps=warps,
         PREFETCH_STATE=bool(prefetch_state), FULL_RANK_GATE=bool(full_rank_gate),
-        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None,
-        NORM_LAUNCH=norm_launch and splits > 1, **pdl_opts)
-    if norm_launch and splits > 1:
+        LOWER_BOUND=float(lower_bound or 0.0), GATES_IN=g_raw is not None, **pdl_opts)
+    if norm_launch:
         from kdaserve.kernels.kda.triton_decode_fused import kda_decode_norm_kernel
 
         kda_decode_norm_kernel[(N, num_heads)](

@@ -56,6 +56,26 @@ def _conv_store(cache_ptr, ch, offs_j, live, nxt, x, stride_cd, stride_cj, W: tl
 
 
 @triton.jit
+def _scratch_head(o_part_ptr, ss_part_ptr, head, offs, eps, D: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    """A split head's gated outputs [D] from scratch, times its RMS norm scale (from the SPLITS
+    programs' sums of squares). .cg: read at L2, past this SM's L1 (other SMs wrote them)."""
+    ss = tl.load(ss_part_ptr + head * SPLITS + tl.arange(0, SPLITS), cache_modifier=".cg")
+    o = tl.load(o_part_ptr + head * D + offs, cache_modifier=".cg")   # [D] fp32
+    return o * tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
+
+
+@triton.jit
+def _finish_head(o, out_ptr, n, h, stride_on, offs, cache, ch_q, ch_k, offs_j, live, nxt_q,
+                 nxt_k, x_q, x_k, stride_cd, stride_cj, D: tl.constexpr, W: tl.constexpr):
+    """Head h's normed outputs o [D] into out, and its q / k windows shifted by one column with
+    the row's new inputs x_q / x_k (every program of the head has read the old ones)."""
+    tl.store(out_ptr + n * stride_on + h * D + offs, o.to(out_ptr.dtype.element_ty))
+    _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
+    _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+
+
+@triton.jit
 def _l2norm(x):
     return x / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6)
 
@@ -70,7 +90,7 @@ def kda_decode_fused_kernel(
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, BV: tl.constexpr,
     USE_PDL: tl.constexpr = False, PREFETCH_STATE: tl.constexpr = False,
     FULL_RANK_GATE: tl.constexpr = False, LOWER_BOUND: tl.constexpr = 0.0,
-    GATES_IN: tl.constexpr = False, NORM_LAUNCH: tl.constexpr = False,
+    GATES_IN: tl.constexpr = False,
 ):
     """Program (n, h, s): row n's token through head h, value columns [s * BV, (s + 1) * BV)
     of its state. proj row n = [q | k | v (3P) | f_a (D) | g_a (D) | beta logits (H)]; the
@@ -86,8 +106,9 @@ def kda_decode_fused_kernel(
     norm (one scale per head) and the shift of the q / k windows (every program reads them).
     With BV == D one program holds the head and does both itself (no scratch, no ticket).
     Otherwise each program writes its gated, unnormalised outputs (fp32) and their sum of
-    squares to scratch; with NORM_LAUNCH it ends there and kda_decode_norm_kernel, launched
-    next, finishes every head. Without it the program then draws a ticket (an acq_rel atomic
+    squares to scratch; with GATES_IN (the many-row steps) it ends there and
+    kda_decode_norm_kernel, launched next, finishes every head. Without it the program then
+    draws a ticket (an acq_rel atomic
     on ticket_ptr[n * H + h], after a CTA barrier: its stores and its window loads come
     before); the program that draws the last ticket sees every other program's scratch,
     applies the norm scale to the head's D outputs, stores the shifted q / k windows (every
@@ -103,7 +124,8 @@ def kda_decode_fused_kernel(
     FULL_RANK_GATE, the output gate g_b g_a (gout_ptr, [P]) come computed (one GEMM over every
     row, before this launch) instead of from the [D, D] f_b and [BV, D] g_b tiles that each
     program would otherwise load and multiply: at many rows those tiles' registers and reads
-    cost more than the GEMM. graw / gout are read after the wait (the GEMM's output).
+    cost more than the GEMM. graw / gout are read after the wait (the GEMM's output). A split
+    head is then finished by kda_decode_norm_kernel, not by a ticket (above).
 
     USE_PDL (programmatic dependent launch, sm_90+): only weights (conv taps, f_b / g_b rows,
     dt_bias, A_log, norm weight) are read before griddepcontrol.wait; proj, the state index,
@@ -194,26 +216,21 @@ def kda_decode_fused_kernel(
     _conv_store(cache, ch_v, offs_j, live, nxt_v, x_v, stride_cd, stride_cj, W)
     tl.store(s_ptrs, S, mask=live)
     if BV == D:                                   # the whole head here: no scratch, no ticket
-        o = o * tl.rsqrt(sum_sq / D + eps)
-        tl.store(out_ptr + n * stride_on + h * D + offs_v, o.to(out_ptr.dtype.element_ty))
-        _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
-        _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+        _finish_head(o * tl.rsqrt(sum_sq / D + eps), out_ptr, n, h, stride_on, offs_v, cache,
+                     ch_q, ch_k, offs_j, live, nxt_q, nxt_k, x_q, x_k, stride_cd, stride_cj, D,
+                     W)
         return
     head = n * (P // D) + h                                         # ticket / scratch index
     tl.store(o_part_ptr + head * D + offs_v, o)
     tl.store(ss_part_ptr + head * (D // BV) + s, sum_sq)
-    if NORM_LAUNCH:                               # kda_decode_norm_kernel finishes the head
+    if GATES_IN:                                  # kda_decode_norm_kernel finishes the head
         return
     tl.debug_barrier()                            # every thread's stores before the ticket
     ticket = tl.atomic_add(ticket_ptr + head, 1, sem="acq_rel", scope="gpu")
     if ticket == D // BV - 1:                     # the head's last program
-        ss = tl.load(ss_part_ptr + head * (D // BV) + tl.arange(0, D // BV),
-                     cache_modifier=".cg")
-        o_all = tl.load(o_part_ptr + head * D + offs, cache_modifier=".cg")   # [D]
-        o_all = o_all * tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
-        tl.store(out_ptr + n * stride_on + h * D + offs, o_all.to(out_ptr.dtype.element_ty))
-        _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
-        _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+        o_all = _scratch_head(o_part_ptr, ss_part_ptr, head, offs, eps, D, D // BV)
+        _finish_head(o_all, out_ptr, n, h, stride_on, offs, cache, ch_q, ch_k, offs_j, live,
+                     nxt_q, nxt_k, x_q, x_k, stride_cd, stride_cj, D, W)
         tl.atomic_xchg(ticket_ptr + head, 0, sem="relaxed", scope="gpu")
 
 
@@ -224,7 +241,7 @@ def kda_decode_norm_kernel(
     D: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
-    """Program (n, h), after kda_decode_fused_kernel's programs with NORM_LAUNCH have all run
+    """Program (n, h), after kda_decode_fused_kernel's programs with GATES_IN have all run
     (stream order, or griddepcontrol.wait under USE_PDL): what the head's last ticket does
     otherwise. The gated RMS norm scale of head h from its SPLITS partial sums of squares
     applied to its D gated outputs (fp32 scratch) into out, and the shift of its q / k conv
@@ -234,11 +251,7 @@ def kda_decode_norm_kernel(
     h = tl.program_id(1)
     offs = tl.arange(0, D)
     offs_j = tl.arange(0, BW)
-    head = n * (P // D) + h
-    ss = tl.load(ss_part_ptr + head * SPLITS + tl.arange(0, SPLITS))
-    o = tl.load(o_part_ptr + head * D + offs)                       # [D] fp32
-    o = o * tl.rsqrt(tl.sum(ss, axis=0) / D + eps)
-    tl.store(out_ptr + n * stride_on + h * D + offs, o.to(out_ptr.dtype.element_ty))
+    o = _scratch_head(o_part_ptr, ss_part_ptr, n * (P // D) + h, offs, eps, D, SPLITS)
     slot = tl.load(idx_ptr + n).to(tl.int64)
     live = slot >= 0
     cache = conv_ptr + tl.maximum(slot, 0) * stride_cs
@@ -250,5 +263,5 @@ def kda_decode_norm_kernel(
     x_q = tl.load(row + ch_q)
     x_k = tl.load(row + ch_k)
     tl.debug_barrier()                            # every window load before any store
-    _conv_store(cache, ch_q, offs_j, live, nxt_q, x_q, stride_cd, stride_cj, W)
-    _conv_store(cache, ch_k, offs_j, live, nxt_k, x_k, stride_cd, stride_cj, W)
+    _finish_head(o, out_ptr, n, h, stride_on, offs, cache, ch_q, ch_k, offs_j, live, nxt_q, nxt_k,
+                 x_q, x_k, stride_cd, stride_cj, D, W)
