@@ -13,6 +13,10 @@ plus the folded shared expert) and a spread routing.
 call of each kernel (torch.profiler, PDL off: with PDL a kernel's span includes its wait for the
 previous one) next to the whole call in a graph with PDL on and off.
 
+`dense` times the dense projections (DENSE_SHAPES) at each batch's rows: the skinny GEMM
+(kernels/linear/skinny.py) at its default and over a tile grid, against cuBLAS (F.linear), with
+the weight-stream floor; `--write-configs DIR` merges the winners into DIR's skinny_gemm file.
+
 `kda_verify` sweeps RecoverSSM's verify kernel at `--verify-requests` windows of 9 tokens.
 Speculative verification steps run the same kernels at 1 + K rows a request: `--batches
 72,144,288` times the MoE at the verify rows of 8 / 16 / 32 requests (K = 8; from 65 rows the
@@ -45,7 +49,11 @@ from kdaserve.kernels.moe import fused_moe as moe  # noqa: E402
 HEADS, KV_RANK, ROPE = 32, 512, 64
 HIDDEN, MOE_INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 KDA_HEADS, KDA_DIM, CONV_W = 32, 128, 4
-CASES = ("kda", "kda_verify", "conv_verify", "mla", "moe", "moe_prefill", "moe_kernels")
+CASES = ("kda", "kda_verify", "conv_verify", "mla", "moe", "moe_prefill", "moe_kernels", "dense")
+DENSE_SHAPES = {"kda_in": (12576, 2304), "o_proj": (2304, 4096), "mla_in": (6720, 2304),
+                "dense_gate_up": (18432, 2304), "dense_down": (2304, 9216)}
+"""The 48B's dense projections (N, K) that decode and verify steps run above the GEMV's rows:
+KDA q|k|v|gates (20 layers), o_proj (27), MLA q|kv_a (7), layer 0's MLP."""
 
 
 def per_call_us(fns) -> float:
@@ -303,6 +311,64 @@ def bench_moe_kernels(rows, ceil, w13, w2, n, same, calls=20):
     rows.append(row)
 
 
+def bench_dense(rows, ceil, n, deadline, best, calls=4):
+    """Each DENSE_SHAPES projection at n rows, `calls` weights back to back in one graph (their
+    bytes exceed L2): the skinny GEMM (default config, then a grid) against cuBLAS. best
+    collects shape key -> (fields, us, default us) for --write-configs."""
+    import dataclasses
+
+    from kdaserve.kernels.configs import shape_key
+    from kdaserve.kernels.linear import skinny
+
+    bf = torch.bfloat16
+    for left, (name, (N, K)) in zip(range(len(DENSE_SHAPES), 0, -1), DENSE_SHAPES.items()):
+        until = time.time() + max(0.0, deadline - time.time()) / left     # this shape's share
+        ws = [torch.randn(N, K, device="cuda", dtype=bf) * K ** -0.5 for _ in range(calls)]
+        x = torch.randn(n, K, device="cuda", dtype=bf)
+        outs = [torch.empty(n, N, device="cuda", dtype=bf) for _ in range(calls)]
+        want = torch.nn.functional.linear(x.float(), ws[0].float())
+
+        def fns(cfg=None):
+            return [lambda i=i: skinny.skinny_gemm(x, ws[i], out=outs[i], config=cfg, pdl=True)
+                    for i in range(calls)]
+
+        err = ((skinny.skinny_gemm(x, ws[0]).float() - want).norm() / want.norm()).item()
+        cublas = per_call_us([lambda i=i: torch.nn.functional.linear(x, ws[i])
+                              for i in range(calls)])
+        bm = skinny.block_m(n)
+        grid = [skinny.SkinnyConfig(bn, bk, nw, st) for bn, bk, nw, st in itertools.product(
+            (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5))
+            if (bm + bn) * bk * 2 * st <= 200 * 1024]
+        before = len(rows)
+        sweep(f"dense {name} N={n}", rows, fns(), grid, fns, floor_us(N * K * 2, ceil), until)
+        row = rows[before]
+        row.update(cublas_us=cublas, rel_err=err, shape=[n, N, K],
+                   default_config=str(skinny.default_config(n, N, K, bf, torch.device("cuda"))))
+        print(f"{'':<28} cuBLAS {cublas:7.1f} us, rel err {err:.1e}", flush=True)
+        if row["best_config"] != "default":
+            cfg = next(c for c in grid if str(c) == row["best_config"])
+            best[shape_key(M=bm, N=N, K=K, dtype=bf)] = (dataclasses.asdict(cfg),
+                                                         row["best_us"], row["default_us"])
+        del ws, outs
+
+
+def write_skinny_configs(config_dir: str, best: dict, gain: float = 0.02) -> None:
+    """Merge each shape's fastest tile into config_dir/skinny_gemm_device_name=<GPU>.json where
+    it beats the default by more than `gain`."""
+    import json
+
+    from kdaserve.kernels.configs import config_file_name
+
+    path = Path(config_dir) / config_file_name("skinny_gemm", torch.cuda.get_device_name())
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    for key, (fields, us, base_us) in sorted(best.items()):
+        if us < base_us * (1 - gain):
+            merged[key] = fields
+    path.write_text("{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}"
+                                        for k, v in sorted(merged.items())) + "\n}\n")
+    print(f"wrote {path} ({len(merged)} shapes)", flush=True)
+
+
 def bench_moe_prefill(rows, ceil, w13, w2, n, same):
     x = torch.randn(n, HIDDEN, device="cuda", dtype=torch.bfloat16)
     w, ids = moe_inputs(n, same)
@@ -330,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mla-ctx", type=int, default=8192)
     ap.add_argument("--verify-requests", default="1,16,32",
                     help="kda_verify: requests of 9-token windows")
+    ap.add_argument("--write-configs", metavar="DIR",
+                    help="dense: merge the skinny GEMM's winning tiles into DIR")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     start = start_gpu_run("bench_batch")
@@ -343,7 +411,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     # the sweep budget: 45% MoE (two routings), 20% KDA, 35% MLA, split evenly over batches;
     # the first batch of each kind also pays the Triton compiles of its grid
-    share = {"moe": 0.45 / 2, "kda": 0.20, "kda_verify": 0.10, "conv_verify": 0.05, "mla": 0.35}
+    share = {"moe": 0.45 / 2, "kda": 0.20, "kda_verify": 0.10, "conv_verify": 0.05, "mla": 0.35,
+             "dense": 0.50}
     kinds = [c for c in share if c in cases]
     total = sum(share[c] for c in kinds) or 1.0
     per = {c: args.time_budget * share[c] / total / len(batches) for c in kinds}
@@ -379,6 +448,12 @@ def main(argv=None) -> int:
         for b in batches:
             bench_mla(rows, ceil, b, time.time() + per['mla'], ctx=args.mla_ctx,
                       rows_per_seq=args.mla_rows_per_seq)
+    if "dense" in cases:
+        best: dict = {}
+        for n in batches:
+            bench_dense(rows, ceil, n, time.time() + per['dense'], best)
+        if args.write_configs:
+            write_skinny_configs(args.write_configs, best)
     write_results(args.out, meta, t0, ceil, rows)
     return 0
 

@@ -17,6 +17,9 @@ from kdaserve.config import KernelConfig
 LINEAR_BACKENDS = {
     "torch": "F.linear (cuBLAS on CUDA)",
     "gemv": "the Triton GEMV for inputs of 1..GEMV_MAX_ROWS rows, F.linear beyond",
+    "gemv_skinny": "the Triton GEMV for 1..GEMV_MAX_ROWS rows, the Triton skinny GEMM (tensor "
+                   "cores, each weight read once) up to 64 rows of 16-bit weights, F.linear "
+                   "beyond",
 }
 DENSE_MLP_BACKENDS = {
     "torch": "gate, up and down projections, silu and mul",
@@ -109,12 +112,17 @@ class LayerBackends:
             if getattr(self, kind) not in registry:
                 raise ValueError(f"unknown {kind} backend {getattr(self, kind)!r}; known: "
                                  f"{sorted(registry)}")
-        if self.dense_mlp == "gemv_swiglu" and self.linear != "gemv":
-            raise ValueError("dense_mlp backend gemv_swiglu needs linear backend gemv")
+        if self.dense_mlp == "gemv_swiglu" and not self.gemv:
+            raise ValueError("dense_mlp backend gemv_swiglu needs linear backend gemv or "
+                             "gemv_skinny")
 
     @property
     def gemv(self) -> bool:
-        return self.linear == "gemv"
+        return self.linear in ("gemv", "gemv_skinny")
+
+    @property
+    def skinny(self) -> bool:
+        return self.linear == "gemv_skinny"
 
 
 def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBackends:
@@ -122,9 +130,10 @@ def select_backends(kc: KernelConfig, device: torch.device | str) -> LayerBacken
     says; the kernel switches apply to CUDA only)."""
     if torch.device(device).type != "cuda":
         return LayerBackends()
-    gemv = "gemv" if kc.decode_gemv else "torch"
+    linear = ("torch" if not kc.decode_gemv else "gemv_skinny" if kc.skinny_gemm
+              else "gemv")
     return LayerBackends(
-        linear=gemv,
+        linear=linear,
         dense_mlp="gemv_swiglu" if kc.decode_gemv and kc.dense_mlp_gemv else "torch",
         kda="fla_fused_decode" if kc.fused_kda_decode else "fla",
         kda_state_prefetch=kc.fused_kda_decode and kc.kda_state_prefetch,

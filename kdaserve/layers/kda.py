@@ -86,6 +86,7 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         self.kda_index = kda_index
         self.gemv = backends.gemv
+        self.skinny = backends.skinny
         self.tp = tp
         h = divide(args.linear_num_heads, tp.size, "linear_num_heads (KDA heads)")
         d, w = args.linear_head_dim, args.linear_conv_kernel_dim
@@ -118,7 +119,8 @@ class KimiDeltaAttention(nn.Module):
 
     def _out(self, o: torch.Tensor, pdl: bool) -> torch.Tensor:
         """o [T, P_rank] -> [T, D]: o_proj, all-reduced over the TP ranks."""
-        return self.tp.all_reduce(linear(o, self.o_proj.weight, self.gemv, pdl=pdl))
+        return self.tp.all_reduce(linear(o, self.o_proj.weight, self.gemv, pdl=pdl,
+                                           skinny=self.skinny))
 
     def process_weights_after_loading(self) -> None:
         if self.full_rank_gate:
@@ -147,7 +149,8 @@ class KimiDeltaAttention(nn.Module):
         """x: [T, D] -> [T, D]."""
         md, caches, pdl = ctx.attn, ctx.caches, ctx.plan.pdl
         T, h, d = x.shape[0], self.num_heads, self.head_dim
-        proj = linear(x, self.in_weight, self.gemv, pdl=pdl)              # [T, 3P + 2d + H]
+        proj = linear(x, self.in_weight, self.gemv, pdl=pdl,
+                      skinny=self.skinny)                                 # [T, 3P + 2d + H]
         if self.fused_decode and ctx.plan.decode_only and x.is_cuda:
             o = self._fused_decode(proj, md, caches, pdl)                     # [T, P]
             return self._out(o, pdl)

@@ -45,6 +45,7 @@ class LatentMoE(nn.Module):
         h, lat = args.hidden_size, args.routed_expert_hidden_size
         act = gated_act(args)
         self.gemv = backends.gemv
+        self.skinny = backends.skinny
         self.gate = TopkRouter(args, backends)
         self.routed_expert_down_proj = nn.Linear(h, lat, bias=False)
         self.experts = Experts(args.num_experts, lat, args.moe_intermediate_size,
@@ -59,13 +60,15 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         topk_weights, topk_ids = self.gate(x, pdl=pdl)                      # [T, k]
-        latent = linear(x, self.routed_expert_down_proj.weight, self.gemv, pdl=pdl)  # [T, L]
+        latent = linear(x, self.routed_expert_down_proj.weight, self.gemv, pdl=pdl,
+                        skinny=self.skinny)                                 # [T, L]
         if self.fused_tail and x.is_cuda:
             return self._fused_tail(x, latent, topk_weights, topk_ids, pdl)
         routed = self.tp.all_reduce(self.experts(latent, topk_weights, topk_ids))  # [T, L]
         if self.routed_expert_norm is not None:
             routed = self.routed_expert_norm(routed)
-        out = linear(routed, self.routed_expert_up_proj.weight, self.gemv, pdl=pdl)  # [T, H]
+        out = linear(routed, self.routed_expert_up_proj.weight, self.gemv, pdl=pdl,
+                     skinny=self.skinny)                                    # [T, H]
         return out + self.shared_experts(x, pdl)
 
     def _fused_tail(self, x: torch.Tensor, latent: torch.Tensor, topk_weights: torch.Tensor,

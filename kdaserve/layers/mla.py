@@ -33,6 +33,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.mla_index = mla_index
         self.gemv = backends.gemv
+        self.skinny = backends.skinny
         self.absorb_gemv = backends.mla == "triton_absorb_gemv"
         self.verify_fold = backends.mla_verify_fold
         """Uniform verify windows fold 2 rows into one MLA decode program (KernelConfig)."""
@@ -124,13 +125,15 @@ class MLAttention(nn.Module):
         md, pdl = ctx.attn, ctx.plan.pdl
         kv_cache = ctx.caches.mla_kv[self.mla_index]
         T, h = x.shape[0], self.num_heads
-        q_ckv = linear(x, self.q_kva_weight, self.gemv, pdl=pdl)  # [T, nq + rank + rope (+ H*v)]
+        q_ckv = linear(x, self.q_kva_weight, self.gemv, pdl=pdl,
+                       skinny=self.skinny)                       # [T, nq + rank + rope (+ H*v)]
         nq = h * self.qk_dim if self.q_lora_rank is None else self.q_lora_rank
         nc = self.kv_lora_rank + self.rope_dim
         q, ckv = q_ckv[:, :nq], q_ckv[:, nq:nq + nc]                      # ckv: [T, rank + rope]
         if self.q_lora_rank is not None:
             q_a = self.q_a_layernorm(q.contiguous())                      # [T, q_lora_rank]
-            q = linear(q_a, self.q_b_proj.weight, self.gemv, pdl=pdl)     # [T, H*qk]
+            q = linear(q_a, self.q_b_proj.weight, self.gemv, pdl=pdl,
+                       skinny=self.skinny)                                # [T, H*qk]
         out = self._attend(q.reshape(T, h, self.qk_dim), ckv, kv_cache, md, pdl)  # [T, H, v]
         if self.output_gate and self.gate_kernel:
             from kdaserve.kernels.activation.activation import sigmoid_gate
@@ -139,7 +142,7 @@ class MLAttention(nn.Module):
         elif self.output_gate:
             out = out * torch.sigmoid(q_ckv[:, nq + nc:]).view(T, h, self.v_dim)
         return self.tp.all_reduce(linear(out.reshape(T, h * self.v_dim), self.o_proj.weight,
-                                         self.gemv, pdl=pdl))
+                                         self.gemv, pdl=pdl, skinny=self.skinny))
 
     def _attend(self, q: torch.Tensor, ckv: torch.Tensor, kv_cache: torch.Tensor,
                 md, pdl: bool) -> torch.Tensor:

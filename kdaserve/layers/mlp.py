@@ -10,7 +10,7 @@ from kdaserve.kernels.linear.gemv import gemv
 from kdaserve.layers.activation import SILU, GatedAct
 from kdaserve.layers.backends import LayerBackends
 from kdaserve.layers.fuse import merge_rows
-from kdaserve.layers.linear import linear, use_gemv
+from kdaserve.layers.linear import linear, use_gemv, use_skinny
 from kdaserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, divide
 
 
@@ -31,6 +31,7 @@ class MLP(nn.Module):
         self.situ_kernel = backends.gated_act == "triton" and act.name == "situ"
         """Other rows, SiTU: the merged gate|up projection and one activation launch."""
         self.gemv = backends.gemv
+        self.skinny = backends.skinny
         divide(intermediate_size, tp.size, "intermediate size (MLP columns)")
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, tp)
@@ -63,7 +64,14 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None and self.situ_kernel:
             from kdaserve.kernels.activation.activation import situ_and_mul
 
-            gate_up = linear(x, self.gate_up_weight, self.gemv, pdl=pdl)       # [T, 2I]
+            gate_up = linear(x, self.gate_up_weight, self.gemv, pdl=pdl,
+                             skinny=self.skinny)                               # [T, 2I]
             h = situ_and_mul(gate_up, self.act.beta, self.act.linear_beta, pdl=pdl)  # [T, I]
-            return linear(h, self.down_proj.weight, self.gemv, pdl=pdl)        # [T, D]
+            return linear(h, self.down_proj.weight, self.gemv, pdl=pdl,
+                          skinny=self.skinny)                                  # [T, D]
+        if self.gate_up_weight is not None and use_skinny(x, self.gate_up_weight, self.skinny):
+            gate_up = linear(x, self.gate_up_weight, pdl=pdl, skinny=True)     # [T, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            return linear(self.act(gate, up), self.down_proj.weight, pdl=pdl,
+                          skinny=True)                                         # [T, D]
         return self.down_proj.partial(self.act(self.gate_proj(x), self.up_proj(x)))

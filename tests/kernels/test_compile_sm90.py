@@ -15,7 +15,8 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ["kernel_checks.py", "interp_extras.py", "gemv_checks.py",
            "test_top_p_threshold.py", "../spec_decode/recover_checks.py", "mxfp4_moe_checks.py",
-           "k3_ops_checks.py", "mla_merge_checks.py", "race_checks.py"]
+           "k3_ops_checks.py", "mla_merge_checks.py", "race_checks.py",
+           "skinny_checks.py"]
 KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel",
            "conv_update_kernel",
            "mla_decode_partial_kernel", "mla_decode_partial_t_kernel", "mla_decode_reduce_kernel",
@@ -31,7 +32,7 @@ KERNELS = {"conv_varlen_kernel", "conv_varlen_state_kernel",
            "latent_moe_tail_gemv_kernel",
            "attn_res_kernel", "situ_and_mul_kernel", "sigmoid_gate_kernel",
            "kda_gate_beta_kernel", "merge_attn_states_kernel", "mxfp4_decode_probe_kernel",
-           "mla_prefill_attn_kernel"}
+           "mla_prefill_attn_kernel", "skinny_gemm_kernel"}
 
 
 def test_interpreter_launches_compile_for_sm90(tmp_path):

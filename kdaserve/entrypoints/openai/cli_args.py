@@ -133,6 +133,7 @@ def one_of(*values: str) -> KeyType:
 
 OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "decode_gemv": BOOL,
+    "skinny_gemm": BOOL,
     "pdl": BOOL,
     "fused_kda_decode": BOOL,
     "kda_state_prefetch": BOOL,
