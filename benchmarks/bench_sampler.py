@@ -46,10 +46,66 @@ def time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def graph_us(fn, calls: int = 8, reps: int = 20) -> float:
+    """One call's time inside a CUDA graph of `calls` back-to-back calls (launch cost as the
+    decode graph pays it), median of `reps` replays."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def race_caps(batches: list[int], vocab: int, caps: list[int]) -> list[dict]:
+    """The race kernels alone at each RACE_MAX_SPLITS cap (the module constant both launches
+    read at call time): the exponential race over W1-tempered logits, and a DSpark Markov
+    position (rank-32 bias added in place, then the race)."""
+    from kdaserve.kernels.sample import race
+    current = race.RACE_MAX_SPLITS
+    rows = []
+    try:
+        for b in batches:
+            logits = torch.randn(b, vocab, device="cuda")
+            seeds = torch.arange(b, dtype=torch.int64, device="cuda")
+            temp = torch.ones(b, device="cuda")
+            emb = torch.randn(vocab, 32, device="cuda", dtype=torch.bfloat16)
+            proj = torch.randn(vocab, 32, device="cuda", dtype=torch.bfloat16) * 0.01
+            prev = torch.zeros(b, dtype=torch.int64, device="cuda")
+            out = torch.zeros(b, dtype=torch.int64, device="cuda")
+            for cap in caps:
+                race.RACE_MAX_SPLITS = cap
+                splits = race.race_splits(b, vocab, torch.cuda.get_device_properties(0)
+                                          .multi_processor_count)
+                plain = graph_us(lambda: race.race_sample(logits, seeds, None, temp))
+                markov = graph_us(lambda: race.markov_race(logits, emb, proj, prev, seeds,
+                                                           temp, out))
+                rows.append({"batch": b, "cap": cap, "splits": splits[0],
+                             "race_us": round(plain, 2), "markov_race_us": round(markov, 2)})
+                print(f"race batch {b:>3} cap {cap:>4} ({splits[0]} splits): race {plain:7.2f} "
+                      f"us, Markov position {markov:7.2f} us", flush=True)
+    finally:
+        race.RACE_MAX_SPLITS = current
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--race-caps", default="",
+                    help="comma-separated RACE_MAX_SPLITS values: also time the race kernels "
+                         "alone (race_sample, and a DSpark Markov position at rank 32) in a CUDA "
+                         "graph at each cap, the current value first")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -65,8 +121,11 @@ def main() -> None:
                 ms = time_ms(lambda sampler=sampler: sampler(logits, md))
                 rows.append({"batch": b, "setting": name, "sampler": label, "ms": ms})
                 print(f"batch {b:>3}  {name:<22} {label:<17} {ms * 1e3:8.1f} us", flush=True)
+    race_rows = race_caps([int(b) for b in args.batches.split(",")], args.vocab,
+                          [int(c) for c in args.race_caps.split(",") if c])
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "commit": git_commit() or "unknown", "vocab": args.vocab, "rows": rows}
+              "commit": git_commit() or "unknown", "vocab": args.vocab, "rows": rows,
+              "race_caps": race_rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -22,9 +22,11 @@ from kdaserve.kernels.utils import cdiv, check_kernel_device, num_sms, require_t
 
 RACE_BLOCK = 1024
 """Tokens a race program scores per step (4 warps: 8 a thread)."""
-RACE_MAX_SPLITS = 64
+RACE_MAX_SPLITS = 256
 """Splits a row at most (a power of two: the reduce takes them as one tile, whatever S is, so
-a new batch size compiles nothing)."""
+a new batch size compiles nothing). Large enough that a lone row of the 163840-token
+vocabulary gets one program per RACE_BLOCK slice (160 programs): a DSpark Markov position,
+which walks its slice 256 tokens at a time, then runs 4 dependent steps a program, not 12."""
 
 
 def race_splits(B: int, V: int, sms: int) -> tuple[int, int]:
