@@ -427,7 +427,7 @@ class KernelConfig:
     decode_gemv: bool = True
     """Projections of 1-2 token rows (decode batches <= 2) through the Triton GEMV
     (kernels/linear/gemv.py) instead of cuBLAS; the router reads its fp32 weight directly."""
-    skinny_gemm: bool = False
+    skinny_gemm: bool = True
     """With decode_gemv: projections of 3-64 rows (decode batches of 3-64, small verify steps)
     through the Triton skinny GEMM (kernels/linear/skinny.py: tensor cores, one program per
     output tile holding every row, each weight element read once) instead of cuBLAS."""

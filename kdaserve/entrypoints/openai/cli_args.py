@@ -133,8 +133,8 @@ def one_of(*values: str) -> KeyType:
 
 OPTIMIZATION_CONFIG_KEYS: dict[str, KeyType] = {
     "decode_gemv": BOOL,
-    "skinny_gemm": BOOL,
     "pdl": BOOL,
+    "skinny_gemm": BOOL,
     "fused_kda_decode": BOOL,
     "kda_state_prefetch": BOOL,
     "mla_absorb_gemv": BOOL,

@@ -65,14 +65,13 @@ def _default_config(bm: int, N: int, K: int, dtype: torch.dtype, device_name: st
 
 
 def guess_config(bm: int, N: int, K: int, sms: int = 132) -> SkinnyConfig:
-    """block_n: the largest power of two in [16, 128] that still gives one program per SM
-    (the weight stream needs every SM); block_k: 256 where K allows, else the next power of
-    two of K (at least 32); stages: as many as SMEM_BUDGET holds of the (bm + block_n) x
+    """The shape of the tiles the sweeps chose at the 48B's projections (H100, 9-64 rows;
+    benchmarks/PERF_NOTES.md): block_n 32 (16 where N gives fewer than `sms` / 2 programs);
+    block_k 512 for long K (>= 4096) at up to 32 rows, else 128 (or the next power of two of
+    a shorter K, at least 32); stages: as many as SMEM_BUDGET holds of the (bm + block_n) x
     block_k bf16 tiles, 2..5; 4 warps."""
-    block_n = 128
-    while block_n > 16 and cdiv(N, block_n) < sms:
-        block_n //= 2
-    block_k = 256 if K >= 256 else max(32, next_power_of_2(K))
+    block_n = 32 if cdiv(N, 32) >= sms // 2 else 16
+    block_k = (512 if K >= 4096 and bm <= 32 else 128) if K >= 128 else max(32, next_power_of_2(K))
     stage = (bm + block_n) * block_k * 2
     stages = max(2, min(5, SMEM_BUDGET // stage))
     return SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
