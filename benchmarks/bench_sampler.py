@@ -71,6 +71,7 @@ def race_caps(batches: list[int], vocab: int, caps: list[int]) -> list[dict]:
     read at call time): the exponential race over W1-tempered logits, and a DSpark Markov
     position (rank-32 bias added in place, then the race)."""
     from kdaserve.kernels.sample import race
+
     current = race.RACE_MAX_SPLITS
     rows = []
     try:
