@@ -336,14 +336,19 @@ def bench_dense(rows, ceil, n, deadline, best, calls=4):
         cublas = per_call_us([lambda i=i: torch.nn.functional.linear(x, ws[i])
                               for i in range(calls)])
         bm = skinny.block_m(n)
-        grid = [skinny.SkinnyConfig(bn, bk, nw, st) for bn, bk, nw, st in itertools.product(
+        tiles = [skinny.SkinnyConfig(bn, bk, nw, st) for bn, bk, nw, st in itertools.product(
             (16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 5))
             if (bm + bn) * bk * 2 * st <= 200 * 1024]
+        # the default tile with its first weight tile read before the PDL wait first (the
+        # budget may cut the rest), then every tile without and with that prefetch
+        dflt = skinny.default_config(n, N, K, bf, torch.device("cuda"))
+        grid = [dataclasses.replace(dflt, prefetch=1)] + tiles + [
+            dataclasses.replace(c, prefetch=1) for c in tiles]
         before = len(rows)
         sweep(f"dense {name} N={n}", rows, fns(), grid, fns, floor_us(N * K * 2, ceil), until)
         row = rows[before]
         row.update(cublas_us=cublas, rel_err=err, shape=[n, N, K],
-                   default_config=str(skinny.default_config(n, N, K, bf, torch.device("cuda"))))
+                   default_config=str(dflt))
         print(f"{'':<28} cuBLAS {cublas:7.1f} us, rel err {err:.1e}", flush=True)
         if row["best_config"] != "default":
             cfg = next(c for c in grid if str(c) == row["best_config"])

@@ -56,6 +56,13 @@ def main() -> None:
     check_skinny("cpu", 17, 33, 64, out_dtype=torch.float32, bound=1e-5)
     check_skinny("cpu", 33, 96, 160, config=SkinnyConfig(64, 32, 4, 4), strided_in=True)
     check_skinny("cpu", 64, 20, 96, dtype=torch.float16, strided_out=True)
+    # the first weight tile read before the PDL wait (the interpreter keeps the order): the
+    # same output bit for bit, even and uneven K, one K step and several
+    for M, N, K, bk in ((5, 40, 256, 64), (20, 33, 100, 64), (9, 16, 64, 64)):
+        base = check_skinny("cpu", M, N, K, config=SkinnyConfig(16, bk, 4, 2), seed=K)
+        fast = check_skinny("cpu", M, N, K, config=SkinnyConfig(16, bk, 4, 2, prefetch=1),
+                            pdl=True, seed=K)
+        assert torch.equal(base, fast), f"prefetch changed the output at {(M, N, K)}"
     print("skinny checks passed")
 
 

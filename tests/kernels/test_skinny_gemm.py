@@ -7,6 +7,7 @@ tests (marked gpu) run the Kimi-Linear-48B projection shapes at decode and verif
 """
 
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,8 @@ def test_bad_dtypes_layouts_and_configs_name_the_value():
         skinny_gemm(x, w, config=SkinnyConfig(24, 128, 4, 2))
     with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
         skinny_gemm(x, w, config=SkinnyConfig(16, 128, 4, 0))
+    with pytest.raises(ValueError, match="prefetch must be 0 or 1, got 2"):
+        skinny_gemm(x, w, config=SkinnyConfig(16, 128, 4, 2, prefetch=2))
 
 
 @pytest.mark.parametrize("M,bm", [(3, 16), (16, 16), (17, 32), (33, 64), (64, 64)])
@@ -121,19 +124,24 @@ def test_guessed_tiles_compile_for_sm90_without_spills(N, K, bm, tmp_path):
     assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, (cfg, res.stderr)
 
 
-def test_pdl_sm90_order():
-    """griddepcontrol.wait comes before every global access (x is the previous kernel's
-    output), launch_dependents right after it."""
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_pdl_sm90_order(prefetch):
+    """griddepcontrol.wait comes before every x load (x is the previous kernel's output) and
+    the store, launch_dependents right after it; before it only the prefetched weight tile's
+    16-byte loads (32 x 256 bf16 over 128 threads: 8 a thread)."""
     _ptxas()
     from kdaserve.kernels.linear.triton_skinny import skinny_gemm_kernel
 
     k = gc.sm90_compile(skinny_gemm_kernel, TYPES,
                         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, EVEN_K=True, STAGES=4,
-                             USE_PDL=True), num_warps=4, launch_pdl=True)
+                             USE_PDL=True, PREFETCH=prefetch), num_warps=4, launch_pdl=True)
     ptx = k.asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    assert "cp.async" not in ptx[:wait] and "ld.global" not in ptx[:wait]
-    assert ptx.index("griddepcontrol.launch_dependents") > wait
+    before, after = gc.split_at_wait(ptx)
+    assert "cp.async" not in ptx[:ptx.index("griddepcontrol.wait")]
+    assert len(before) == prefetch * 32 * 256 * 2 // (128 * 16), before
+    assert all(op.startswith("ld.global.v4") for op in before), before
+    assert after[0].startswith("griddepcontrol.launch_dependents"), after[:2]
+    assert any(op.startswith("st.global") for op in after)
     assert "mma.sync" in ptx or "wgmma" in ptx                          # tensor cores
 
 
@@ -160,6 +168,8 @@ def test_skinny_pdl_and_graph_match_gpu(M):
     w = (torch.randn(2304, 4096, device="cuda", generator=g) * 4096 ** -0.5).to(BF16)
     base = skinny_gemm(x, w)
     assert torch.equal(skinny_gemm(x, w, pdl=True), base)
+    first_tile = replace(default_config(M, 2304, 4096, BF16, x.device), prefetch=1)
+    assert torch.equal(skinny_gemm(x, w, config=first_tile, pdl=True), base)
     out = torch.empty_like(base)
     skinny_gemm(x, w, out=out, pdl=True)
     graph = torch.cuda.CUDAGraph()

@@ -33,6 +33,7 @@ class SkinnyConfig:
     block_k: int        # K elements per step
     num_warps: int
     num_stages: int     # tiles in flight through shared memory
+    prefetch: int = 0   # with pdl: the first weight tile loaded before the wait (0 or 1)
 
 
 def block_m(M: int) -> int:
@@ -85,6 +86,8 @@ def check_config(config: SkinnyConfig) -> None:
             raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value}")
     if config.num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {config.num_stages}")
+    if config.prefetch not in (0, 1):
+        raise ValueError(f"prefetch must be 0 or 1, got {config.prefetch}")
 
 
 def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
@@ -132,7 +135,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     [N, K] of x's dtype, last dim contiguous. out: [M, N] (last dim contiguous, may be a
     row-strided view) or None; its dtype is out.dtype, else out_dtype, else x.dtype (fp32
     allowed). pdl: launch with programmatic dependent launch (sm_90+ on CUDA; ignored for CPU
-    tensors under the Triton interpreter). Returns out."""
+    tensors under the Triton interpreter, which keep only config.prefetch's load order), the
+    first config.prefetch weight tiles read before the wait. Returns out."""
     if config is not None:
         check_config(config)
     dtype = _check_inputs(x, weight, out, out_dtype)
@@ -149,8 +153,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     skinny_gemm_kernel[(cdiv(N, cfg.block_n),)](
         x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=block_m(M), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(pdl, x))
+        EVEN_K=K % cfg.block_k == 0, STAGES=cfg.num_stages, PREFETCH=cfg.prefetch if pdl else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl, x))
     return out
 
 
