@@ -27,15 +27,21 @@ def test_cpu_is_the_reference_set_whatever_the_switches():
 def test_each_switch_picks_its_cuda_backend():
     on = select_backends(KernelConfig(), "cuda")
     assert (on.linear, on.dense_mlp, on.kda, on.mla, on.moe, on.sampler) == (
-        "gemv", "gemv_swiglu", "fla_fused_decode", "triton_absorb_gemv", "triton", "threshold")
-    assert on.kda_state_prefetch
+        "gemv_skinny", "gemv_swiglu", "fla_fused_decode", "triton_absorb_gemv", "triton",
+        "threshold")
+    assert on.gemv and on.skinny and on.kda_state_prefetch
     off = select_backends(KernelConfig.baseline(), "cuda")
     assert (off.linear, off.dense_mlp, off.kda, off.mla, off.moe, off.sampler) == (
         "torch", "torch", "fla", "triton", "triton", "sort")
     assert not off.kda_state_prefetch
-    # the swiglu GEMV needs the GEMV projections; the state prefetch the fused decode
+    # the skinny GEMM and the swiglu GEMV need the GEMV projections; the state prefetch the
+    # fused decode
+    kc = dataclasses.replace(KernelConfig(), skinny_gemm=False)
+    assert select_backends(kc, "cuda").linear == "gemv"
+    assert not select_backends(kc, "cuda").skinny
     kc = dataclasses.replace(KernelConfig(), decode_gemv=False)
     assert select_backends(kc, "cuda").dense_mlp == "torch"
+    assert select_backends(kc, "cuda").linear == "torch"
     kc = dataclasses.replace(KernelConfig(), fused_kda_decode=False)
     assert not select_backends(kc, "cuda").kda_state_prefetch
 
