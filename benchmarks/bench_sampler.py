@@ -21,6 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_layers import bench_ms, capture  # noqa: E402
+
 from kdaserve.bench.report import git_commit  # noqa: E402
 from kdaserve.sample.metadata import SamplingMetadata  # noqa: E402
 from kdaserve.sample.sampler import Sampler  # noqa: E402
@@ -46,24 +48,11 @@ def time_ms(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def graph_us(fn, calls: int = 8, reps: int = 20) -> float:
+def graph_us(fn, calls: int = 8) -> float:
     """One call's time inside a CUDA graph of `calls` back-to-back calls (launch cost as the
-    decode graph pays it), median of `reps` replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    decode graph pays it): bench_layers' capture and median replay time."""
+    graph = capture(lambda: [fn() for _ in range(calls)])
+    return bench_ms(graph.replay) * 1e3 / calls
 
 
 def race_caps(batches: list[int], vocab: int, caps: list[int]) -> list[dict]:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels.linear.skinny import DTYPES as SKINNY_DTYPES
+from kdaserve.kernels.linear.skinny import MAX_M as SKINNY_MAX_M
+
 GEMV_MAX_ROWS = 2
 """Rows up to which the gemv backend routes projections to the Triton GEMV (the kernel takes
-1..4); larger inputs stay on cuBLAS, which was measured faster from 4 rows on
-(benchmarks/PERF_NOTES.md)."""
+1..4); at 4 rows it lost to cuBLAS (benchmarks/PERF_NOTES.md), and from 3 rows the skinny GEMM
+takes them under its backend."""
 
 
 def use_gemv(x: torch.Tensor, enabled: bool) -> bool:
@@ -19,10 +22,8 @@ def use_gemv(x: torch.Tensor, enabled: bool) -> bool:
 def use_skinny(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
     """The skinny GEMM takes the input: enabled, CUDA, GEMV_MAX_ROWS < rows <= its MAX_M, x
     and weight of one 16-bit dtype, contiguous last dims."""
-    from kdaserve.kernels.linear.skinny import DTYPES, MAX_M
-
-    return (enabled and x.is_cuda and GEMV_MAX_ROWS < x.shape[0] <= MAX_M
-            and x.dtype == weight.dtype and x.dtype in DTYPES and x.stride(-1) == 1
+    return (enabled and x.is_cuda and GEMV_MAX_ROWS < x.shape[0] <= SKINNY_MAX_M
+            and x.dtype == weight.dtype and x.dtype in SKINNY_DTYPES and x.stride(-1) == 1
             and weight.stride(-1) == 1)
 
 

@@ -108,12 +108,11 @@ def kda_decode_fused_kernel(
     Otherwise each program writes its gated, unnormalised outputs (fp32) and their sum of
     squares to scratch; with GATES_IN (the many-row steps) it ends there and
     kda_decode_norm_kernel, launched next, finishes every head. Without it the program then
-    draws a ticket (an acq_rel atomic
-    on ticket_ptr[n * H + h], after a CTA barrier: its stores and its window loads come
-    before); the program that draws the last ticket sees every other program's scratch,
-    applies the norm scale to the head's D outputs, stores the shifted q / k windows (every
-    other program has read them by then) and resets the ticket to 0 for the next launch or
-    CUDA-graph replay.
+    draws a ticket (an acq_rel atomic on ticket_ptr[n * H + h], after a CTA barrier: its
+    stores and its window loads come before); the program that draws the last ticket sees
+    every other program's scratch, applies the norm scale to the head's D outputs, stores the
+    shifted q / k windows (every other program has read them by then) and resets the ticket to
+    0 for the next launch or CUDA-graph replay.
 
     Kimi K3's variant: FULL_RANK_GATE, proj row n = [q | k | v | g (the output gate, P) | f_a (D)
     | beta logits (H)] and fgb_ptr holds f_b alone; LOWER_BOUND (< 0; 0 = none): the decay is

@@ -142,15 +142,20 @@ def _check_last_dim(name: str, t: torch.Tensor) -> None:
                          f"{tuple(t.shape)} strides {t.stride()}")
 
 
-def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
-    """Validate everything before any launch; returns the output dtype."""
+def check_linear_inputs(x, weight, out, out_dtype, rows: tuple[int, int] = (1, MAX_M),
+                        kernel: str = "gemv", beyond: str = "use F.linear") -> torch.dtype:
+    """Validate a projection kernel's operands before any launch (x [M, K] with rows[0] <= M <=
+    rows[1], weight [N, K], out [M, N] or None; dtypes in DTYPES, contiguous last dims, one
+    device); returns the output dtype. kernel / beyond name the kernel and the way out in the
+    row-count error."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     M, K = x.shape
     N = weight.shape[0]
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"gemv takes 1 <= M <= {MAX_M} rows, got M={M} (use F.linear)")
+    if not rows[0] <= M <= rows[1]:
+        raise ValueError(f"{kernel} takes {rows[0]} <= M <= {rows[1]} rows, got M={M} "
+                         f"({beyond})")
     if weight.shape[1] != K:
         raise ValueError(f"x K={K} != weight K={weight.shape[1]}")
     _check_last_dim("x", x)
@@ -203,7 +208,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
             raise ValueError(f"swiglu: x must be [M, 2K] for weight [N, K], got "
                              f"{tuple(x.shape)} and {tuple(weight.shape)}")
         x = x[:, :weight.shape[1]]       # the gate half; the kernel reads up at +K
-    dtype = _check_inputs(x, weight, out, out_dtype)
+    dtype = check_linear_inputs(x, weight, out, out_dtype)
     M, K = x.shape
     N = weight.shape[0]
     if out is None:
@@ -238,7 +243,8 @@ def gemv_batched(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
         raise ValueError(f"out must be [B={B}, M={M}, N={N}], got {tuple(out.shape)}")
     if B == 0:
         raise ValueError("gemv_batched needs B >= 1")
-    dtype = _check_inputs(x[0], weight[0], None if out is None else out[0], out_dtype)
+    dtype = check_linear_inputs(x[0], weight[0], None if out is None else out[0],
+                                out_dtype)
     if out is None:
         out = torch.empty(B, M, N, dtype=dtype, device=x.device)
     if N == 0:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kdaserve.kernels.configs import device_name, load_configs, shape_key
-from kdaserve.kernels.utils import (cdiv, check_kernel_device, next_power_of_2, num_sms,
-                                    pdl_options, require_triton)
+from kdaserve.kernels.linear.gemv import check_linear_inputs
+from kdaserve.kernels.utils import cdiv, next_power_of_2, num_sms, pdl_options, require_triton
 
 MIN_M, MAX_M = 3, 64
 DTYPES = (torch.bfloat16, torch.float16)
@@ -91,39 +91,13 @@ def check_config(config: SkinnyConfig) -> None:
 
 
 def _check_inputs(x, weight, out, out_dtype) -> torch.dtype:
-    """Validate everything before any launch; returns the output dtype."""
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    M, K = x.shape
-    N = weight.shape[0]
-    if not MIN_M <= M <= MAX_M:
-        raise ValueError(f"skinny_gemm takes {MIN_M} <= M <= {MAX_M} rows, got M={M} "
-                         f"(gemv below, F.linear above)")
-    if weight.shape[1] != K:
-        raise ValueError(f"x K={K} != weight K={weight.shape[1]}")
+    """gemv's operand checks at 3..64 rows, and x and weight of one 16-bit dtype (the MMA's
+    operands); returns the output dtype."""
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a dtype in {DTYPES}, got {x.dtype} and "
                          f"{weight.dtype}")
-    for name, t in (("x", x), ("weight", weight)):
-        if K > 1 and t.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got shape "
-                             f"{tuple(t.shape)} strides {t.stride()}")
-    dtype = out_dtype or x.dtype
-    if out is not None:
-        if out_dtype is not None and out.dtype != out_dtype:
-            raise ValueError(f"out dtype {out.dtype} != out_dtype {out_dtype}")
-        if tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1):
-            raise ValueError(f"out must be [M={M}, N={N}] with a contiguous last dim, got "
-                             f"{tuple(out.shape)} strides {out.stride()}")
-        dtype = out.dtype
-    if dtype not in DTYPES + (torch.float32,):
-        raise ValueError(f"out dtype {dtype} not in {DTYPES + (torch.float32,)}")
-    for name, t in (("weight", weight), ("out", out)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    check_kernel_device(x)
-    return dtype
+    return check_linear_inputs(x, weight, out, out_dtype, (MIN_M, MAX_M), "skinny_gemm",
+                               "gemv below, F.linear above")
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
