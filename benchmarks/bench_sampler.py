@@ -55,13 +55,15 @@ def graph_us(fn, calls: int = 8) -> float:
     return bench_ms(graph.replay) * 1e3 / calls
 
 
-def race_caps(batches: list[int], vocab: int, caps: list[int]) -> list[dict]:
-    """The race kernels alone at each RACE_MAX_SPLITS cap (the module constant both launches
-    read at call time): the exponential race over W1-tempered logits, and a DSpark Markov
-    position (rank-32 bias added in place, then the race)."""
+def race_caps(batches: list[int], vocab: int, caps: list[int],
+              programs: list[int] | None = None) -> list[dict]:
+    """The race kernels alone at each RACE_MAX_SPLITS cap x RACE_PROGRAMS_PER_SM (module
+    constants the launches read at call time; programs None: the current value): the
+    exponential race over W1-tempered logits, and a DSpark Markov position (rank-32 bias added
+    in place, then the race)."""
     from kdaserve.kernels.sample import race
 
-    current = race.RACE_MAX_SPLITS
+    current = race.RACE_MAX_SPLITS, race.RACE_PROGRAMS_PER_SM
     rows = []
     try:
         for b in batches:
@@ -72,19 +74,20 @@ def race_caps(batches: list[int], vocab: int, caps: list[int]) -> list[dict]:
             proj = torch.randn(vocab, 32, device="cuda", dtype=torch.bfloat16) * 0.01
             prev = torch.zeros(b, dtype=torch.int64, device="cuda")
             out = torch.zeros(b, dtype=torch.int64, device="cuda")
-            for cap in caps:
-                race.RACE_MAX_SPLITS = cap
+            for cap, per_sm in ((c, n) for c in caps for n in programs or [current[1]]):
+                race.RACE_MAX_SPLITS, race.RACE_PROGRAMS_PER_SM = cap, per_sm
                 splits = race.race_splits(b, vocab, torch.cuda.get_device_properties(0)
                                           .multi_processor_count)
                 plain = graph_us(lambda: race.race_sample(logits, seeds, None, temp))
                 markov = graph_us(lambda: race.markov_race(logits, emb, proj, prev, seeds,
                                                            temp, out))
-                rows.append({"batch": b, "cap": cap, "splits": splits[0],
+                rows.append({"batch": b, "cap": cap, "programs_per_sm": per_sm,
+                             "splits": splits[0],
                              "race_us": round(plain, 2), "markov_race_us": round(markov, 2)})
-                print(f"race batch {b:>3} cap {cap:>4} ({splits[0]} splits): race {plain:7.2f} "
-                      f"us, Markov position {markov:7.2f} us", flush=True)
+                print(f"race batch {b:>3} cap {cap:>4} x{per_sm:<2} ({splits[0]} splits): "
+                      f"race {plain:7.2f} us, Markov position {markov:7.2f} us", flush=True)
     finally:
-        race.RACE_MAX_SPLITS = current
+        race.RACE_MAX_SPLITS, race.RACE_PROGRAMS_PER_SM = current
     return rows
 
 
@@ -96,6 +99,9 @@ def main() -> None:
                     help="comma-separated RACE_MAX_SPLITS values: also time the race kernels "
                          "alone (race_sample, and a DSpark Markov position at rank 32) in a CUDA "
                          "graph at each cap, the current value first")
+    ap.add_argument("--race-programs", default="",
+                    help="comma-separated RACE_PROGRAMS_PER_SM values to time at each cap "
+                         "(default: the current value)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -112,7 +118,8 @@ def main() -> None:
                 rows.append({"batch": b, "setting": name, "sampler": label, "ms": ms})
                 print(f"batch {b:>3}  {name:<22} {label:<17} {ms * 1e3:8.1f} us", flush=True)
     race_rows = race_caps([int(b) for b in args.batches.split(",")], args.vocab,
-                          [int(c) for c in args.race_caps.split(",") if c])
+                          [int(c) for c in args.race_caps.split(",") if c],
+                          [int(n) for n in args.race_programs.split(",") if n] or None)
     result = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "commit": git_commit() or "unknown", "vocab": args.vocab, "rows": rows,
               "race_caps": race_rows}

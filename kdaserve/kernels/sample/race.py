@@ -29,11 +29,19 @@ vocabulary gets one program per RACE_BLOCK slice (160 programs): a DSpark Markov
 which walks its slice 256 tokens at a time, then runs 4 dependent steps a program, not 12."""
 
 
+RACE_PROGRAMS_PER_SM = 8
+"""Race programs an SM is given over the batch (fewer where the cap or the vocabulary's blocks
+bind). A program walks its slice one dependent step at a time, so the SMs need several
+programs each to keep loads in flight; the race kernel's registers (40 a thread plain, 64 with
+the Markov tile) leave room for 8-12 programs of 4 warps an SM."""
+
+
 def race_splits(B: int, V: int, sms: int) -> tuple[int, int]:
-    """(splits S per row, tokens per split): about two programs per SM over the batch, each
-    slice a whole number of RACE_BLOCK steps, at most RACE_MAX_SPLITS. Depends on shapes only."""
+    """(splits S per row, tokens per split): about RACE_PROGRAMS_PER_SM programs per SM over
+    the batch, each slice a whole number of RACE_BLOCK steps, at most RACE_MAX_SPLITS. Depends
+    on shapes only."""
     blocks = cdiv(V, RACE_BLOCK)
-    want = max(1, min(RACE_MAX_SPLITS, cdiv(2 * sms, max(B, 1)), blocks))
+    want = max(1, min(RACE_MAX_SPLITS, cdiv(RACE_PROGRAMS_PER_SM * sms, max(B, 1)), blocks))
     split_len = cdiv(blocks, want) * RACE_BLOCK
     return cdiv(V, split_len), split_len
 

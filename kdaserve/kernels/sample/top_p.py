@@ -39,46 +39,53 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = Non
         return tau
     require_triton()
     check_kernel_device(logits)
-    from kdaserve.kernels.sample.triton_top_p import (finish_kernel, search_pass_kernel,
+    from kdaserve.kernels.sample.triton_top_p import (narrow_kernel, search_pass_kernel,
                                                       split_stats_kernel)
 
     S, split_len, block, red_s = _launch_config(B, V, logits.device,
                                                 tiles[0] if tiles else None)
     warps = tiles[1] if tiles else SEARCH_TILES[1]
     searches = [False] * (passes if top_k is not None else 0) + \
-        [True] * (passes if top_p is not None else 0)                   # MASS flag per launch
+        [True] * (passes if top_p is not None else 0)                   # MASS flag per pass
     P = num_pivots
     dev = logits.device
     stats = torch.empty(B, S, 2, dtype=torch.float32, device=dev)
     state = torch.empty(len(searches), B, P + 8, dtype=torch.float64, device=dev)
-    part = torch.empty(2, B, S, P + 2, dtype=torch.float64, device=dev)
+    part = torch.empty(B, S, P + 2, dtype=torch.float64, device=dev)
     k_arg = top_k if top_k is not None else tau                         # unread when None
     p_arg = top_p if top_p is not None else tau
 
     split_stats_kernel[(B, S)](logits, stats, V, S, split_len, BLOCK=block)
     prev = 0
     for t, mass in enumerate(searches):
+        if t > 0:
+            narrow_kernel[(B,)](state[t - 1], part, state[t], k_arg, p_arg, tau, V, S,
+                                PREV=prev, MASS=mass, FINAL=False, P=P, RED_S=red_s,
+                                num_warps=4)
         search_pass_kernel[(B, S)](
-            logits, stats, state[max(t - 1, 0)], part[(t - 1) % 2], state[t], part[t % 2],
-            k_arg, p_arg, V, S, split_len,
-            PREV=prev, MASS=mass, P=P, BLOCK=block, RED_S=red_s, num_warps=warps)
+            logits, stats, state[t], part, V, S, split_len, FIRST=t == 0, MASS=mass, P=P,
+            BLOCK=block, SUB=min(block, SUB_BLOCK), RED_S=red_s, num_warps=warps)
         prev = _prev_mode(mass, prev)
     last = len(searches) - 1
-    finish_kernel[(B,)](state[last], part[last % 2], k_arg, p_arg, tau, V, S,
-                        PREV=prev, P=P, RED_S=red_s, num_warps=4)
+    narrow_kernel[(B,)](state[last], part, state[last], k_arg, p_arg, tau, V, S,
+                        PREV=prev, MASS=False, FINAL=True, P=P, RED_S=red_s, num_warps=4)
     return tau
 
 
 def _prev_mode(mass: bool, prev: int) -> int:
-    """What the next launch sees behind it (see triton_top_p's PREV): 1 after a top-k pass,
-    2 after the first top-p pass, 3 after a later one."""
+    """What the narrowing after a pass sees behind it (see triton_top_p's PREV): 1 after a
+    top-k pass, 2 after the first top-p pass, 3 after a later one."""
     if not mass:
         return 1
     return 3 if prev >= 2 else 2
 
 
-SEARCH_TILES = (256, 4)
+SEARCH_TILES = (1024, 4)
 """(tokens per step, warps) of a search program on CUDA."""
+
+SUB_BLOCK = 128
+"""Tokens a search program compares with the pivots at a time (the [SUB_BLOCK, P] compare's
+registers bound the programs an SM holds)."""
 
 
 def _launch_config(B: int, V: int, device: torch.device,
@@ -88,8 +95,8 @@ def _launch_config(B: int, V: int, device: torch.device,
     S depends on V only, not on B: the kernels' integer arguments then specialise the same way
     at every batch size, so a new batch size never JIT-compiles a new variant in the middle of
     serving (suspected in multi-second stalls of early server runs). On CUDA
-    S = min(SM count / 2, 64) splits per row: B = 1 still spreads over many SMs, and each
-    program's reduction over S partials stays small. On the interpreter everything is small so
+    S = min(SM count / 2, 64) splits per row: B = 1 still spreads over many SMs, and the
+    narrowing's reduction over S partials (one program a row) stays small. On the interpreter everything is small so
     every loop runs several times."""
     if device.type == "cuda":
         red_s, want = 32, max(1, min(num_sms(device) // 2, 64))

@@ -2,14 +2,16 @@
 
 Buffers (all written before they are read, one launch after another on one stream):
 - stats [B, S, 2] fp32: per split (max logit, min finite logit).
-- state [L, B, P + 8] fp64, one slot per search launch, written by split 0 of that launch:
-  [0, P) the launch's pivots, then lo, hi, row_max, row_min, tk, target (offsets below).
-- part [2, B, S, P + 2] fp64, double-buffered by launch: per split, the weight of the tokens in
-  [lo, hi) at or above each pivot, then the weight at or above hi, then the total weight.
+- state [L, B, P + 8] fp64, one slot per search pass, written by split 0 of the first pass and
+  by narrow_kernel before every later one: [0, P) the pass's pivots, then lo, hi, row_max,
+  row_min, tk, target (offsets below).
+- part [B, S, P + 2] fp64, per split of the last pass: the weight of the tokens in [lo, hi) at
+  or above each pivot, then the weight at or above hi, then the total weight.
   Weight = 1 per finite token (top-k search) or exp(l - row_max) for l >= tk (top-p search).
 
-PREV (constexpr) names what the previous launch was: 0 the stats launch, 1 a top-k pass,
-2 the first top-p pass (its total weight fixes the target top_p * Z), 3 a later top-p pass.
+Launches: split_stats, then search passes with a narrow_kernel between two and after the last
+(FINAL: it writes tau). PREV (constexpr of narrow_kernel) names the pass it narrows: 1 a top-k
+pass, 2 the first top-p pass (its total weight fixes the target top_p * Z), 3 a later one.
 """
 
 import triton
@@ -125,93 +127,127 @@ def _advance(row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S,
 
 
 @triton.jit
+def _weights(lg, row_max, tk, MASS: tl.constexpr):
+    """Each token's weight: exp(l - row_max) over l >= tk (MASS) else 1 per finite token."""
+    if MASS:
+        return tl.where(lg >= tk, tl.exp(lg - row_max), 0.0)
+    return tl.where(lg > float("-inf"), 1.0, 0.0)
+
+
+@triton.jit
 def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
-                MASS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr):
+                MASS: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """One slice -> (weight of the tokens in [lo, hi) at or above each pivot [P],
-    [weight of l >= hi, total weight] [2]). The window sums are fp32 per block, fp64 across
-    blocks; the edge sums accumulate per element in fp64 and reduce once after the loop, so a
-    block costs one cross-thread reduction (whether any token is inside), not three. Blocks with
-    no token in [lo, hi) skip the [BLOCK, P] compare (most blocks, once the window is narrow)."""
+    [weight of l >= hi, total weight] [2]).
+
+    The slice streams by BLOCK tokens with the next block's load issued before the current
+    block's work, so a program keeps a load in flight; the edge sums accumulate per element
+    (fp32: a slice is a few blocks, so each element adds a few values) and reduce once after the
+    loop, in fp64. A block with a token in [lo, hi) (every block in the
+    first passes, few once the window is narrow) compares in SUB-token parts, reloaded from
+    cache, each only if it holds such a token: the [SUB, P] compare holds SUB / BLOCK of the registers a [BLOCK, P] one would, which
+    keeps enough programs an SM to hide the loads. Window sums fp32 per part, fp64 across."""
     window = tl.zeros([P], tl.float64)
-    above = tl.zeros([BLOCK], tl.float64)
-    total = tl.zeros([BLOCK], tl.float64)
+    above = tl.zeros([BLOCK], tl.float32)
+    total = tl.zeros([BLOCK], tl.float32)
+    offs = start + tl.arange(0, BLOCK)
+    lg = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf"))      # [BLOCK]
     for off in range(start, end, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        lg = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf"))  # [BLOCK]
-        if MASS:
-            w = tl.where(lg >= tk, tl.exp(lg - row_max), 0.0)
-        else:
-            w = tl.where(lg > float("-inf"), 1.0, 0.0)
-        above += tl.where(lg >= hi, w, 0.0).to(tl.float64)
-        total += w.to(tl.float64)
+        nxt_offs = off + BLOCK + tl.arange(0, BLOCK)
+        nxt = tl.load(row_ptr + nxt_offs, mask=nxt_offs < end, other=float("-inf"))
+        w = _weights(lg, row_max, tk, MASS)
+        above += tl.where(lg >= hi, w, 0.0)
+        total += w
         inside = (lg >= lo) & (lg < hi)
         if tl.max(inside.to(tl.int32), axis=0) > 0:
-            hit = (lg[:, None] >= piv[None, :]) & inside[:, None]     # [BLOCK, P]
-            window += tl.sum(tl.where(hit, w[:, None], 0.0), axis=0).to(tl.float64)
+            for c in range(off, off + BLOCK, SUB):
+                so = c + tl.arange(0, SUB)
+                sl = tl.load(row_ptr + so, mask=so < end, other=float("-inf"))   # [SUB]
+                sin = (sl >= lo) & (sl < hi)
+                if tl.max(sin.to(tl.int32), axis=0) > 0:
+                    sw = _weights(sl, row_max, tk, MASS)
+                    hit = (sl[:, None] >= piv[None, :]) & sin[:, None]      # [SUB, P]
+                    window += tl.sum(tl.where(hit, sw[:, None], 0.0), axis=0).to(tl.float64)
+        lg = nxt
     e = tl.arange(0, 2)
-    edge = tl.where(e == 0, tl.sum(above, axis=0), tl.sum(total, axis=0))   # [2]
+    edge = tl.where(e == 0, tl.sum(above.to(tl.float64), axis=0),
+                    tl.sum(total.to(tl.float64), axis=0))                   # [2]
     return window, edge
 
 
 @triton.jit
-def search_pass_kernel(logits_ptr, stats_ptr, prev_state_ptr, prev_part_ptr, state_ptr, part_ptr,
-                       top_k_ptr, top_p_ptr, V, S, SPLIT_LEN,
-                       PREV: tl.constexpr, MASS: tl.constexpr, P: tl.constexpr,
-                       BLOCK: tl.constexpr, RED_S: tl.constexpr):
-    """Program (row, split): settle this pass's interval from the previous launch (every
-    program redundantly), then sum its slice's weights at the P pivots into part[row, split].
+def _store_state(st, piv, lo, hi, row_max, row_min, tk, target, mask, P: tl.constexpr):
+    """One row's state slot (layout in the module docstring); stores only where mask."""
+    j = tl.arange(0, P)
+    tl.store(st + j, piv, mask=(j < P) & mask)
+    tl.store(st + P + LO, lo, mask=mask)
+    tl.store(st + P + HI, hi, mask=mask)
+    tl.store(st + P + ROW_MAX, row_max, mask=mask)
+    tl.store(st + P + ROW_MIN, row_min, mask=mask)
+    tl.store(st + P + TK, tk, mask=mask)
+    tl.store(st + P + TARGET, target, mask=mask)
+
+
+@triton.jit
+def search_pass_kernel(logits_ptr, stats_ptr, state_ptr, part_ptr, V, S, SPLIT_LEN,
+                       FIRST: tl.constexpr, MASS: tl.constexpr, P: tl.constexpr,
+                       BLOCK: tl.constexpr, SUB: tl.constexpr, RED_S: tl.constexpr):
+    """Program (row, split): sum its slice's weights at the pass's P pivots into
+    part[row, split]. The pivots come from state[row] (narrow_kernel wrote them), or with FIRST
+    from the stats (the first pass: the row's range; split 0 stores the state).
     MASS: top-p search (weights exp(l - row_max) over l >= tk) else top-k search (counts)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    if PREV == 0:
+    st = state_ptr + row * (P + 8)
+    if FIRST:
         row_max, row_min = _row_range(stats_ptr + row * S * 2, S, RED_S)
         tk = float("-inf")
-        target = 0.0
         if MASS:
             lo = tl.maximum(row_max - MASS_RANGE, row_min)
         else:
             lo = row_min
         hi = row_max
+        piv = _pivots(lo, hi, P)                                        # [P]
+        _store_state(st, piv, lo, hi, row_max, row_min, tk, 0.0, split == 0, P)
     else:
-        lo, hi, row_max, row_min, tk, target, total = _advance(
-            row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S, PREV, P, RED_S)
+        piv = tl.load(st + tl.arange(0, P)).to(tl.float32)
+        lo = tl.load(st + P + LO).to(tl.float32)
+        hi = tl.load(st + P + HI).to(tl.float32)
+        row_max = tl.load(st + P + ROW_MAX).to(tl.float32)
+        tk = tl.load(st + P + TK).to(tl.float32)
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, V)
+    window, edge = _accumulate(logits_ptr + row * V, start, end, piv, lo, hi, row_max, tk,
+                               MASS, P, BLOCK, SUB)
+    out = part_ptr + (row * S + split) * (P + 2)
+    tl.store(out + tl.arange(0, P), window)
+    tl.store(out + P + tl.arange(0, 2), edge)
+
+
+@triton.jit
+def narrow_kernel(prev_state_ptr, part_ptr, state_ptr, top_k_ptr, top_p_ptr, tau_ptr, V, S,
+                  PREV: tl.constexpr, MASS: tl.constexpr, FINAL: tl.constexpr,
+                  P: tl.constexpr, RED_S: tl.constexpr):
+    """Program (row): the previous pass's interval narrowed with its partial sums (once a row,
+    not in every search program). FINAL: tau = max(tk, tp) (off filters give -inf) into
+    tau[row]; else the next pass's state into state[row] (MASS: the next pass is a top-p
+    search; after a top-k one it starts over in [tk, row_max])."""
+    row = tl.program_id(0).to(tl.int64)
+    lo, hi, row_max, row_min, tk, target, total = _advance(
+        row, prev_state_ptr, part_ptr, top_k_ptr, top_p_ptr, V, S, PREV, P, RED_S)
+    if FINAL:
+        if PREV == 1:
+            tau = _top_k_threshold(lo, total, top_k_ptr, row, V)
+        else:
+            top_p = tl.load(top_p_ptr + row)
+            tau = tl.maximum(tk, tl.where(top_p < 1.0, lo, float("-inf")))
+        tl.store(tau_ptr + row, tau)
+    else:
         if MASS:
             if PREV == 1:       # the top-k search just ended: start top-p in [tk, row_max]
                 tk = _top_k_threshold(lo, total, top_k_ptr, row, V)
                 lo = tl.maximum(tl.maximum(row_max - MASS_RANGE, row_min), tk)
                 hi = row_max
-    piv = _pivots(lo, hi, P)                                            # [P]
-
-    first = split == 0
-    j = tl.arange(0, P)
-    st = state_ptr + row * (P + 8)
-    tl.store(st + j, piv, mask=(j < P) & first)
-    tl.store(st + P + LO, lo, mask=first)
-    tl.store(st + P + HI, hi, mask=first)
-    tl.store(st + P + ROW_MAX, row_max, mask=first)
-    tl.store(st + P + ROW_MIN, row_min, mask=first)
-    tl.store(st + P + TK, tk, mask=first)
-    tl.store(st + P + TARGET, target, mask=first)
-
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, V)
-    window, edge = _accumulate(logits_ptr + row * V, start, end, piv, lo, hi, row_max, tk,
-                               MASS, P, BLOCK)
-    out = part_ptr + (row * S + split) * (P + 2)
-    tl.store(out + j, window)
-    tl.store(out + P + tl.arange(0, 2), edge)
-
-
-@triton.jit
-def finish_kernel(prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, tau_ptr, V, S,
-                  PREV: tl.constexpr, P: tl.constexpr, RED_S: tl.constexpr):
-    """Program (row): the last narrowing, then tau = max(tk, tp) (off filters give -inf)."""
-    row = tl.program_id(0).to(tl.int64)
-    lo, hi, row_max, row_min, tk, target, total = _advance(
-        row, prev_state_ptr, prev_part_ptr, top_k_ptr, top_p_ptr, V, S, PREV, P, RED_S)
-    if PREV == 1:
-        tau = _top_k_threshold(lo, total, top_k_ptr, row, V)
-    else:
-        top_p = tl.load(top_p_ptr + row)
-        tau = tl.maximum(tk, tl.where(top_p < 1.0, lo, float("-inf")))
-    tl.store(tau_ptr + row, tau)
+        piv = _pivots(lo, hi, P)
+        _store_state(state_ptr + row * (P + 8), piv, lo, hi, row_max, row_min, tk, target,
+                     row >= 0, P)
