@@ -141,12 +141,13 @@ def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
     [weight of l >= hi, total weight] [2]).
 
     The slice streams by BLOCK tokens with the next block's load issued before the current
-    block's work, so a program keeps a load in flight; the edge sums accumulate per element
-    (fp32: a slice is a few blocks, so each element adds a few values) and reduce once after the
-    loop, in fp64. A block with a token in [lo, hi) (every block in the
-    first passes, few once the window is narrow) compares in SUB-token parts, reloaded from
-    cache, each only if it holds such a token: the [SUB, P] compare holds SUB / BLOCK of the registers a [BLOCK, P] one would, which
-    keeps enough programs an SM to hide the loads. Window sums fp32 per part, fp64 across."""
+    block's work, so a program keeps a load in flight. The edge sums accumulate per element
+    (fp32: a slice is a few blocks) and reduce once after the loop, in fp64. A block with a token
+    in [lo, hi) (every block in the first passes, few once the window is narrow) compares its
+    tokens with the pivots SUB at a time, reloaded from cache, into a [SUB, P] fp32 tile that
+    is reduced once per block (fp64 across blocks): per token and pivot a compare, a select and
+    an add, no cross-thread step, and SUB / BLOCK of the registers a [BLOCK, P] tile would
+    take, which keeps enough programs an SM to hide the loads."""
     window = tl.zeros([P], tl.float64)
     above = tl.zeros([BLOCK], tl.float32)
     total = tl.zeros([BLOCK], tl.float32)
@@ -160,14 +161,13 @@ def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
         total += w
         inside = (lg >= lo) & (lg < hi)
         if tl.max(inside.to(tl.int32), axis=0) > 0:
+            win = tl.zeros([SUB, P], tl.float32)
             for c in range(off, off + BLOCK, SUB):
                 so = c + tl.arange(0, SUB)
                 sl = tl.load(row_ptr + so, mask=so < end, other=float("-inf"))   # [SUB]
-                sin = (sl >= lo) & (sl < hi)
-                if tl.max(sin.to(tl.int32), axis=0) > 0:
-                    sw = _weights(sl, row_max, tk, MASS)
-                    hit = (sl[:, None] >= piv[None, :]) & sin[:, None]      # [SUB, P]
-                    window += tl.sum(tl.where(hit, sw[:, None], 0.0), axis=0).to(tl.float64)
+                sw = tl.where((sl >= lo) & (sl < hi), _weights(sl, row_max, tk, MASS), 0.0)
+                win += tl.where(sl[:, None] >= piv[None, :], sw[:, None], 0.0)  # [SUB, P]
+            window += tl.sum(win, axis=0).to(tl.float64)
         lg = nxt
     e = tl.arange(0, 2)
     edge = tl.where(e == 0, tl.sum(above.to(tl.float64), axis=0),
