@@ -5,8 +5,8 @@ runs, in log space). No probabilities, no noise tensor: one pass over the logits
 programs plus a reduce over the splits, where the torch path takes a softmax, a noise draw,
 a clamp, a division and an argmax over [B, V] each.
 
-The noise comes from Philox in the kernel, keyed by a per-row seed (`seeds`) with the token
-index as counter: a row's draw depends on its seed and logits only (not on the batch, the
+The noise comes from Philox in the kernel, keyed by a per-row seed (`seeds`), the token index
+picking the counter and word: a row's draw depends on its seed and logits only (not on the batch, the
 split count or the other rows), so a row seeded from its own generator is reproducible.
 
 Twin: `race_sample_reference` (the same race with the same Philox stream is not reproducible

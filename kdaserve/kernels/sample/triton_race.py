@@ -2,10 +2,10 @@
 
 race_partial_kernel: program (row, split) scans its slice of the row once: token v is kept
 when its logit l_v is finite and at or above the row's threshold, and scores l_v - log(E_v)
-with E_v ~ Exp(1) from Philox keyed by the row's seed, counter v (so a token's noise depends
-on its row's seed and its index only, not on the batch or the split). The slice's best
-(score, index) goes to part_val / part_idx [B, S]. race_reduce_kernel: program (row) takes the
-best of its S partials, the lowest index among equal scores.
+with E_v ~ Exp(1) from Philox keyed by the row's seed, word v % 4 at counter v // 4 (so a
+token's noise depends on its row's seed and its index only, not on the batch or the split).
+The slice's best (score, index) goes to part_val / part_idx [B, S]. race_reduce_kernel:
+program (row) takes the best of its S partials, the lowest index among equal scores.
 """
 
 import triton
@@ -19,12 +19,16 @@ _SERIES_BELOW = tl.constexpr(0.0078125)
 
 
 @triton.jit
-def _exp1(seed, offs):
-    """Exp(1) draws for counters offs under key seed, by inversion E = -log(1 - v): the series
-    v + v^2 / 2 + v^3 / 3 below 2^-7 (exact to fp32 rounding there, where 1 - v would lose
-    v's low bits), the log above. v rounds to 1 for the largest few r: E = inf, a score of
-    -inf (that token sits the draw out, with probability 2^-25)."""
-    r = tl.randint(seed, offs)                                           # uint32
+def _exp1(seed, off, BLOCK: tl.constexpr):
+    """Exp(1) draws for tokens off .. off + BLOCK - 1 (off a multiple of 4) under key seed: token
+    v takes word v % 4 of Philox4x32 at counter v // 4 (one Philox evaluation per 4 tokens, a
+    token's draw still a function of its seed and index alone), by inversion E = -log(1 - v):
+    the series v + v^2 / 2 + v^3 / 3 below 2^-7 (exact to fp32 rounding there, where 1 - v
+    would lose v's low bits), the log above. v rounds to 1 for the largest few r: E = inf, a
+    score of -inf (that token sits the draw out, with probability 2^-25)."""
+    c = off // 4 + tl.arange(0, BLOCK // 4)
+    r0, r1, r2, r3 = tl.randint4x(seed, c)                               # uint32 [BLOCK / 4]
+    r = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))      # [BLOCK]: word v % 4
     v = r.to(tl.float32) * _INV_2_32 + _HALF_ULP
     series = v + v * v * (0.5 + v * 0.3333333333333333)
     return tl.where(v < _SERIES_BELOW, series, -tl.log(1.0 - v))
@@ -79,9 +83,9 @@ def race_partial_kernel(logits_ptr, tau_ptr, temp_ptr, seed_ptr, part_val_ptr, p
             lg = lg * inv_t
         keep = (lg >= tau) & (lg > float("-inf"))
         if HAS_TEMP:
-            noise = tl.where(noisy, tl.log(_exp1(seed, offs)), 0.0)
+            noise = tl.where(noisy, tl.log(_exp1(seed, off, BLOCK)), 0.0)
         else:
-            noise = tl.log(_exp1(seed, offs))
+            noise = tl.log(_exp1(seed, off, BLOCK))
         score = tl.where(keep, lg - noise, float("-inf"))
         val, j = tl.max(score, axis=0, return_indices=True)
         better = val > best_val
