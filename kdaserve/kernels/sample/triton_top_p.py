@@ -145,7 +145,7 @@ def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
     (fp32: a slice is a few blocks) and reduce once after the loop, in fp64. A block with a token
     in [lo, hi) (every block in the first passes, few once the window is narrow) compares its
     tokens with the pivots SUB at a time, reloaded from cache, into a [SUB, P] fp32 tile that
-    is reduced once per block (fp64 across blocks): per token and pivot a compare, a select and
+    is reduced once per block, in fp64: per token and pivot a compare, a select and
     an add, no cross-thread step, and SUB / BLOCK of the registers a [BLOCK, P] tile would
     take, which keeps enough programs an SM to hide the loads."""
     window = tl.zeros([P], tl.float64)
@@ -167,7 +167,7 @@ def _accumulate(row_ptr, start, end, piv, lo, hi, row_max, tk,
                 sl = tl.load(row_ptr + so, mask=so < end, other=float("-inf"))   # [SUB]
                 sw = tl.where((sl >= lo) & (sl < hi), _weights(sl, row_max, tk, MASS), 0.0)
                 win += tl.where(sl[:, None] >= piv[None, :], sw[:, None], 0.0)  # [SUB, P]
-            window += tl.sum(win, axis=0).to(tl.float64)
+            window += tl.sum(win.to(tl.float64), axis=0)
         lg = nxt
     e = tl.arange(0, 2)
     edge = tl.where(e == 0, tl.sum(above.to(tl.float64), axis=0),
