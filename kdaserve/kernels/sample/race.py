@@ -6,8 +6,9 @@ programs plus a reduce over the splits, where the torch path takes a softmax, a 
 a clamp, a division and an argmax over [B, V] each.
 
 The noise comes from Philox in the kernel, keyed by a per-row seed (`seeds`), the token index
-picking the counter and word: a row's draw depends on its seed and logits only (not on the batch, the
-split count or the other rows), so a row seeded from its own generator is reproducible.
+picking the counter and word: a row's draw depends on its seed and logits only (not on the
+batch, the split count or the other rows), so a row seeded from its own generator is
+reproducible.
 
 Twin: `race_sample_reference` (the same race with the same Philox stream is not reproducible
 in torch; the twin takes the noise as an argument and the tests compare distributions, the
@@ -32,8 +33,8 @@ which walks its slice 256 tokens at a time, then runs 4 dependent steps a progra
 RACE_PROGRAMS_PER_SM = 8
 """Race programs an SM is given over the batch (fewer where the cap or the vocabulary's blocks
 bind). A program walks its slice one dependent step at a time, so the SMs need several
-programs each to keep loads in flight; the race kernel's registers (40 a thread plain, 64 with
-the Markov tile) leave room for 8-12 programs of 4 warps an SM."""
+programs each to keep loads in flight; the race kernel's sm_90 registers (48 a thread plain,
+56 with the Markov tile) leave room for 9-10 programs of 4 warps an SM."""
 
 
 def race_splits(B: int, V: int, sms: int) -> tuple[int, int]:

@@ -96,8 +96,8 @@ def _launch_config(B: int, V: int, device: torch.device,
     at every batch size, so a new batch size never JIT-compiles a new variant in the middle of
     serving (suspected in multi-second stalls of early server runs). On CUDA
     S = min(SM count / 2, 64) splits per row: B = 1 still spreads over many SMs, and the
-    narrowing's reduction over S partials (one program a row) stays small. On the interpreter everything is small so
-    every loop runs several times."""
+    narrowing's reduction over S partials (one program a row) stays small. On the interpreter
+    everything is small so every loop runs several times."""
     if device.type == "cuda":
         red_s, want = 32, max(1, min(num_sms(device) // 2, 64))
         block = block or SEARCH_TILES[0]
