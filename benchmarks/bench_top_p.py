@@ -8,8 +8,9 @@ replay (bench_layers.bench_graph_ms: median, no launch overhead):
 - sort: kdaserve.sample.sampler.apply_top_k_top_p with the host flags the sampler would pass.
 floor = the masking's bytes (read + write the logits) / measured copy bandwidth. The logits are
 random normal with standard deviation --scales (1: a wide top-p nucleus; 0.03: a dummy-weight
-model's near-flat logits, where the search's window holds most tokens for several passes). Also records the mean kept tokens of both, and with
---tiles the new path at other search-pass tiles (tokens a step, warps).
+model's near-flat logits, where the search's window holds most tokens for several passes).
+Also records the mean kept tokens of both, and with --tiles the new path at other search-pass
+tiles (tokens a step, warps).
 """
 
 from __future__ import annotations
