@@ -346,3 +346,64 @@ def test_window_splits_follow_sequences(monkeypatch):
             lens = torch.full((B,), 8192, dtype=torch.int32)
             decode.mla_decode(q, kv, table, lens, 0.1, rank, rows_per_seq=window, config=config)
             assert grids[0][1] == 8, (window, config, grids[0])   # 16 sequences: 8 splits
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling (top-k / top-p threshold search, exponential race, split softmax)
+# ---------------------------------------------------------------------------------------------
+
+
+class _VariantRecorder(_Recorder):
+    """A _Recorder that files each launch's key under its kernel and constexpr values: one
+    kernel's variants by design (MARKOV, FIRST, ...) are told apart from accidental ones."""
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _, spec, _ = self.binder(*args, **kwargs)
+            consts = tuple(s[1] for s in spec if s[0] == "constexpr")
+            key = tuple((i, s) for i, s in enumerate(spec) if s[0] != "constexpr")
+            self.keys[(self.name, repr(consts))].add(key)
+        return launch
+
+
+@pytest.mark.parametrize("filters", ["top_p", "top_k", "top_k + top_p"])
+def test_sampling_kernels_one_specialisation(monkeypatch, filters):
+    """The sampler's kernels at 1..144 rows of the model's vocabulary (a verify step of 16
+    windows of 9 is 144 rows), the per-row inputs (top_k, top_p, temperature, seeds, previous
+    tokens) cut at any offset of a larger buffer: each kernel variant (its constexprs) has one
+    key per filter combination, so a new batch size or a metadata row offset compiles nothing.
+    The search state's per-pass slots sit at multiples of B x (pivots + 8) fp64 values: aligned
+    at every B."""
+    from kdaserve.kernels.sample import race, softmax, top_p, triton_race, triton_softmax, \
+        triton_top_p
+
+    keys: dict = defaultdict(set)
+    for module, names in ((triton_top_p, ["split_stats_kernel", "search_pass_kernel",
+                                          "narrow_kernel"]),
+                          (triton_race, ["race_partial_kernel", "race_reduce_kernel"]),
+                          (triton_softmax, ["softmax_stats_kernel", "softmax_write_kernel"])):
+        for name in names:
+            monkeypatch.setattr(module, name, _VariantRecorder(getattr(module, name), keys))
+    for module in (top_p, race, softmax):
+        monkeypatch.setattr(module, "check_kernel_device", lambda t: None)
+    V, rank = 163840, 32
+    emb = torch.zeros(V, rank, dtype=torch.bfloat16)
+    proj = torch.zeros(V, rank, dtype=torch.bfloat16)
+    for B in (1, 2, 3, 4, 7, 9, 16, 33, 64, 144):
+        logits = torch.zeros(B, V)
+        for offset in (0, 1, 3):
+            k = torch.full((B + offset,), 50, dtype=torch.int32)[offset:]
+            p = torch.full((B + offset,), 0.95)[offset:]
+            temp = torch.ones(B + offset)[offset:]
+            seeds = torch.arange(B + offset)[offset:]
+            prev = torch.zeros(B + offset, dtype=torch.int64)[offset:]
+            kk = k if "top_k" in filters else None
+            pp = p if "top_p" in filters else None
+            tau = top_p.top_k_top_p_threshold(logits, kk, pp)
+            race.race_sample(logits, seeds, tau, temp)
+            race.markov_race(logits, emb, proj, prev, seeds, temp)
+            softmax.tempered_softmax(logits, temp, seeds)
+    assert {name for name, _ in keys} == {
+        "split_stats_kernel", "search_pass_kernel", "narrow_kernel", "race_partial_kernel",
+        "race_reduce_kernel", "softmax_stats_kernel", "softmax_write_kernel"}
+    _one_key_each({f"{name} {consts}": ks for (name, consts), ks in keys.items()}, filters)

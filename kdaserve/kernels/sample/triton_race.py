@@ -34,7 +34,10 @@ def _exp1(seed, off, BLOCK: tl.constexpr):
     return tl.where(v < _SERIES_BELOW, series, -tl.log(1.0 - v))
 
 
-@triton.jit(do_not_specialize=["V", "split_len", "stride_lb", "stride_prev"])
+# per-row scalars (tau, temperature, seed, previous token) may come as row slices of larger
+# buffers: their alignment must not make a new variant
+@triton.jit(do_not_specialize=["V", "split_len", "stride_lb", "stride_prev"],
+            do_not_specialize_on_alignment=["tau_ptr", "temp_ptr", "seed_ptr", "prev_ptr"])
 def race_partial_kernel(logits_ptr, tau_ptr, temp_ptr, seed_ptr, part_val_ptr, part_idx_ptr,
                         emb_ptr, proj_ptr, prev_ptr, V, split_len, stride_lb, stride_prev,
                         HAS_TAU: tl.constexpr, HAS_TEMP: tl.constexpr, MARKOV: tl.constexpr,

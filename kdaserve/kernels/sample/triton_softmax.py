@@ -20,7 +20,10 @@ def _inv_temp(temp_ptr, row, HAS_TEMP: tl.constexpr):
     return 1.0, True
 
 
-@triton.jit(do_not_specialize=["V", "split_len", "stride_lb"])
+# the per-row temperature / id may come as row slices of larger buffers: their alignment must
+# not make a new variant
+@triton.jit(do_not_specialize=["V", "split_len", "stride_lb"],
+            do_not_specialize_on_alignment=["temp_ptr"])
 def softmax_stats_kernel(logits_ptr, temp_ptr, stats_ptr, V, split_len, stride_lb,
                          HAS_TEMP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -48,7 +51,8 @@ def softmax_stats_kernel(logits_ptr, temp_ptr, stats_ptr, V, split_len, stride_l
     tl.store(out + 1, tot)
 
 
-@triton.jit(do_not_specialize=["V", "split_len", "stride_lb", "stride_ob", "S"])
+@triton.jit(do_not_specialize=["V", "split_len", "stride_lb", "stride_ob", "S"],
+            do_not_specialize_on_alignment=["temp_ptr", "ids_ptr"])
 def softmax_write_kernel(logits_ptr, temp_ptr, ids_ptr, stats_ptr, out_ptr, V, split_len,
                          stride_lb, stride_ob, S, HAS_TEMP: tl.constexpr,
                          HAS_IDS: tl.constexpr, BLOCK: tl.constexpr,

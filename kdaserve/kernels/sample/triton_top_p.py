@@ -224,7 +224,9 @@ def search_pass_kernel(logits_ptr, stats_ptr, state_ptr, part_ptr, V, S, SPLIT_L
     tl.store(out + P + tl.arange(0, 2), edge)
 
 
-@triton.jit
+# per-row scalars (top_k, top_p, tau) may come as row slices of larger buffers: their alignment
+# must not make a new variant
+@triton.jit(do_not_specialize_on_alignment=["top_k_ptr", "top_p_ptr", "tau_ptr"])
 def narrow_kernel(prev_state_ptr, part_ptr, state_ptr, top_k_ptr, top_p_ptr, tau_ptr, V, S,
                   PREV: tl.constexpr, MASS: tl.constexpr, FINAL: tl.constexpr,
                   P: tl.constexpr, RED_S: tl.constexpr):
