@@ -35,8 +35,11 @@ class _Recorder:
         def launch(*args, **kwargs):
             _, spec, _ = self.binder(*args, **kwargs)
             key = tuple((i, s) for i, s in enumerate(spec) if s[0] != "constexpr")
-            self.keys[self.name].add(key)
+            self.keys[self._file_under(spec)].add(key)
         return launch
+
+    def _file_under(self, spec):
+        return self.name
 
 
 def _record(monkeypatch, module, names) -> dict[str, set]:
@@ -357,13 +360,8 @@ class _VariantRecorder(_Recorder):
     """A _Recorder that files each launch's key under its kernel and constexpr values: one
     kernel's variants by design (MARKOV, FIRST, ...) are told apart from accidental ones."""
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            _, spec, _ = self.binder(*args, **kwargs)
-            consts = tuple(s[1] for s in spec if s[0] == "constexpr")
-            key = tuple((i, s) for i, s in enumerate(spec) if s[0] != "constexpr")
-            self.keys[(self.name, repr(consts))].add(key)
-        return launch
+    def _file_under(self, spec):
+        return self.name, repr(tuple(s[1] for s in spec if s[0] == "constexpr"))
 
 
 @pytest.mark.parametrize("filters", ["top_p", "top_k", "top_k + top_p"])

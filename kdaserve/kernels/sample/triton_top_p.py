@@ -252,4 +252,4 @@ def narrow_kernel(prev_state_ptr, part_ptr, state_ptr, top_k_ptr, top_p_ptr, tau
                 hi = row_max
         piv = _pivots(lo, hi, P)
         _store_state(state_ptr + row * (P + 8), piv, lo, hi, row_max, row_min, tk, target,
-                     row >= 0, P)
+                     row >= 0, P)                                      # every row stores
