@@ -374,8 +374,10 @@ class SpecDecoder:
         spec_md, md = prepared
         if draft_ids is not None:
             spec_md.draft_token_ids = draft_ids
-        return self.sampler(logits, spec_md, md,
-                            self._draft_probs(states, drafts, logits, spec_md.draft_token_ids))
+        # synthetic acceptance reads no q: skip gathering [D, V] of draft probabilities
+        q = None if self.sampler.is_synthetic else self._draft_probs(
+            states, drafts, logits, spec_md.draft_token_ids)
+        return self.sampler(logits, spec_md, md, q)
 
     def emitted_tokens(self, out: RejectionSamplerOutput, spec_md: SpecDecodeMetadata, states,
                        drafts: list[list[int]], emitted: list[list[int]]):
