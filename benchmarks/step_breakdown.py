@@ -12,7 +12,8 @@ device side of the same steps (`device`: busy time against span from a torch.pro
 the kernels with the most time, and each captured graph of the case's size replayed alone), so
 a step can be told host-bound (busy well under the wall time) from device-bound.
 
-Cases: greedy and W1 sampling (temperature 1.0, top_p 0.95, a seed per request) at the given
+Cases: greedy and W1 sampling (temperature 1.0, top_p 0.95, unseeded as the served W1's
+requests: a seed gives a request its own generator, which no captured graph draws from) at the given
 batches without speculation; with --draft-model instead, the W1 speculative config (8 drafts,
 synthetic acceptance length 4.0; --draft-method dspark for a DSpark drafter) at the given spec batches (one engine per invocation: run
 the script twice for both).
@@ -50,11 +51,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def sampling(kind: str, seed: int) -> SamplingParams:
+def sampling(kind: str) -> SamplingParams:
     if kind == "greedy":
         return SamplingParams(temperature=0.0, max_tokens=4000, ignore_eos=True)
-    return SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=4000,
-                          ignore_eos=True)
+    return SamplingParams(temperature=1.0, top_p=0.95, max_tokens=4000, ignore_eos=True)
 
 
 def top_functions(prof: cProfile.Profile, key: str, n: int) -> list[dict]:
@@ -72,9 +72,9 @@ def run_case(engine: LLMEngine, name: str, batch: int, kind: str, prompt_len: in
              steps: int, rng: random.Random) -> dict:
     vocab = engine.vocab_size
     ids = [f"{name}-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
+    for rid in ids:
         engine.add_request(rid, [rng.randrange(1000, vocab - 1000) for _ in range(prompt_len)],
-                           sampling(kind, 42 + i))
+                           sampling(kind))
     reqs = engine.scheduler.requests
     while any(reqs[rid].num_computed_tokens < prompt_len for rid in ids if rid in reqs):
         engine.step()

@@ -81,8 +81,7 @@ class SamplingMetadata:
                 raise ValueError(f"generator row {row} out of range for {len(params)} rows")
 
         greedy = [p.greedy for p in params]
-        temps = [0.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+        temps, top_ps, top_ks, min_ps = row_values(params)
         # Greedy rows ignore the filters: leave them off so flags stay cheap.
         random_rows = [p for p, g in zip(params, greedy) if not g]
         no_top_k = all(p.top_k <= 0 for p in random_rows)
@@ -99,8 +98,7 @@ class SamplingMetadata:
                                      f"for {len(params)} rows")
             banned_t = _to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
 
-        temperature, top_p, top_k, min_p = _row_tensors(
-            temps, [p.top_p for p in params], top_ks, [p.min_p for p in params], device)
+        temperature, top_p, top_k, min_p = _row_tensors(temps, top_ps, top_ks, min_ps, device)
         return cls(
             temperature=temperature,
             top_p=top_p,
@@ -117,6 +115,14 @@ class SamplingMetadata:
             max_num_logprobs=max(wanted) if wanted else None,
             banned_token_ids=banned_t,
         )
+
+
+def row_values(params: Sequence[SamplingParams]
+               ) -> tuple[list[float], list[float], list[int], list[float]]:
+    """Each row's (temperature, top_p, top_k, min_p) as the sampler reads them: temperature 0
+    on a greedy row, top_k 0 where it is off."""
+    return ([0.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params],
+            [p.top_k if p.top_k > 0 else 0 for p in params], [p.min_p for p in params])
 
 
 def _row_tensors(temps: list[float], top_ps: list[float], top_ks: list[int],

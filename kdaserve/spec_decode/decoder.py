@@ -61,6 +61,7 @@ from kdaserve.spec_decode.rejection_sampler import (
 from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.metrics import SpecDecodingStats
 from kdaserve.spec_decode.ngram import NgramProposer
+from kdaserve.spec_decode.sample_graphs import SpecSampleGraphs
 from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
 
 if TYPE_CHECKING:
@@ -134,6 +135,8 @@ class SpecDecoder:
         self._pending: _PendingCommit | None = None
         self.verify_graphs: SpecVerifyGraphs | None = None
         """Graphs of uniform verification steps (CUDA, recover + contiguous), once captured."""
+        self.sample_graphs: SpecSampleGraphs | None = None
+        """Graphs of those steps' sampling (small batches, common sampling keys)."""
         self.device_drafts = (config.scheduler_config.async_scheduling
                               and getattr(self.proposer, "device_proposals", False)
                               and sc.disable_by_batch_size is None)
@@ -224,6 +227,10 @@ class SpecDecoder:
         self.verify_graphs = self._verify_graphs(graphs, model, caches, pad_slot, block_size)
         if self.verify_graphs is not None:
             self.verify_graphs.capture()
+            self.sample_graphs = SpecSampleGraphs(
+                graphs, self.verify_graphs, model, self.sampler, self.k, self.args.vocab_size,
+                self.probabilistic and not self.sampler.is_synthetic, self.device)
+            self.sample_graphs.capture()
         capture = getattr(self.proposer, "capture_graphs", None)
         if capture is not None:
             capture(graphs)
@@ -365,6 +372,33 @@ class SpecDecoder:
         row: list of {token: Logprob} or None)."""
         out = self.sample_tokens(logits, states, drafts, prepared)
         return self.emitted_tokens(out, prepared[0], states, drafts, out.parse_output())
+
+    def sample_graphed(self, states, drafts: list[list[int]],
+                       prepared: tuple[SpecDecodeMetadata, SamplingMetadata],
+                       grammar=None) -> RejectionSamplerOutput | None:
+        """After a verification graph's replay: the LM head and the rejection sampler as one
+        graph replay, the emitted counts left in the commit graph's input (the `commit` that
+        follows only replays it). Returns the output as sample_tokens does (on the device), or
+        None where no sampling graph covers the step (then the caller samples eagerly)."""
+        sg, p = self.sample_graphs, self._pending
+        if sg is None or grammar is not None or p is None or p.graph_commit is None:
+            return None
+        spec_md, md = prepared
+        if spec_md.banned_token_ids is not None:
+            return None
+        key = sg.key(p.pad_to, md, len(p.own_slots), drafts)
+        if key is None:
+            return None
+        q_rows = None
+        if sg.q is not None:
+            q_rows = [self.draft_probs.get(s.req_id) for s in states]
+            if any(q is None or q.shape[0] < self.k for q in q_rows):
+                return None
+            q_rows = [q[:self.k] for q in q_rows]
+        out = sg.run(p.pad_to, key, [s.sampling_params for s in states], q_rows)
+        vg, bs, step = self.verify_graphs, p.pad_to, p.step
+        p.graph_commit = lambda _num_accepted: vg.commit_written(bs, step)
+        return out
 
     def sample_tokens(self, logits: torch.Tensor, states, drafts: list[list[int]],
                       prepared: tuple[SpecDecodeMetadata, SamplingMetadata],

@@ -99,6 +99,8 @@ class SpecVerifyGraphs(WindowBuffers):
         self.num_accepted = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.steps: dict[int, SpecStep] = {}
         """Per capture size, the SpecStep its graph fills (the commit reads its records)."""
+        self._outputs: dict[int, torch.Tensor | tuple] = {}
+        """Per capture size, the forward's output as last replayed (a graph's static output)."""
         self.num_replays = 0
 
     def descriptor(self, bs: int, stage: str = "forward") -> BatchDescriptor:
@@ -131,7 +133,8 @@ class SpecVerifyGraphs(WindowBuffers):
         self._eager_forwards()
         for bs in reversed(self.sizes):
             md = self._metadata(bs)
-            self.graphs.capture(self.descriptor(bs), lambda bs=bs, md=md: self._forward(bs, md))
+            self._outputs[bs] = self.graphs.capture(self.descriptor(bs),
+                                                    lambda bs=bs, md=md: self._forward(bs, md))
             self.steps[bs] = md.spec
             # the buffers hold padding rows here: the warm-up commits zero tokens to scratch
             self.graphs.capture(self.descriptor(bs, "commit"),
@@ -197,10 +200,17 @@ class SpecVerifyGraphs(WindowBuffers):
         if patch is not None:
             patch(self)
         out, step = self._run(bs)
+        self._outputs[bs] = out
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         self.num_replays += 1
         t = len(batch.req_ids) * self.k1
         return hidden[:t], (aux[:t] if aux is not None else None), step, bs
+
+    def hidden_output(self, bs: int) -> torch.Tensor:
+        """The hidden states [bs * (1 + K), D] of the size-bs forward's last replay: for a
+        captured graph, its static output (what a graph captured after it reads)."""
+        out = self._outputs[bs]
+        return out[0] if isinstance(out, tuple) else out
 
     def _commit_work(self, bs: int, step: SpecStep) -> None:
         """The captured commit: the first num_accepted[i] window tokens into row i's slot."""
@@ -217,6 +227,11 @@ class SpecVerifyGraphs(WindowBuffers):
             n = np.zeros(bs, dtype=np.int64)
             n[:len(num_accepted)] = num_accepted
             self.num_accepted[:bs].copy_(torch.from_numpy(n), non_blocking=True)
+        self._replay_commit(bs, step)
+
+    def commit_written(self, bs: int, step: SpecStep) -> None:
+        """As commit, where the emitted counts are already in num_accepted (written on the
+        device by the sampling graph, padding rows 0)."""
         self._replay_commit(bs, step)
 
     def _replay_commit(self, bs: int, step: SpecStep) -> None:

@@ -318,10 +318,15 @@ class ModelRunner:
         """Rejection sampling over every sampling row (under the grammar masks of structured
         requests, one per position), then the KDA state commit."""
         drafts = [batch.drafts[i] for i in batch.sample_rows]
-        logits = self.model.compute_logits(hidden)                            # [R, V]
-        if grammar is not None:
-            apply_grammar_bitmask(logits, grammar)
-        emitted, logprobs = self.spec.sample(logits, states, drafts, prepared)
+        out = self.spec.sample_graphed(states, drafts, prepared, grammar)
+        if out is not None:
+            emitted, logprobs = self.spec.emitted_tokens(out, prepared[0], states, drafts,
+                                                         out.parse_output())
+        else:
+            logits = self.model.compute_logits(hidden)                        # [R, V]
+            if grammar is not None:
+                apply_grammar_bitmask(logits, grammar)
+            emitted, logprobs = self.spec.sample(logits, states, drafts, prepared)
         self.spec.commit(self.caches, [len(e) for e, d in zip(emitted, drafts) if d])
         return emitted, logprobs
 

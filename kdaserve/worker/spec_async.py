@@ -200,15 +200,20 @@ def launch_step(runner: "ModelRunner", step: LaunchedStep, hidden: torch.Tensor,
         return
     drafts = [batch.drafts[i] for i in rows]
     res = step.spec = DeviceSpecStep(drafts=drafts)
-    logits = runner.model.compute_logits(hidden)                               # [R, V]
-    if grammar is not None:
-        apply_grammar_bitmask(logits, grammar)
     spec_rows = [j for j, d in enumerate(drafts) if d]
+    out = (spec.sample_graphed(sample_states, drafts, sampling, grammar) if spec_rows
+           else None)
+    if out is None:
+        logits = runner.model.compute_logits(hidden)                           # [R, V]
+        if grammar is not None:
+            apply_grammar_bitmask(logits, grammar)
     if spec_rows:
-        qsl = np.cumsum([0] + batch.query_lens)
-        pos = [t for i, d in zip(rows, drafts) for t in range(qsl[i] + 1, qsl[i] + 1 + len(d))]
-        draft_ids = runner._step_ids.index_select(0, to_device(pos, torch.long, dev))   # [D]
-        out = spec.sample_tokens(logits, sample_states, drafts, sampling, draft_ids)
+        if out is None:
+            qsl = np.cumsum([0] + batch.query_lens)
+            pos = [t for i, d in zip(rows, drafts)
+                   for t in range(qsl[i] + 1, qsl[i] + 1 + len(d))]
+            draft_ids = runner._step_ids.index_select(0, to_device(pos, torch.long, dev))
+            out = spec.sample_tokens(logits, sample_states, drafts, sampling, draft_ids)
         emitted = out.num_accepted.index_select(0, to_device(spec_rows, torch.long, dev)) + 1
         spec.commit(runner.caches, emitted)
         tokens, num_emitted = out.output_token_ids, out.num_accepted + 1        # [S, *], [S]

@@ -222,8 +222,42 @@ def test_gpu_hidden_drafters_replay_graphs(tmp_path, method):
             assert runner.spec.stats.num_draft_tokens > 0
             if method != "mtp":   # the block pass + Markov head graphs were captured
                 assert runner.spec.proposer.graphs is not None
+            assert runner.spec.sample_graphs.num_replays > 0   # greedy: argmax acceptance
         del llm
     assert outs["eager"] == outs["plain"] and outs["graphs"] == outs["plain"]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_gpu_sampling_graphs_random_rows(tmp_path, top_p):
+    """Random rows through the spec-sampling graphs (DSpark, probabilistic drafts, standard
+    acceptance; the draws inside the graph): every request gets its tokens, some drafts are
+    accepted and some rejected, and the graphs replayed; greedy rows after them in the same
+    engine still equal plain decoding (the graphs of another key left nothing behind)."""
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.models.make_model import make_dspark_model, make_model
+
+    target = str(tmp_path / "target")
+    make_model(target, "tiny")
+    spec = {"method": "dspark", "num_speculative_tokens": 4, "draft_sample_method":
+            "probabilistic", "model": make_dspark_model(target, str(tmp_path / "dspark"))}
+    ps = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(target, max_model_len=512, max_num_seqs=8, num_gpu_blocks=128, dtype="float32")
+    plain = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
+    del llm
+    llm = LLM(target, max_model_len=512, max_num_seqs=8, num_gpu_blocks=128, dtype="float32",
+              speculative_config=spec)
+    sp = SamplingParams(temperature=1.0, top_p=top_p, max_tokens=32, ignore_eos=True)
+    outs = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+    runner = llm.llm_engine.model_runner
+    assert all(len(o) == 32 for o in outs)
+    vocab = runner.args.vocab_size
+    assert all(0 <= t < vocab for o in outs for t in o)
+    assert runner.spec.sample_graphs.num_replays > 0
+    stats = runner.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    after = [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)]
+    assert after == plain
 
 
 def test_gpu_verify_fold_greedy(tmp_path):

@@ -626,3 +626,70 @@ def test_graph_paths_hand_hidden_to_mtp(tiny_mtp_dir, monkeypatch):
     assert stats["num_accepted_tokens"] > 0
     assert stats == eager.llm_engine.spec_decoding_stats.as_dict()
     next(factory, None)
+
+
+def _sample_stages(graphs) -> list[str]:
+    return [b.stage for b in graphs.replays if b.stage.startswith("sample:")]
+
+
+def test_sampling_graphs_greedy(make_ds_llm, plain, dspark_dir, monkeypatch):
+    """Uniform verification steps sample through the sampling graphs (LM head + rejection
+    sampler + the emitted counts into the commit graph's input), here run eagerly over their
+    static buffers: greedy output is the plain one at several capture sizes (padding rows
+    commit nothing)."""
+    llm = make_ds_llm(speculative_config=_dspark(dspark_dir), max_num_seqs=8,
+                      async_scheduling=True)
+    graphs = _bind_eager_graphs(llm, monkeypatch)
+    assert _drive(llm, _prompts(), _params()) == plain
+    stages = _sample_stages(graphs)
+    assert stages and set(stages) == {"sample:greedy"}, set(stages)
+    sizes = {b.num_reqs for b in graphs.replays if b.stage.startswith("sample:")}
+    assert len(sizes) > 1, sizes
+    assert llm.llm_engine.spec_decoding_stats.as_dict()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sampling_graphs_follow_the_eager_draws(make_ds_llm, dspark_dir, monkeypatch, top_p,
+                                                async_scheduling):
+    """Random rows with probabilistic drafts (standard acceptance, q through the static
+    buffer): from one global seed the sampling graphs draw exactly what the eager sampler
+    draws (the same operations in the same order; 4 requests, capture size 4, no padding),
+    under the key of the parameters (no filter, top-p)."""
+    spec = _dspark(dspark_dir, draft_sample_method="probabilistic")
+    sp = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+
+    def run(graphed: bool):
+        llm = make_ds_llm(speculative_config=spec, max_num_seqs=8,
+                          async_scheduling=async_scheduling)
+        graphs = _bind_eager_graphs(llm, monkeypatch)
+        if not graphed:
+            llm.llm_engine.model_runner.spec.sample_graphs = None
+        torch.manual_seed(1234)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return outs, _sample_stages(graphs), llm.llm_engine.spec_decoding_stats.as_dict()
+
+    got, stages, stats = run(True)
+    want, none, want_stats = run(False)
+    assert not none and stages
+    assert set(stages) == {"sample:random" if top_p == 1.0 else "sample:top_p"}
+    assert got == want and stats == want_stats
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def test_sampling_graphs_stay_out_of_other_shapes(make_ds_llm, dspark_dir, monkeypatch):
+    """Seeded, mixed greedy / random, logprobs and top-k steps sample eagerly (no key covers
+    them); their output is the eager run's."""
+    spec = _dspark(dspark_dir)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, logprobs=2, max_tokens=12, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    llm = make_ds_llm(speculative_config=spec, max_num_seqs=8, async_scheduling=True)
+    graphs = _bind_eager_graphs(llm, monkeypatch)
+    for sp in ([params[0], params[1]], [params[2]] * 2, [params[3]] * 2):
+        llm.generate(prompts[:2], sp, use_tqdm=False)
+    assert any(b.stage == "forward" and b.tokens_per_req == K + 1 for b in graphs.replays)
+    assert _sample_stages(graphs) == []
