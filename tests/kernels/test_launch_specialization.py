@@ -377,7 +377,8 @@ def test_sampling_kernels_one_specialisation(monkeypatch, filters):
         triton_top_p
 
     keys: dict = defaultdict(set)
-    for module, names in ((triton_top_p, ["split_stats_kernel", "search_pass_kernel"]),
+    for module, names in ((triton_top_p, ["split_stats_kernel", "search_pass_kernel",
+                                          "narrow_kernel"]),
                           (triton_race, ["race_partial_kernel", "race_reduce_kernel"]),
                           (triton_softmax, ["softmax_stats_kernel", "softmax_write_kernel"])):
         for name in names:
@@ -402,6 +403,6 @@ def test_sampling_kernels_one_specialisation(monkeypatch, filters):
             race.markov_race(logits, emb, proj, prev, seeds, temp)
             softmax.tempered_softmax(logits, temp, seeds)
     assert {name for name, _ in keys} == {
-        "split_stats_kernel", "search_pass_kernel", "race_partial_kernel",
+        "split_stats_kernel", "search_pass_kernel", "narrow_kernel", "race_partial_kernel",
         "race_reduce_kernel", "softmax_stats_kernel", "softmax_write_kernel"}
     _one_key_each({f"{name} {consts}": ks for (name, consts), ks in keys.items()}, filters)

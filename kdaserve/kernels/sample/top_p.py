@@ -1,4 +1,4 @@
-"""Sort-free top-k / top-p logit threshold: a multi-pivot search, one Triton launch a pass.
+"""Sort-free top-k / top-p logit threshold: a multi-pivot search in a few Triton launches.
 
 Twin: `kdaserve.kernels.reference.top_k_top_p_threshold_ref` (a sort). The kernel's threshold
 is at most the reference's (it never drops nucleus mass) and every extra token it keeps lies
@@ -34,11 +34,13 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = Non
                                      for t in tiles):
         raise ValueError(f"tiles must be two powers of two (block, num_warps), got {tiles}")
     B, V = logits.shape
+    tau = torch.full((B,), float("-inf"), dtype=torch.float32, device=logits.device)
     if (top_k is None and top_p is None) or B == 0:
-        return torch.full((B,), float("-inf"), dtype=torch.float32, device=logits.device)
+        return tau
     require_triton()
     check_kernel_device(logits)
-    from kdaserve.kernels.sample.triton_top_p import search_pass_kernel, split_stats_kernel
+    from kdaserve.kernels.sample.triton_top_p import (narrow_kernel, search_pass_kernel,
+                                                      split_stats_kernel)
 
     S, split_len, block, red_s = _launch_config(B, V, logits.device,
                                                 tiles[0] if tiles else None)
@@ -47,30 +49,32 @@ def top_k_top_p_threshold(logits: torch.Tensor, top_k: torch.Tensor | None = Non
         [True] * (passes if top_p is not None else 0)                   # MASS flag per pass
     P = num_pivots
     dev = logits.device
-    tau = torch.empty(B, dtype=torch.float32, device=dev)              # the last pass writes it
     stats = torch.empty(B, S, 2, dtype=torch.float32, device=dev)
     state = torch.empty(len(searches), B, P + 8, dtype=torch.float64, device=dev)
     part = torch.empty(B, S, P + 2, dtype=torch.float64, device=dev)
-    tickets = torch.zeros(B, dtype=torch.int32, device=dev)            # back at 0 after a pass
     k_arg = top_k if top_k is not None else tau                         # unread when None
     p_arg = top_p if top_p is not None else tau
 
     split_stats_kernel[(B, S)](logits, stats, V, S, split_len, BLOCK=block)
-    kind = 0
+    prev = 0
     for t, mass in enumerate(searches):
-        kind = _pass_kind(mass, kind)
-        final = t == len(searches) - 1
+        if t > 0:
+            narrow_kernel[(B,)](state[t - 1], part, state[t], k_arg, p_arg, tau, V, S,
+                                PREV=prev, MASS=mass, FINAL=False, P=P, RED_S=red_s,
+                                num_warps=4)
         search_pass_kernel[(B, S)](
-            logits, stats, state[t], part, state[t] if final else state[t + 1], tickets,
-            k_arg, p_arg, tau, V, S, split_len, FIRST=t == 0, MASS=mass, KIND=kind,
-            NEXT_MASS=False if final else searches[t + 1], FINAL=final, P=P, BLOCK=block,
-            SUB=min(block, SUB_BLOCK), RED_S=red_s, num_warps=warps)
+            logits, stats, state[t], part, V, S, split_len, FIRST=t == 0, MASS=mass, P=P,
+            BLOCK=block, SUB=min(block, SUB_BLOCK), RED_S=red_s, num_warps=warps)
+        prev = _prev_mode(mass, prev)
+    last = len(searches) - 1
+    narrow_kernel[(B,)](state[last], part, state[last], k_arg, p_arg, tau, V, S,
+                        PREV=prev, MASS=False, FINAL=True, P=P, RED_S=red_s, num_warps=4)
     return tau
 
 
-def _pass_kind(mass: bool, prev: int) -> int:
-    """A search pass as its narrowing sees it (triton_top_p's KIND), given the pass before's
-    (0 for none): 1 a top-k pass, 2 the first top-p pass, 3 a later one."""
+def _prev_mode(mass: bool, prev: int) -> int:
+    """What the narrowing after a pass sees behind it (see triton_top_p's PREV): 1 after a
+    top-k pass, 2 after the first top-p pass, 3 after a later one."""
     if not mass:
         return 1
     return 3 if prev >= 2 else 2

@@ -3,18 +3,15 @@
 Buffers (all written before they are read, one launch after another on one stream):
 - stats [B, S, 2] fp32: per split (max logit, min finite logit).
 - state [L, B, P + 8] fp64, one slot per search pass, written by split 0 of the first pass and
-  by the last program of the pass before for every later one: [0, P) the pass's pivots, then
-  lo, hi, row_max, row_min, tk, target (offsets below).
+  by narrow_kernel before every later one: [0, P) the pass's pivots, then lo, hi, row_max,
+  row_min, tk, target (offsets below).
 - part [B, S, P + 2] fp64, per split of the last pass: the weight of the tokens in [lo, hi) at
   or above each pivot, then the weight at or above hi, then the total weight.
   Weight = 1 per finite token (top-k search) or exp(l - row_max) for l >= tk (top-p search).
 
-- tickets [B] int32, zero before the first pass: per row, the search programs of the current
-  pass that have stored their partials; the row's last program narrows and resets it to zero.
-
-Launches: split_stats, then one launch per search pass; the narrowing between two passes and
-after the last (FINAL: it writes tau) runs once a row, in the row's last search program to
-finish (an acq_rel ticket orders the other programs' partials before its reads).
+Launches: split_stats, then search passes with a narrow_kernel between two and after the last
+(FINAL: it writes tau). PREV (constexpr of narrow_kernel) names the pass it narrows: 1 a top-k
+pass, 2 the first top-p pass (its total weight fixes the target top_p * Z), 3 a later one.
 """
 
 import triton
@@ -192,49 +189,13 @@ def _store_state(st, piv, lo, hi, row_max, row_min, tk, target, mask, P: tl.cons
 
 
 @triton.jit
-def _narrow_row(row, state_ptr, part_ptr, next_state_ptr, top_k_ptr, top_p_ptr, tau_ptr, V, S,
-                KIND: tl.constexpr, NEXT_MASS: tl.constexpr, FINAL: tl.constexpr,
-                P: tl.constexpr, RED_S: tl.constexpr):
-    """A row's pass interval narrowed with all its splits' partial sums. FINAL: tau = max(tk,
-    tp) (off filters give -inf) into tau[row]; else the next pass's state into
-    next_state[row] (NEXT_MASS: the next pass is a top-p search; after a top-k one it starts
-    over in [tk, row_max])."""
-    lo, hi, row_max, row_min, tk, target, total = _advance(
-        row, state_ptr, part_ptr, top_k_ptr, top_p_ptr, V, S, KIND, P, RED_S)
-    if FINAL:
-        if KIND == 1:
-            tau = _top_k_threshold(lo, total, top_k_ptr, row, V)
-        else:
-            top_p = tl.load(top_p_ptr + row)
-            tau = tl.maximum(tk, tl.where(top_p < 1.0, lo, float("-inf")))
-        tl.store(tau_ptr + row, tau)
-    else:
-        if NEXT_MASS:
-            if KIND == 1:       # the top-k search just ended: start top-p in [tk, row_max]
-                tk = _top_k_threshold(lo, total, top_k_ptr, row, V)
-                lo = tl.maximum(tl.maximum(row_max - MASS_RANGE, row_min), tk)
-                hi = row_max
-        piv = _pivots(lo, hi, P)
-        _store_state(next_state_ptr + row * (P + 8), piv, lo, hi, row_max, row_min, tk, target,
-                     row >= 0, P)                                      # every row stores
-
-
-# per-row scalars (top_k, top_p, tau) may come as row slices of larger buffers: their alignment
-# must not make a new variant
-@triton.jit(do_not_specialize_on_alignment=["top_k_ptr", "top_p_ptr", "tau_ptr"])
-def search_pass_kernel(logits_ptr, stats_ptr, state_ptr, part_ptr, next_state_ptr, tickets_ptr,
-                       top_k_ptr, top_p_ptr, tau_ptr, V, S, SPLIT_LEN,
-                       FIRST: tl.constexpr, MASS: tl.constexpr, KIND: tl.constexpr,
-                       NEXT_MASS: tl.constexpr, FINAL: tl.constexpr, P: tl.constexpr,
+def search_pass_kernel(logits_ptr, stats_ptr, state_ptr, part_ptr, V, S, SPLIT_LEN,
+                       FIRST: tl.constexpr, MASS: tl.constexpr, P: tl.constexpr,
                        BLOCK: tl.constexpr, SUB: tl.constexpr, RED_S: tl.constexpr):
     """Program (row, split): sum its slice's weights at the pass's P pivots into
-    part[row, split]; the row's last program to finish (tickets[row] counts them) then
-    narrows the row's interval with all S partials (_narrow_row: the next pass's state, or
-    tau with FINAL) and sets the ticket back to 0 for the next pass. The pivots come from
-    state[row], or with FIRST from the stats (the first pass: the row's range; split 0 stores
-    the state). MASS: top-p search (weights exp(l - row_max) over l >= tk) else top-k search
-    (counts). KIND names this pass for the narrowing: 1 a top-k pass, 2 the first top-p pass
-    (its total weight fixes the target top_p * Z), 3 a later one."""
+    part[row, split]. The pivots come from state[row] (narrow_kernel wrote them), or with FIRST
+    from the stats (the first pass: the row's range; split 0 stores the state).
+    MASS: top-p search (weights exp(l - row_max) over l >= tk) else top-k search (counts)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     st = state_ptr + row * (P + 8)
@@ -261,9 +222,34 @@ def search_pass_kernel(logits_ptr, stats_ptr, state_ptr, part_ptr, next_state_pt
     out = part_ptr + (row * S + split) * (P + 2)
     tl.store(out + tl.arange(0, P), window)
     tl.store(out + P + tl.arange(0, 2), edge)
-    tl.debug_barrier()                            # every thread's stores before the ticket
-    ticket = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if ticket == S - 1:                           # the row's last program: all S partials are in
-        _narrow_row(row, state_ptr, part_ptr, next_state_ptr, top_k_ptr, top_p_ptr, tau_ptr,
-                    V, S, KIND, NEXT_MASS, FINAL, P, RED_S)
-        tl.atomic_xchg(tickets_ptr + row, 0, sem="relaxed", scope="gpu")
+
+
+# per-row scalars (top_k, top_p, tau) may come as row slices of larger buffers: their alignment
+# must not make a new variant
+@triton.jit(do_not_specialize_on_alignment=["top_k_ptr", "top_p_ptr", "tau_ptr"])
+def narrow_kernel(prev_state_ptr, part_ptr, state_ptr, top_k_ptr, top_p_ptr, tau_ptr, V, S,
+                  PREV: tl.constexpr, MASS: tl.constexpr, FINAL: tl.constexpr,
+                  P: tl.constexpr, RED_S: tl.constexpr):
+    """Program (row): the previous pass's interval narrowed with its partial sums (once a row,
+    not in every search program). FINAL: tau = max(tk, tp) (off filters give -inf) into
+    tau[row]; else the next pass's state into state[row] (MASS: the next pass is a top-p
+    search; after a top-k one it starts over in [tk, row_max])."""
+    row = tl.program_id(0).to(tl.int64)
+    lo, hi, row_max, row_min, tk, target, total = _advance(
+        row, prev_state_ptr, part_ptr, top_k_ptr, top_p_ptr, V, S, PREV, P, RED_S)
+    if FINAL:
+        if PREV == 1:
+            tau = _top_k_threshold(lo, total, top_k_ptr, row, V)
+        else:
+            top_p = tl.load(top_p_ptr + row)
+            tau = tl.maximum(tk, tl.where(top_p < 1.0, lo, float("-inf")))
+        tl.store(tau_ptr + row, tau)
+    else:
+        if MASS:
+            if PREV == 1:       # the top-k search just ended: start top-p in [tk, row_max]
+                tk = _top_k_threshold(lo, total, top_k_ptr, row, V)
+                lo = tl.maximum(tl.maximum(row_max - MASS_RANGE, row_min), tk)
+                hi = row_max
+        piv = _pivots(lo, hi, P)
+        _store_state(state_ptr + row * (P + 8), piv, lo, hi, row_max, row_min, tk, target,
+                     row >= 0, P)                                      # every row stores
