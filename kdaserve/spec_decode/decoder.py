@@ -133,6 +133,8 @@ class SpecDecoder:
         self.scratch_base: int | None = None
         self._step_aux: torch.Tensor | None = None
         self._pending: _PendingCommit | None = None
+        self._verify_size: int | None = None
+        """The verification graph size this step replayed, for propose_device (consumed)."""
         self.verify_graphs: SpecVerifyGraphs | None = None
         """Graphs of uniform verification steps (CUDA, recover + contiguous), once captured."""
         self.sample_graphs: SpecSampleGraphs | None = None
@@ -233,7 +235,10 @@ class SpecDecoder:
             self.sample_graphs.capture()
         capture = getattr(self.proposer, "capture_graphs", None)
         if capture is not None:
-            capture(graphs)
+            if getattr(self.proposer, "captures_windows", False):
+                capture(graphs, self.verify_graphs)
+            else:
+                capture(graphs)
 
     def run_uncaptured(self, graphs: "CudaGraphManager", model: torch.nn.Module,
                        caches: ModelCaches, pad_slot: int, block_size: int) -> None:
@@ -269,6 +274,7 @@ class SpecDecoder:
         after the host inputs are in the buffers (device-side inputs, async scheduling)."""
         vg = self.verify_graphs
         hidden, aux, step, bs = vg.run(batch, states, patch)
+        self._verify_size = bs
         self._pending = _PendingCommit(step, [s.state_slot for s in states], [], bs,
                                        lambda accepted: vg.commit(bs, step, accepted))
         return hidden, aux
@@ -556,8 +562,8 @@ class SpecDecoder:
             batch.num_computed, batch.query_lens, start, verified, self._step_aux, rows,
             emitted.index_select(0, idx), num_emitted.index_select(0, idx),
             [0.0 if states[i].sampling_params.greedy else states[i].sampling_params.temperature
-             for i in rows], input_ids, [bool(d) for d in batch.drafts])
-        self._step_aux = None
+             for i in rows], input_ids, [bool(d) for d in batch.drafts], self._verify_size)
+        self._step_aux, self._verify_size = None, None
         drafts, probs = self.proposer.propose_device(step)
         if probs is not None:
             for j, i in enumerate(rows):

@@ -43,6 +43,9 @@ class DeviceStep:
     """[T] int64 (device): the step's input ids."""
     is_spec: list[bool] | None = None
     """Per batch row: it verified drafts (its verified count is known on the device only)."""
+    verify_size: int | None = None
+    """The capture size of the verification graph the step replayed (None: no replay); aux
+    is then that graph's static output."""
 
     @property
     def last(self) -> torch.Tensor:

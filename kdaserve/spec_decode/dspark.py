@@ -26,8 +26,10 @@ Prefix-cache hits store a zero context for the positions they skipped when first
 Drafts are greedy (argmax) or, with draft_sample_method="probabilistic", sampled from
 softmax(logits / T) with q returned for the rejection sampler (as the other drafters). On CUDA,
 `propose_device`'s block pass and Markov head replay a CUDA graph per capture size of sampling
-rows (spec_decode/dspark_graphs.py, captured by `capture_graphs`); the context store and the
-host path `propose` run eagerly.
+rows (spec_decode/dspark_graphs.py, captured by `capture_graphs`); after a verification graph
+of a small batch the whole proposal, the context store included, replays one window graph
+(spec_decode/dspark_window.py). Other steps' context store and the host path `propose` run
+eagerly.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from kdaserve.models.dspark import DSparkModel
 from kdaserve.spec_decode.device_step import DeviceStep
 from kdaserve.spec_decode.draft_model import DraftProposal
 from kdaserve.spec_decode.dspark_graphs import DSparkBlockGraphs, block_drafts
+from kdaserve.spec_decode.dspark_window import DSparkWindowGraphs
 from kdaserve.spec_decode.hidden_proposer import HiddenConditionedProposer
 
 if TYPE_CHECKING:
+    from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
     from kdaserve.worker.cuda_graphs import CudaGraphManager
 
 
@@ -51,6 +55,8 @@ class DSparkProposer(HiddenConditionedProposer):
     label = "DSpark"
     device_proposals = True
     """propose_device works (async scheduling)."""
+    captures_windows = True
+    """capture_graphs takes the target's verification graphs (the window graphs read them)."""
 
     model: DSparkModel
 
@@ -60,12 +66,19 @@ class DSparkProposer(HiddenConditionedProposer):
         self.aux_dim = len(self.aux_layers) * model.cfg.target_hidden_size
         self.graphs: DSparkBlockGraphs | None = None
         """The block pass + Markov head graphs, once capture_graphs() ran (CUDA)."""
+        self.windows: DSparkWindowGraphs | None = None
+        """The whole proposal after a verification graph (small sizes), once captured."""
 
-    def capture_graphs(self, graphs: "CudaGraphManager") -> None:
+    def capture_graphs(self, graphs: "CudaGraphManager",
+                       verify: "SpecVerifyGraphs | None" = None) -> None:
         """Capture propose_device's block pass and Markov head at every capture size of
-        sampling rows into `graphs` (after the target's caches are allocated)."""
+        sampling rows into `graphs` (after the target's caches are allocated); with the
+        target's verification graphs (captured first), also the window graphs."""
         self.graphs = DSparkBlockGraphs(self, self.max_num_seqs)
         self.graphs.capture(graphs)
+        if verify is not None and verify.hidden_outputs:
+            self.windows = DSparkWindowGraphs(self, verify)
+            self.windows.capture(graphs)
 
     def run_block_uncaptured(self) -> None:
         """capture_graphs' block passes without their Markov heads, eagerly (worker.py's
@@ -125,6 +138,12 @@ class DSparkProposer(HiddenConditionedProposer):
         req_ids, num_computed, query_lens = step.req_ids, step.num_computed, step.query_lens
         start, verified, aux, sample_rows = step.start, step.verified, step.aux, step.sample_rows
         k, dev = self.k, self.device
+        if self.windows is not None and self.windows.covers(step, step.verify_size,
+                                                            self.requests):
+            for rid, c, q in zip(req_ids, num_computed, query_lens):
+                self._admit_device(rid, c + q)
+            return self.windows.run(step.verify_size,
+                                    [self.requests[r].block_ids for r in req_ids], step)
         kv = list(self.caches.mla_kv)
         for rid, c, q in zip(req_ids, num_computed, query_lens):
             if rid is None:

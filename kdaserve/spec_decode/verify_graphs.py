@@ -229,6 +229,10 @@ class SpecVerifyGraphs(WindowBuffers):
             self.num_accepted[:bs].copy_(torch.from_numpy(n), non_blocking=True)
         self._replay_commit(bs, step)
 
+    def aux_output(self, bs: int) -> torch.Tensor:
+        """As hidden_output, the drafter's hidden rows [bs * (1 + K), W] (hidden_outputs)."""
+        return self._outputs[bs][1]
+
     def commit_written(self, bs: int, step: SpecStep) -> None:
         """As commit, where the emitted counts are already in num_accepted (written on the
         device by the sampling graph, padding rows 0)."""

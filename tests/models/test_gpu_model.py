@@ -222,6 +222,7 @@ def test_gpu_hidden_drafters_replay_graphs(tmp_path, method):
             assert runner.spec.stats.num_draft_tokens > 0
             if method != "mtp":   # the block pass + Markov head graphs were captured
                 assert runner.spec.proposer.graphs is not None
+                assert runner.spec.proposer.windows.num_replays > 0   # after verify graphs
             assert runner.spec.sample_graphs.num_replays > 0   # greedy: argmax acceptance
         del llm
     assert outs["eager"] == outs["plain"] and outs["graphs"] == outs["plain"]

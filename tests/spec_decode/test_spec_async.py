@@ -693,3 +693,34 @@ def test_sampling_graphs_stay_out_of_other_shapes(make_ds_llm, dspark_dir, monke
         llm.generate(prompts[:2], sp, use_tqdm=False)
     assert any(b.stage == "forward" and b.tokens_per_req == K + 1 for b in graphs.replays)
     assert _sample_stages(graphs) == []
+
+
+@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
+def test_dspark_window_graphs_match_the_block_path(make_ds_llm, dspark_dir, monkeypatch,
+                                                   draft_sample_method):
+    """After a verification graph the DSpark drafter's whole proposal (the window's context
+    store, the block pass, the Markov head) replays one window graph: from one global seed
+    the drafts, the accepted counts and the output equal those of the eager context store +
+    block graph path, with requests finishing at different steps (padding rows store and
+    write nothing: the later drafts would differ)."""
+    spec = _dspark(dspark_dir, draft_sample_method=draft_sample_method)
+    params = [SamplingParams(temperature=t, top_p=0.9, max_tokens=m, ignore_eos=True)
+              for t, m in ((0.0, 20), (1.0, 9), (0.7, 14), (1.0, 20))]
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+
+    def run(windows: bool):
+        llm = make_ds_llm(speculative_config=spec, max_num_seqs=8, async_scheduling=True)
+        graphs = _bind_eager_graphs(llm, monkeypatch)
+        if not windows:
+            llm.llm_engine.model_runner.spec.proposer.windows = None
+        torch.manual_seed(7)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stages = [b.stage for b in graphs.replays]
+        return outs, stages, llm.llm_engine.spec_decoding_stats.as_dict()
+
+    got, stages, stats = run(True)
+    want, base_stages, want_stats = run(False)
+    assert "dspark_window" in stages and "dspark_window" not in base_stages
+    assert got == want and stats == want_stats
+    assert [len(o) for o in got] == [20, 9, 14, 20]
+    assert stats["num_accepted_tokens"] > 0
