@@ -455,7 +455,8 @@ def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir, draft_dir
     files = ("spec_decode/rejection_sampler.py", "spec_decode/decoder.py",
              "spec_decode/dspark.py", "spec_decode/draft_model.py", "worker/spec_async.py",
              "spec_decode/draft_catchup.py", "spec_decode/draft_graphs.py",
-             "spec_decode/verify_graphs.py", "sample/sampler.py")
+             "spec_decode/verify_graphs.py", "sample/sampler.py", "spec_decode/sample_graphs.py",
+             "spec_decode/dspark_window.py", "spec_decode/dspark_graphs.py")
 
     def counted(so):
         in_flight = any(s.num_pending for s in runner.requests.values())
@@ -469,6 +470,37 @@ def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir, draft_dir
     llm.generate([{"prompt_token_ids": p} for p in _prompts()[:3]], params, use_tqdm=False)
     assert seen, "no speculative step was launched with another in flight"
     assert all(c == [] for c in seen), [c for c in seen if c][:1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_overlapped_graph_launch_reads_nothing_back(make_ds_llm, dspark_dir, monkeypatch,
+                                                     temperature):
+    """As above through the graph paths (run eagerly over their buffers): the verification
+    graphs, the sampling graphs (greedy and top-p keys) and the DSpark window graphs read no
+    device value on the host while a step is in flight (a read there would also break their
+    capture)."""
+    spec = _dspark(dspark_dir, draft_sample_method="probabilistic")
+    llm = make_ds_llm(speculative_config=spec, max_num_seqs=8, async_scheduling=True)
+    graphs = _bind_eager_graphs(llm, monkeypatch)
+    runner = llm.llm_engine.model_runner
+    launch, seen = runner.launch, []
+    files = ("spec_decode/rejection_sampler.py", "spec_decode/decoder.py",
+             "spec_decode/dspark.py", "worker/spec_async.py", "spec_decode/verify_graphs.py",
+             "sample/sampler.py", "spec_decode/sample_graphs.py", "spec_decode/dspark_window.py",
+             "spec_decode/dspark_graphs.py")
+
+    def counted(so):
+        in_flight = any(s.num_pending for s in runner.requests.values())
+        step, calls = _count_host_reads(launch, so, files=files)
+        if in_flight and so.scheduled_spec_decode_tokens:
+            seen.append(calls)
+        return step
+    runner.launch = counted
+    sp = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=24, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in _prompts()[:3]], sp, use_tqdm=False)
+    stages = {b.stage for b in graphs.replays}
+    assert {"dspark_window", "sample:greedy" if temperature == 0 else "sample:top_p"} <= stages
+    assert seen and all(c == [] for c in seen), [c for c in seen if c][:1]
 
 
 def test_graph_paths_with_device_drafts(make_ds_llm, plain, draft_dirs):
