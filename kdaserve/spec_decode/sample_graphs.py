@@ -11,8 +11,8 @@ input, and leaves the rejection sampler's output in static tensors.
 
 The graph freezes the host branches of the sampler, so each captured key is one common shape of
 a batch's sampling parameters (`SampleKey`); a step whose parameters fall outside the captured
-keys (mixed greedy and random rows, top-k, min-p, seeds, logprobs, penalties, min_tokens bans,
-a grammar) samples eagerly as before. Per-row values (temperature, top-p) come from two pinned
+keys (top-k, min-p, seeds, logprobs, penalties, min_tokens bans, a grammar) samples eagerly as
+before. Per-row values (temperature, top-p) come from two pinned
 staging copies a step. Random draws come from the default generator, which CUDA graphs advance
 at each replay (as the eager draws do).
 
@@ -48,10 +48,13 @@ MAX_REQS = 8
 
 class SampleKey(enum.Enum):
     """The sampling shapes captured: every row greedy; every row random without filters (the
-    OpenAI API's defaults); every row random with top-p only (the usual chat setting, W1)."""
+    OpenAI API's defaults); every row random with top-p only (the usual chat setting, W1); and
+    greedy and random rows together, without filters or with top-p."""
     GREEDY = "greedy"
     RANDOM = "random"
     TOP_P = "top_p"
+    MIXED = "mixed"
+    MIXED_TOP_P = "mixed_top_p"
 
     @staticmethod
     def of(md: SamplingMetadata) -> "SampleKey | None":
@@ -62,17 +65,19 @@ class SampleKey(enum.Enum):
             return None
         if md.all_greedy:
             return SampleKey.GREEDY
-        if not md.all_random or not md.no_top_k or not md.no_min_p:
+        if not md.no_top_k or not md.no_min_p:
             return None
-        return SampleKey.RANDOM if md.no_top_p else SampleKey.TOP_P
+        if md.all_random:
+            return SampleKey.RANDOM if md.no_top_p else SampleKey.TOP_P
+        return SampleKey.MIXED if md.no_top_p else SampleKey.MIXED_TOP_P
 
     def metadata(self, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                  min_p: torch.Tensor) -> SamplingMetadata:
         """The frozen metadata a graph of this key is captured with, over static rows."""
         return SamplingMetadata(temperature, top_p, top_k, min_p,
                                 all_greedy=self is SampleKey.GREEDY,
-                                all_random=self is not SampleKey.GREEDY,
-                                no_top_p=self is not SampleKey.TOP_P)
+                                all_random=self in (SampleKey.RANDOM, SampleKey.TOP_P),
+                                no_top_p=self not in (SampleKey.TOP_P, SampleKey.MIXED_TOP_P))
 
 
 class SpecSampleGraphs:

@@ -681,16 +681,18 @@ def test_sampling_graphs_greedy(make_ds_llm, plain, dspark_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
+@pytest.mark.parametrize("top_p,mixed", [(1.0, False), (0.8, False), (1.0, True), (0.8, True)])
 def test_sampling_graphs_follow_the_eager_draws(make_ds_llm, dspark_dir, monkeypatch, top_p,
-                                                async_scheduling):
-    """Random rows with probabilistic drafts (standard acceptance, q through the static
-    buffer): from one global seed the sampling graphs draw exactly what the eager sampler
-    draws (the same operations in the same order; 4 requests, capture size 4, no padding),
-    under the key of the parameters (no filter, top-p)."""
+                                                mixed, async_scheduling):
+    """Random rows, alone or next to greedy ones, with probabilistic drafts (standard
+    acceptance, q through the static buffer): from one global seed the sampling graphs draw
+    exactly what the eager sampler draws (the same operations in the same order), under the
+    key of the parameters. Two requests: the batches are 2 or 1 rows, capture sizes
+    themselves (a padding row draws in a graph, not eagerly, so the streams would part)."""
     spec = _dspark(dspark_dir, draft_sample_method="probabilistic")
-    sp = SamplingParams(temperature=0.9, top_p=top_p, max_tokens=16, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in _prompts()[:4]]
+    sp = [SamplingParams(temperature=0.0 if mixed and i % 2 else 0.9, top_p=top_p,
+                         max_tokens=m, ignore_eos=True) for i, m in enumerate((16, 23))]
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:2]]
 
     def run(graphed: bool):
         llm = make_ds_llm(speculative_config=spec, max_num_seqs=8,
@@ -705,14 +707,18 @@ def test_sampling_graphs_follow_the_eager_draws(make_ds_llm, dspark_dir, monkeyp
     got, stages, stats = run(True)
     want, none, want_stats = run(False)
     assert not none and stages
-    assert set(stages) == {"sample:random" if top_p == 1.0 else "sample:top_p"}
+    alone = "sample:" + ("top_p" if top_p < 1.0 else "random")
+    if mixed:   # once one kind of row has finished, the other samples under its own key
+        key = "sample:mixed" + ("_top_p" if top_p < 1.0 else "")
+        assert key in stages and set(stages) <= {key, alone, "sample:greedy"}, set(stages)
+    else:
+        assert set(stages) == {alone}
     assert got == want and stats == want_stats
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 
 def test_sampling_graphs_stay_out_of_other_shapes(make_ds_llm, dspark_dir, monkeypatch):
-    """Seeded, mixed greedy / random, logprobs and top-k steps sample eagerly (no key covers
-    them); their output is the eager run's."""
+    """Steps with top-k, seeds or logprobs sample eagerly (no key covers them)."""
     spec = _dspark(dspark_dir)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, top_k=5, max_tokens=12, ignore_eos=True),
