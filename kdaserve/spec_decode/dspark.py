@@ -138,8 +138,7 @@ class DSparkProposer(HiddenConditionedProposer):
         req_ids, num_computed, query_lens = step.req_ids, step.num_computed, step.query_lens
         start, verified, aux, sample_rows = step.start, step.verified, step.aux, step.sample_rows
         k, dev = self.k, self.device
-        if self.windows is not None and self.windows.covers(step, step.verify_size,
-                                                            self.requests):
+        if self.windows is not None and self.windows.covers(step, self.requests):
             for rid, c, q in zip(req_ids, num_computed, query_lens):
                 self._admit_device(rid, c + q)
             return self.windows.run(step.verify_size,

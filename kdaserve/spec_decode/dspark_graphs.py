@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -85,6 +86,19 @@ def _markov_race_drafts(model: "DSparkModel", logits: torch.Tensor, last: torch.
     return ids.t().contiguous()
 
 
+def capture_each(graphs: "CudaGraphManager", sizes: list[int],
+                 descriptor: Callable[[int], BatchDescriptor], work: Callable[[int], Any],
+                 device: torch.device, what: str) -> None:
+    """Capture work(size) at every size, largest first, into `graphs`, and log it."""
+    t0 = time.perf_counter()
+    for size in reversed(sizes):
+        graphs.capture(descriptor(size), lambda size=size: work(size))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    logger.info("captured %d %s CUDA graphs (sizes %s) in %.1f s", len(sizes), what, sizes,
+                time.perf_counter() - t0)
+
+
 class DSparkBlockGraphs:
     def __init__(self, proposer: "DSparkProposer", max_num_seqs: int) -> None:
         self.proposer = proposer
@@ -109,14 +123,9 @@ class DSparkBlockGraphs:
 
     @torch.inference_mode()
     def capture(self, graphs: "CudaGraphManager") -> None:
-        t0 = time.perf_counter()
-        for size in reversed(self.sizes):
-            graphs.capture(self.descriptor(size), lambda size=size: self._work(size))
+        capture_each(graphs, self.sizes, self.descriptor, self._work, self.proposer.device,
+                     "DSpark block")
         self.manager = graphs
-        if self.proposer.device.type == "cuda":
-            torch.cuda.synchronize()
-        logger.info("captured %d DSpark block CUDA graphs (sizes %s) in %.1f s",
-                    len(self.sizes), self.sizes, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def run_block_uncaptured(self) -> None:

@@ -20,14 +20,12 @@ Only the small capture sizes get these graphs (sample_graphs.MAX_REQS, for the s
 
 from __future__ import annotations
 
-import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from kdaserve.attention.forward_context import BatchDescriptor, ExecMode
-from kdaserve.spec_decode.dspark_graphs import block_drafts
+from kdaserve.spec_decode.dspark_graphs import block_drafts, capture_each
 from kdaserve.spec_decode.sample_graphs import MAX_REQS
 
 if TYPE_CHECKING:
@@ -35,8 +33,6 @@ if TYPE_CHECKING:
     from kdaserve.spec_decode.dspark import DSparkProposer
     from kdaserve.spec_decode.verify_graphs import SpecVerifyGraphs
     from kdaserve.worker.cuda_graphs import CudaGraphManager
-
-logger = logging.getLogger(__name__)
 
 
 class DSparkWindowGraphs:
@@ -68,14 +64,9 @@ class DSparkWindowGraphs:
 
     @torch.inference_mode()
     def capture(self, graphs: "CudaGraphManager") -> None:
-        t0 = time.perf_counter()
-        for size in reversed(self.sizes):
-            graphs.capture(self.descriptor(size), lambda size=size: self._work(size))
+        capture_each(graphs, self.sizes, self.descriptor, self._work, self.proposer.device,
+                     "DSpark window")
         self.manager = graphs
-        if self.proposer.device.type == "cuda":
-            torch.cuda.synchronize()
-        logger.info("captured %d DSpark window CUDA graphs (sizes %s) in %.1f s",
-                    len(self.sizes), self.sizes, time.perf_counter() - t0)
 
     def _work(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a replay runs: propose_device's steps 1-3 for `size` verified windows."""
@@ -104,11 +95,11 @@ class DSparkWindowGraphs:
                             self.last[:size], self.floats[0, :size], p.sample_method, k,
                             p.race_draws)
 
-    def covers(self, step: "DeviceStep", size: int | None, known: dict) -> bool:
-        """The step replayed the verification graph of `size` (None: it did not), every batch
-        row is a request the drafter holds, verifying K drafts and sampling."""
+    def covers(self, step: "DeviceStep", known: dict) -> bool:
+        """The step replayed a verification graph of one of the sizes (step.verify_size), every
+        batch row is a request the drafter holds (known), verifying K drafts and sampling."""
         n = len(step.req_ids)
-        return (size in self.sizes and self.manager is not None and step.is_spec is not None
+        return (step.verify_size in self.sizes and self.manager is not None and step.is_spec is not None
                 and step.sample_rows == list(range(n)) and all(step.is_spec)
                 and all(q == self.k1 for q in step.query_lens)
                 and all(r is not None and r in known for r in step.req_ids))

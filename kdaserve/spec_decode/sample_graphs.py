@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 MAX_REQS = 8
 """Largest capture size (requests) with sampling graphs."""
 
+_PAD_ROW = np.array([[1.0], [1.0], [0.0], [0.0]], dtype=np.float32)
+"""A padding row's (temperature, top-p, min-p, real): a neutral random row that commits nothing."""
+
 
 class SampleKey(enum.Enum):
     """The sampling shapes captured: every row greedy; every row random without filters (the
@@ -134,7 +137,7 @@ class SpecSampleGraphs:
         """After the verification graphs: every size x key, so that no capture happens while
         serving (a capture synchronises the device and empties the allocator's cache)."""
         t0 = time.perf_counter()
-        self.floats.copy_(torch.tensor([[1.0], [1.0], [0.0], [0.0]]).expand_as(self.floats))
+        self.floats.copy_(torch.from_numpy(_PAD_ROW).expand_as(self.floats))
         for bs in reversed(self.sizes):
             for key in SampleKey:
                 self.graphs.capture(self.descriptor(bs, key),
@@ -165,7 +168,7 @@ class SpecSampleGraphs:
         floats, top_k = self._staging[self._turn]
         fl, tk = floats.numpy(), top_k.numpy()
         temps, top_ps, top_ks, min_ps = row_values(params)
-        fl[:, n:bs] = np.array([[1.0], [1.0], [0.0], [0.0]], dtype=np.float32)
+        fl[:, n:bs] = _PAD_ROW
         fl[0, :n], fl[1, :n], fl[2, :n], fl[3, :n] = temps, top_ps, min_ps, 1.0
         tk[:n], tk[n:bs] = top_ks, 0
         self.floats.copy_(floats, non_blocking=True)     # whole buffers: contiguous, tiny

@@ -441,6 +441,30 @@ def test_rejection_sampler_reads_nothing_back():
     assert out.output_token_ids.shape == (4, 4)
 
 
+_LAUNCH_FILES = ("spec_decode/rejection_sampler.py", "spec_decode/decoder.py",
+                 "spec_decode/dspark.py", "spec_decode/draft_model.py", "worker/spec_async.py",
+                 "spec_decode/draft_catchup.py", "spec_decode/draft_graphs.py",
+                 "spec_decode/verify_graphs.py", "sample/sampler.py",
+                 "spec_decode/sample_graphs.py", "spec_decode/dspark_window.py",
+                 "spec_decode/dspark_graphs.py")
+"""The code of an overlapped launch whose host reads are counted."""
+
+
+def _overlapped_host_reads(runner) -> list[list[str]]:
+    """Wrap runner.launch: per speculative step launched while another is in flight, the host
+    reads its launch made from _LAUNCH_FILES (filled as the engine runs)."""
+    launch, seen = runner.launch, []
+
+    def counted(so):
+        in_flight = any(s.num_pending for s in runner.requests.values())
+        step, calls = _count_host_reads(launch, so, files=_LAUNCH_FILES)
+        if in_flight and so.scheduled_spec_decode_tokens:
+            seen.append(calls)
+        return step
+    runner.launch = counted
+    return seen
+
+
 @pytest.mark.parametrize("method", ["dspark", "draft_model"])
 def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir, draft_dirs, method):
     """While a speculative step is in flight the next one is launched: its sampling, commit,
@@ -450,21 +474,7 @@ def test_overlapped_launch_reads_nothing_back(make_ds_llm, dspark_dir, draft_dir
     spec = (_dspark(dspark_dir, draft_sample_method="probabilistic") if method == "dspark"
             else _draft_model(draft_dirs, draft_sample_method="probabilistic"))
     llm = make_ds_llm(speculative_config=spec)
-    runner = llm.llm_engine.model_runner
-    launch, seen = runner.launch, []
-    files = ("spec_decode/rejection_sampler.py", "spec_decode/decoder.py",
-             "spec_decode/dspark.py", "spec_decode/draft_model.py", "worker/spec_async.py",
-             "spec_decode/draft_catchup.py", "spec_decode/draft_graphs.py",
-             "spec_decode/verify_graphs.py", "sample/sampler.py", "spec_decode/sample_graphs.py",
-             "spec_decode/dspark_window.py", "spec_decode/dspark_graphs.py")
-
-    def counted(so):
-        in_flight = any(s.num_pending for s in runner.requests.values())
-        step, calls = _count_host_reads(launch, so, files=files)
-        if in_flight and so.scheduled_spec_decode_tokens:
-            seen.append(calls)
-        return step
-    runner.launch = counted
+    seen = _overlapped_host_reads(llm.llm_engine.model_runner)
     params = [SamplingParams(temperature=t, top_p=0.9, max_tokens=30, ignore_eos=True, seed=i)
               for i, t in enumerate((0.0, 1.0, 0.8))]
     llm.generate([{"prompt_token_ids": p} for p in _prompts()[:3]], params, use_tqdm=False)
@@ -482,20 +492,7 @@ def test_overlapped_graph_launch_reads_nothing_back(make_ds_llm, dspark_dir, mon
     spec = _dspark(dspark_dir, draft_sample_method="probabilistic")
     llm = make_ds_llm(speculative_config=spec, max_num_seqs=8, async_scheduling=True)
     graphs = _bind_eager_graphs(llm, monkeypatch)
-    runner = llm.llm_engine.model_runner
-    launch, seen = runner.launch, []
-    files = ("spec_decode/rejection_sampler.py", "spec_decode/decoder.py",
-             "spec_decode/dspark.py", "worker/spec_async.py", "spec_decode/verify_graphs.py",
-             "sample/sampler.py", "spec_decode/sample_graphs.py", "spec_decode/dspark_window.py",
-             "spec_decode/dspark_graphs.py")
-
-    def counted(so):
-        in_flight = any(s.num_pending for s in runner.requests.values())
-        step, calls = _count_host_reads(launch, so, files=files)
-        if in_flight and so.scheduled_spec_decode_tokens:
-            seen.append(calls)
-        return step
-    runner.launch = counted
+    seen = _overlapped_host_reads(llm.llm_engine.model_runner)
     sp = SamplingParams(temperature=temperature, top_p=0.9, max_tokens=24, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in _prompts()[:3]], sp, use_tqdm=False)
     stages = {b.stage for b in graphs.replays}
